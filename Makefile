@@ -1,0 +1,37 @@
+# Every target creates or reuses .venv, so each works on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Explicit torch pin: on the project machines it resolves to a local CPU build;
+# an unpinned torch would pull gigabytes of CUDA wheels.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo simulate test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+## The embedded default main job: a local DiLoCo run on real text beside a data-parallel baseline.
+demo: $(STAMP)
+	$(BIN)/p2pdiloco simulate --model gemma-tiny --learners 4 --inner-steps 25 --rounds 8
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check p2pdiloco tests bench
+	$(BIN)/ruff format --check p2pdiloco tests bench
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/loss_parity.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

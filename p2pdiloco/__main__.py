@@ -1,0 +1,3 @@
+from p2pdiloco.cli.app import main
+
+main()

@@ -1,0 +1,1 @@
+"""The typer CLI: thin commands over the library, one module per command group."""

@@ -1,0 +1,88 @@
+"""``p2pdiloco simulate``: M DiLoCo learners in one process beside a data-parallel baseline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from p2pdiloco.cli.common import user_errors
+from p2pdiloco.dashboard.progress import progress_bar
+from p2pdiloco.dashboard.tables import simulation_summary
+from p2pdiloco.train.inner import InnerConfig
+from p2pdiloco.train.outer import OuterConfig
+from p2pdiloco.train.simulate import SimulateConfig, run_simulation
+
+_d = SimulateConfig()
+_i = InnerConfig()
+_o = OuterConfig()
+
+
+@user_errors
+def simulate(
+    learners: Annotated[int, typer.Option(help="DiLoCo learners (M).")] = _d.learners,
+    inner_steps: Annotated[int, typer.Option(help="Inner steps per round (H).")] = _d.inner_steps,
+    rounds: Annotated[int, typer.Option(help="Outer rounds.")] = _d.rounds,
+    model: Annotated[str, typer.Option(help="Model name (see `p2pdiloco models`).")] = _d.model,
+    data: Annotated[
+        str,
+        typer.Option(help="'embedded', a directory/file of text or .jsonl, or hf:NAME[@SPLIT]."),
+    ] = _d.data,
+    seed: Annotated[int, typer.Option(help="Run seed: init, data order, sharding.")] = _d.seed,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    fragments: Annotated[
+        int, typer.Option(help="Streaming DiLoCo fragments (1 = plain DiLoCo).")
+    ] = _o.fragments,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = _d.device,
+    batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per step.")] = _i.grad_accum,
+    inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
+    warmup_steps: Annotated[
+        int | None, typer.Option(help="Warmup steps [default: 10% of a learner's steps].")
+    ] = None,
+    outer_lr: Annotated[float, typer.Option(help="Outer Nesterov lr.")] = _o.lr,
+    outer_momentum: Annotated[float, typer.Option(help="Outer momentum.")] = _o.momentum,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="'byte', a local tokenizer dir or hub id.")
+    ] = None,
+    init_from: Annotated[
+        str | None, typer.Option(help="Local Hugging Face checkpoint to start from.")
+    ] = None,
+    eval_batches: Annotated[int, typer.Option(help="Eval batches per round.")] = _d.eval_batches,
+    baseline: Annotated[bool, typer.Option(help="Also train the data-parallel baseline.")] = True,
+) -> None:
+    """Train M DiLoCo learners in one process, next to data-parallel on the same tokens."""
+    total = rounds * inner_steps
+    cfg = SimulateConfig(
+        model=model,
+        learners=learners,
+        inner_steps=inner_steps,
+        rounds=rounds,
+        seed=seed,
+        data=data,
+        tokenizer=tokenizer,
+        device=device,
+        eval_batches=eval_batches,
+        init_from=init_from,
+        baseline=baseline,
+        inner=InnerConfig(
+            lr=inner_lr,
+            warmup_steps=warmup_steps if warmup_steps is not None else max(1, total // 10),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            grad_accum=grad_accum,
+        ),
+        outer=OuterConfig(lr=outer_lr, momentum=outer_momentum, fragments=fragments),
+    )
+    console = Console(stderr=True)
+    with progress_bar(console) as update:
+        result = run_simulation(cfg, progress=update).to_dict()
+    if json_out:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        Console().print(simulation_summary(result))

@@ -1,0 +1,1 @@
+"""All rich rendering lives here: pure functions from data to renderables."""

@@ -1,0 +1,101 @@
+"""Tables for ``models`` and ``simulate``: pure functions from results to rich renderables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+GiB = 2**30
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def models_table(rows: list[dict[str, Any]], precisions: list[str]) -> Table:
+    """One row per model: size, shape, and training memory per precision."""
+    table = Table(
+        title="Registered models: training memory per learner",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("model", style="bold", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("shape", justify="right", no_wrap=True)
+    table.add_column("batch", justify="right", no_wrap=True)
+    for p in precisions:
+        table.add_column(p, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            human_count(r["parameters"]),
+            f"{r['num_layers']}×{r['hidden_size']}",
+            f"{r['train_micro_batch']}×{r['train_seq_len']}",
+            *(f"{r['memory'][p]['total'] / GiB:.1f} GiB" for p in precisions),
+        )
+    return table
+
+
+def simulation_summary(result: dict[str, Any]) -> Group:
+    """Final table of a simulate run: both methods at equal tokens, plus the ratios."""
+    table = Table(
+        title=(
+            f"{result['model']} ({human_count(result['parameters'])} params) on "
+            f"{result['device']}: {result['learners']} learners, H={result['inner_steps']}, "
+            f"{result['rounds']} rounds, {result['fragments']} fragment(s)"
+        ),
+        title_justify="left",
+    )
+    table.add_column("method", style="bold")
+    table.add_column("eval loss start", justify="right")
+    table.add_column("eval loss end", justify="right")
+    table.add_column("tokens", justify="right")
+    table.add_column("bytes on wire", justify="right")
+    table.add_column("syncs", justify="right")
+    table.add_column("tokens/s", justify="right")
+    for key in ("diloco", "baseline"):
+        m = result.get(key)
+        if m is None:
+            continue
+        table.add_row(
+            "DiLoCo" if key == "diloco" else "data-parallel",
+            f"{m['eval_loss_initial']:.4f}",
+            f"{m['eval_loss_final']:.4f}",
+            human_count(m["tokens"]),
+            human_bytes(m["wire_bytes"]),
+            str(m["syncs"]),
+            f"{m['tokens_per_second']:.0f}",
+        )
+    lines = [table]
+    if result.get("loss_ratio") is not None:
+        lines.append(
+            Text(
+                f"eval-loss ratio DiLoCo / data-parallel: {result['loss_ratio']:.4f}   "
+                f"bytes ratio data-parallel / DiLoCo: {result['bytes_ratio']:.1f}×"
+            )
+        )
+    corpus = result["corpus"]
+    lines.append(
+        Text(
+            f"data: {corpus['source']} ({corpus['documents']} documents, "
+            f"{corpus['train_sequences']} train / {corpus['eval_sequences']} eval sequences, "
+            f"tokenizer {corpus['tokenizer']}, fingerprint {corpus['fingerprint'][:12]})",
+            style="dim",
+        )
+    )
+    return Group(*lines)

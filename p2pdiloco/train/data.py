@@ -1,0 +1,599 @@
+"""Training data: document sources, packing into fixed-length rows, deterministic sharding.
+
+Every learner builds the same `PackedCorpus` from the same source and compares
+`fingerprint`s; the sharding functions are then pure functions of their arguments, so peers
+agree on who reads which rows without exchanging any data.
+
+Tensor legend:
+    N  packed rows (sequences)
+    S  tokens per row = seq_len + 1 (model inputs plus the one-token-shifted targets)
+    B  rows per learner per step (batch size)
+    T  inner steps in one round
+    L  learners
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from p2pdiloco.train.tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = [
+    "DEFAULT_MAX_BYTES", "DataError", "Document", "PackedCorpus", "SourceStats", "build_corpus",
+    "data_parallel_batches", "eval_batches", "iter_documents", "learner_batches",
+    "learner_row_indices"
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 16 * 2**20
+_TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+# pydoc_data/topics.py is a repr() of the pydoc topics we already include verbatim.
+_EMBEDDED_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib",
+    "lib2to3", "turtledemo", "ensurepip", "__pycache__", "pydoc_data"})  # fmt: skip
+
+
+class DataError(Exception):
+    """A user-facing data problem; the message is one line (the CLI prints it, exits 2)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+@dataclass
+class SourceStats:
+    """Filled in by `iter_documents` while it runs."""
+
+    documents: int = 0
+    bytes: int = 0
+    skipped_records: int = 0
+    truncated: bool = False
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _usable_name(name: str) -> bool:
+    return not name.startswith(".") and (
+        name.endswith(_TEXT_SUFFIXES) or os.path.splitext(name)[1] == ""
+    )
+
+
+def _read_text(path: Path) -> str:
+    """Read a file as UTF-8 (invalid bytes replaced); DataError naming it if unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read '{path}': {exc.strerror or _one_line(exc)}") from exc
+    return data.decode("utf-8-sig", errors="replace")
+
+
+def _file_documents(path: Path, rel: str, stats: SourceStats) -> Iterator[Document]:
+    text = _read_text(path)
+    if not rel.endswith(".jsonl"):
+        yield Document(rel, text)
+        return
+    # split("\n"), not splitlines(): JSON strings may legally contain raw U+2028 etc.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("text"), str):
+            yield Document(f"{rel}:{lineno}", record["text"])
+        else:
+            stats.skipped_records += 1
+
+
+def _list_files(
+    root: Path, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]
+) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of kept files under `root`, sorted by relative path.
+
+    Raises `DataError` naming any directory that cannot be listed."""
+
+    def on_error(exc: OSError) -> None:
+        raise DataError(f"cannot read '{exc.filename}': {exc.strerror or _one_line(exc)}") from exc
+
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=on_error):
+        dirnames[:] = [d for d in dirnames if keep_dir(d)]
+        for name in filenames:
+            path = Path(dirpath) / name
+            # Broken symlinks are kept so that reading them reports the problem by name.
+            if keep_file(name) and (path.is_symlink() or path.is_file()):
+                found.append((path.relative_to(root).as_posix(), path))
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _path_documents(source: str, stats: SourceStats) -> Iterator[Document]:
+    root = Path(os.path.expanduser(source))
+    kind = "file" if source.endswith(_TEXT_SUFFIXES) else "directory"
+    if not root.exists() and not root.is_symlink():
+        raise DataError(f"data {kind} '{source}' does not exist")
+    if root.is_dir():
+        files = _list_files(root, lambda d: not d.startswith("."), _usable_name)
+        if not files:
+            raise DataError(
+                f"data directory '{source}' has no .txt, .md, .jsonl or extension-less files"
+            )
+    elif _usable_name(root.name):
+        files = [(root.name, root)]
+    else:
+        raise DataError(f"data file '{source}' is not a .txt, .md, .jsonl or extension-less file")
+
+    def generate() -> Iterator[Document]:
+        for rel, path in files:
+            yield from _file_documents(path, rel, stats)
+
+    return generate()
+
+
+def _embedded_documents() -> Iterator[Document]:
+    """Python's own docs topics (first, so a small cap keeps them) then stdlib sources."""
+    topics: dict[str, str] = {}
+    try:
+        import pydoc_data.topics
+
+        topics = dict(pydoc_data.topics.topics)
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    for key in sorted(topics):
+        yield Document(f"pydoc_data/topics/{key}", topics[key])
+    # An odd unreadable stdlib file or directory must not break the default corpus.
+    sources: list[tuple[str, Path]] = []
+    with contextlib.suppress(DataError):
+        sources = _list_files(
+            Path(sysconfig.get_paths()["stdlib"]),
+            lambda d: d not in _EMBEDDED_EXCLUDED_DIRS,
+            lambda f: f.endswith(".py"),
+        )
+    for rel, path in sources:
+        try:
+            text = _read_text(path)
+        except DataError:
+            continue
+        yield Document(f"stdlib/{rel}", text)
+
+
+def _hf_documents(source: str, stats: SourceStats) -> Iterator[Document]:
+    spec, _, split = source[len("hf:") :].partition("@")
+    name, _, config = spec.partition(":")
+    split = split or "train"
+    if not name:
+        raise DataError(f"bad source '{source}': expected hf:NAME[:CONFIG][@SPLIT]")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DataError(
+            f"source '{source}' needs the 'datasets' package: pip install 'p2pdiloco[hf]'"
+        ) from exc
+    try:
+        dataset = datasets.load_dataset(name, config or None, split=split, streaming=True)
+    except Exception as exc:
+        raise DataError(f"cannot load Hugging Face dataset '{source}': {_one_line(exc)}") from exc
+
+    def generate() -> Iterator[Document]:
+        try:
+            for i, record in enumerate(dataset):
+                text = record.get("text") if isinstance(record, dict) else None
+                if isinstance(text, str):
+                    yield Document(f"{source}/{i}", text)
+                else:
+                    stats.skipped_records += 1
+        except Exception as exc:
+            raise DataError(
+                f"error reading Hugging Face dataset '{source}': {_one_line(exc)}"
+            ) from exc
+
+    return generate()
+
+
+def _describe(source: str) -> str:
+    if source == "embedded":
+        return "the embedded corpus"
+    if source.startswith("hf:"):
+        return f"dataset '{source}'"
+    return f"data {'directory' if os.path.isdir(source) else 'file'} '{source}'"
+
+
+def _capped(
+    documents: Iterator[Document], source: str, max_bytes: int, stats: SourceStats
+) -> Iterator[Document]:
+    for doc in documents:
+        if not doc.text.strip():
+            continue
+        data = doc.text.encode("utf-8")
+        room = max_bytes - stats.bytes
+        if len(data) >= room:
+            stats.truncated = len(data) > room
+            doc = Document(doc.name, data[:room].decode("utf-8", errors="ignore"))
+            data = doc.text.encode("utf-8")
+        if doc.text.strip():
+            stats.documents += 1
+            stats.bytes += len(data)
+            yield doc
+        if stats.bytes >= max_bytes:
+            break
+    if stats.skipped_records:
+        log.warning("%s: skipped %d records without a text field", source, stats.skipped_records)
+    if stats.documents == 0:
+        raise DataError(f"{_describe(source)} contains no text")
+
+
+def iter_documents(
+    source: str, *, max_bytes: int = DEFAULT_MAX_BYTES, stats: SourceStats | None = None
+) -> Iterator[Document]:
+    """Yield the non-empty documents of `source`, at most `max_bytes` UTF-8 bytes in all.
+
+    `source` is "embedded", "hf:NAME[:CONFIG][@SPLIT]", a directory or a single file. The
+    document that crosses the cap is truncated and iteration stops. Missing paths, empty
+    directories and unusable specs raise `DataError` here, eagerly; unreadable files and
+    a source without any text raise `DataError` during iteration. Malformed .jsonl lines
+    are skipped and counted in `stats.skipped_records`.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    stats = stats if stats is not None else SourceStats()
+    if source == "embedded":
+        documents = _embedded_documents()
+    elif source.startswith("hf:"):
+        documents = _hf_documents(source, stats)
+    else:
+        documents = _path_documents(source, stats)
+    return _capped(documents, source, max_bytes, stats)
+
+
+@dataclass
+class PackedCorpus:
+    """Token rows of S = seq_len + 1 tokens, split into train and eval by document.
+
+    `fingerprint` covers the documents, the tokenizer name and every parameter that shapes
+    the rows, so equal fingerprints on two machines mean equal `train_NS`/`eval_NS`
+    (given the same tokenizer files).
+    """
+
+    train_NS: torch.Tensor
+    eval_NS: torch.Tensor
+    seq_len: int
+    fingerprint: str
+    num_documents: int
+    num_tokens: int
+    source: str
+    tokenizer_name: str
+    num_eval_documents: int = 0
+    num_bytes: int = 0
+    skipped_records: int = 0
+    truncated: bool = False
+
+    @property
+    def num_train_rows(self) -> int:
+        return int(self.train_NS.shape[0])
+
+    @property
+    def num_eval_rows(self) -> int:
+        return int(self.eval_NS.shape[0])
+
+    @property
+    def train_tokens(self) -> int:
+        return int(self.train_NS.numel())
+
+    @property
+    def eval_tokens(self) -> int:
+        return int(self.eval_NS.numel())
+
+    def summary(self) -> str:
+        return (
+            f"{_describe(self.source)}: {self.num_documents} documents, "
+            f"{self.num_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens ({self.tokenizer_name}) "
+            f"-> {self.num_train_rows} train / {self.num_eval_rows} eval rows of "
+            f"{self.seq_len + 1}, fingerprint {self.fingerprint[:12]}"
+        )
+
+
+def _fingerprint(docs: Sequence[Document], encoded: Sequence[bytes], params: tuple) -> str:
+    h = hashlib.sha256()
+    h.update(repr(("p2pdiloco-corpus-v1",) + params).encode())
+    for doc, data in zip(docs, encoded, strict=True):
+        name = doc.name.encode("utf-8")
+        # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
+        h.update(len(name).to_bytes(8, "little") + name + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _unit_hash(name: str) -> float:
+    """A uniform-looking number in [0, 1) that depends only on `name`."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _assign_eval(
+    names: Sequence[str], lengths: Sequence[int], S: int, eval_fraction: float, min_rows: int
+) -> list[bool]:
+    """Which documents go to eval: hash below `eval_fraction`, then more in hash order
+    until eval fills `min_rows` rows, never taking the last train document nor more
+    tokens than train keeps."""
+    if eval_fraction <= 0:
+        return [False] * len(names)
+    keys = [_unit_hash(n) for n in names]
+    order = sorted(range(len(names)), key=lambda i: (keys[i], names[i]))
+    is_eval = [k < eval_fraction for k in keys]
+    if all(is_eval):
+        is_eval[order[-1]] = False
+    eval_tokens = sum(n for n, e in zip(lengths, is_eval, strict=True) if e)
+    train_tokens = sum(lengths) - eval_tokens
+    train_docs = is_eval.count(False)
+    for i in order:
+        if eval_tokens // S >= min_rows:
+            break
+        if is_eval[i] or train_docs <= 1 or train_tokens - lengths[i] < eval_tokens + lengths[i]:
+            continue
+        is_eval[i] = True
+        eval_tokens += lengths[i]
+        train_tokens -= lengths[i]
+        train_docs -= 1
+    return is_eval
+
+
+def _byte_stream(encoded: Sequence[bytes], tok: ByteTokenizer) -> torch.Tensor:
+    """bos + bytes + eos per document, concatenated, without a Python loop per byte."""
+    if not encoded:
+        return torch.empty(0, dtype=torch.long)
+    lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long)
+    total = int(lengths.sum()) + 2 * len(encoded)
+    # Document i starts after all earlier documents and their two special tokens.
+    starts = torch.cumsum(lengths + 2, 0) - (lengths + 2)
+    ends = starts + lengths + 1
+    stream = torch.empty(total, dtype=torch.long)
+    content = torch.ones(total, dtype=torch.bool)
+    content[starts] = False
+    content[ends] = False
+    stream[starts] = tok.bos_id
+    stream[ends] = tok.eos_id
+    joined = b"".join(encoded)
+    if joined:
+        stream[content] = torch.frombuffer(bytearray(joined), dtype=torch.uint8).long()
+    return stream
+
+
+def _token_stream(ids: Sequence[list[int]], tokenizer: Tokenizer) -> torch.Tensor:
+    bos, eos = [tokenizer.bos_id], [tokenizer.eos_id]
+    return torch.tensor(list(chain.from_iterable(bos + d + eos for d in ids)), dtype=torch.long)
+
+
+def _pack(stream: torch.Tensor, S: int) -> torch.Tensor:
+    rows = stream.shape[0] // S
+    return stream[: rows * S].reshape(rows, S).clone()
+
+
+def _encode_all(texts: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    batch = getattr(tokenizer, "encode_batch", None)
+    if callable(batch):
+        return [list(ids) for ids in batch(texts)]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def build_corpus(
+    source: str,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    eval_fraction: float = 0.05,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    min_eval_sequences: int = 8,
+) -> PackedCorpus:
+    """Read `source`, tokenize it and pack it into train/eval rows of seq_len + 1 tokens.
+
+    Documents go to eval by a hash of their name (see `_assign_eval`); a single-document
+    source instead gives the tail of its token stream to eval. Each document is
+    bos + tokens + eos; a split's documents are concatenated and cut into rows, dropping
+    the tail. Raises `DataError` for any source problem (see `iter_documents`) or when
+    fewer than one training row results; `ValueError` for invalid parameters.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if min_eval_sequences < 0:
+        raise ValueError(f"min_eval_sequences must be >= 0, got {min_eval_sequences}")
+    S = seq_len + 1
+    stats = SourceStats()
+    docs = list(iter_documents(source, max_bytes=max_bytes, stats=stats))
+    encoded = [d.text.encode("utf-8") for d in docs]
+    params = (
+        tokenizer.name,
+        tokenizer.vocab_size,
+        seq_len,
+        repr(eval_fraction),
+        min_eval_sequences,
+    )
+    fingerprint = _fingerprint(docs, encoded, params)
+
+    byte_tok = tokenizer if isinstance(tokenizer, ByteTokenizer) else None
+    ids: list[list[int]] = [] if byte_tok else _encode_all([d.text for d in docs], tokenizer)
+    lengths = [len(e) + 2 for e in encoded] if byte_tok else [len(i) + 2 for i in ids]
+
+    def stream_of(selected: list[int]) -> torch.Tensor:
+        if byte_tok is not None:
+            return _byte_stream([encoded[i] for i in selected], byte_tok)
+        return _token_stream([ids[i] for i in selected], tokenizer)
+
+    if len(docs) == 1:
+        stream = stream_of([0])
+        rows = stream.shape[0] // S
+        eval_rows = 0
+        if eval_fraction > 0 and rows >= 2:
+            eval_rows = min(max(math.ceil(rows * eval_fraction), min_eval_sequences), rows // 2)
+        cut = (rows - eval_rows) * S
+        train_NS, eval_NS = _pack(stream[:cut], S), _pack(stream[cut:], S)
+        num_eval_docs = 0
+    else:
+        is_eval = _assign_eval(
+            [d.name for d in docs], lengths, S, eval_fraction, min_eval_sequences
+        )
+        train_NS = _pack(stream_of([i for i, e in enumerate(is_eval) if not e]), S)
+        eval_NS = _pack(stream_of([i for i, e in enumerate(is_eval) if e]), S)
+        num_eval_docs = sum(is_eval)
+
+    num_tokens = sum(lengths)
+    if train_NS.shape[0] < 1:
+        raise DataError(
+            f"{_describe(source)} is too small: {num_tokens} tokens do not fill one "
+            f"training row of {S} tokens; use a smaller --seq-len or more data"
+        )
+    return PackedCorpus(
+        train_NS=train_NS,
+        eval_NS=eval_NS,
+        seq_len=seq_len,
+        fingerprint=fingerprint,
+        num_documents=len(docs),
+        num_tokens=num_tokens,
+        source=source,
+        tokenizer_name=tokenizer.name,
+        num_eval_documents=num_eval_docs,
+        num_bytes=stats.bytes,
+        skipped_records=stats.skipped_records,
+        truncated=stats.truncated,
+    )
+
+
+def _derive_seed(*parts: object) -> int:
+    """A 64-bit seed from a tuple of ints/strings; unlike hash(), identical in any process."""
+    digest = hashlib.sha256(repr(("p2pdiloco.data",) + parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+@lru_cache(maxsize=16)
+def _permutation(n: int, seed: int) -> torch.Tensor:
+    """A pseudo-random permutation of range(n).
+
+    Sorting splitmix64 hashes rather than calling torch.randperm keeps the result identical
+    across torch versions and platforms, which peers with different installs rely on.
+    The cached tensor is shared: callers must not modify it.
+    """
+    z = np.uint64(seed) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy(np.argsort(z, kind="stable").astype(np.int64))
+
+
+def learner_row_indices(
+    num_rows: int,
+    *,
+    seed: int,
+    learner: int,
+    num_learners: int,
+    round: int,
+    steps: int,
+    batch_size: int,
+) -> torch.Tensor:
+    """Train-row indices [T, B] that `learner` reads in `round`; a pure function.
+
+    Rows are permuted globally by `seed` and cut into `num_learners` contiguous, disjoint
+    shards. A learner walks a per-epoch permutation of its shard (seeded by seed, learner,
+    epoch), `steps * batch_size` rows per round, so rows repeat only after the shard is
+    exhausted. Raises `DataError` if `num_learners * steps * batch_size > num_rows` (the
+    learners could not read disjoint rows), `ValueError` for invalid arguments.
+    """
+    if num_learners < 1 or not 0 <= learner < num_learners:
+        raise ValueError(f"need 0 <= learner < num_learners, got {learner}, {num_learners}")
+    if round < 0 or steps < 1 or batch_size < 1:
+        raise ValueError(
+            f"need round >= 0, steps >= 1, batch_size >= 1: {round, steps, batch_size}"
+        )
+    per_round = steps * batch_size
+    if per_round * num_learners > num_rows:
+        raise DataError(
+            f"corpus too small: {num_rows} training rows cannot give {num_learners} learners "
+            f"x {steps} steps x {batch_size} rows ({per_round * num_learners}) disjoint rows "
+            "per round; use fewer steps, a smaller batch or more data"
+        )
+    lo = learner * num_rows // num_learners
+    hi = (learner + 1) * num_rows // num_learners
+    shard = _permutation(num_rows, _derive_seed("global", seed))[lo:hi]
+    positions = torch.arange(round * per_round, (round + 1) * per_round, dtype=torch.long)
+    epochs = positions // shard.shape[0]
+    offsets = positions % shard.shape[0]
+    rows_TB = torch.empty(per_round, dtype=torch.long)
+    # per_round <= shard length, so one round spans at most two epochs.
+    for epoch in torch.unique(epochs).tolist():
+        order = _permutation(
+            int(shard.shape[0]), _derive_seed("epoch", seed, num_learners, learner, epoch)
+        )
+        mask = epochs == epoch
+        rows_TB[mask] = shard[order[offsets[mask]]]
+    return rows_TB.reshape(steps, batch_size)
+
+
+def learner_batches(
+    corpus: PackedCorpus,
+    *,
+    seed: int,
+    learner: int,
+    num_learners: int,
+    round: int,
+    steps: int,
+    batch_size: int,
+) -> torch.Tensor:
+    """Rows [T, B, S] that `learner` trains on in `round`; see `learner_row_indices`."""
+    rows_TB = learner_row_indices(
+        corpus.num_train_rows, seed=seed, learner=learner, num_learners=num_learners,
+        round=round, steps=steps, batch_size=batch_size,
+    )  # fmt: skip
+    return corpus.train_NS[rows_TB]
+
+
+def data_parallel_batches(
+    corpus: PackedCorpus,
+    *,
+    seed: int,
+    num_learners: int,
+    round: int,
+    steps: int,
+    batch_size: int,
+) -> torch.Tensor:
+    """Rows [T, L*B, S]: step t holds step t of learners 0..L-1 in order, so a
+    data-parallel baseline trains on exactly the tokens the learners read that round."""
+    rows_LTB = torch.stack([
+        learner_row_indices(
+            corpus.num_train_rows, seed=seed, learner=i, num_learners=num_learners,
+            round=round, steps=steps, batch_size=batch_size,
+        )
+        for i in range(num_learners)
+    ])  # fmt: skip
+    rows_TLB = rows_LTB.transpose(0, 1).reshape(steps, num_learners * batch_size)
+    return corpus.train_NS[rows_TLB]
+
+
+def eval_batches(
+    corpus: PackedCorpus, *, batch_size: int, max_batches: int | None = None
+) -> list[torch.Tensor]:
+    """Eval rows in order as [B, S] batches (the last may be smaller); empty if no eval."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batches = list(torch.split(corpus.eval_NS, batch_size))
+    return batches if max_batches is None else batches[:max_batches]

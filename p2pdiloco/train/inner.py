@@ -1,0 +1,148 @@
+"""The inner loop: AdamW with warmup + cosine, gradient accumulation and clipping.
+
+Shapes: T inner steps, B sequences per step, S = seq_len + 1 tokens per packed row.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from p2pdiloco.train.device import autocast_for, synchronize
+
+
+@dataclass
+class InnerConfig:
+    """Inner-optimizer hyperparameters (DiLoCo defaults; each is a run-manifest field)."""
+
+    lr: float = 4e-4  # peak AdamW learning rate
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1  # applied to matrices only, never to norms
+    warmup_steps: int = 100  # linear warmup, counted in inner steps of one learner
+    total_steps: int = 10_000  # cosine horizon in inner steps; the schedule ends at min_lr
+    min_lr_ratio: float = 0.1  # final lr = lr × min_lr_ratio
+    grad_clip: float = 1.0  # global-norm clip per step; 0 disables
+    grad_accum: int = 1  # micro-batches per step; the step batch is split evenly
+    batch_size: int = 8  # sequences per inner step (before accumulation split)
+    seq_len: int = 128  # tokens per sequence
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at ``step``: linear warmup, then cosine down to min_ratio."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_inner_optimizer(
+    model: torch.nn.Module, cfg: InnerConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model (decay on ≥2-D tensors only) and its warmup+cosine schedule."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        foreach=True,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+    )
+    return opt, sched
+
+
+def lm_loss(model: torch.nn.Module, rows_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over a batch of packed rows (fp32 loss)."""
+    inputs_BL, targets_BL = rows_BS[:, :-1], rows_BS[:, 1:]
+    logits_BLV = model(input_ids=inputs_BL, use_cache=False).logits
+    return F.cross_entropy(logits_BLV.float().flatten(0, 1), targets_BL.flatten())
+
+
+@dataclass
+class InnerStats:
+    """What one stretch of inner steps did."""
+
+    steps: int
+    tokens: int
+    loss_mean: float
+    loss_last: float
+    seconds: float
+
+
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches_TBS: torch.Tensor,
+    *,
+    grad_accum: int = 1,
+    grad_clip: float = 1.0,
+) -> InnerStats:
+    """Run one inner step per leading slice of ``batches_TBS`` on the model's device.
+
+    Raises ValueError if B is not divisible by ``grad_accum``; a non-finite loss raises
+    FloatingPointError before the optimizer touches the weights, so a diverged learner never
+    produces a delta from corrupted parameters.
+    """
+    device = next(model.parameters()).device
+    steps, batch, seq = batches_TBS.shape
+    if batch % grad_accum:
+        raise ValueError(f"batch size {batch} is not divisible by grad_accum {grad_accum}")
+    model.train()
+    t0 = time.perf_counter()
+    losses = torch.zeros(steps, dtype=torch.float64)
+    for t in range(steps):
+        step_rows_BS = batches_TBS[t].to(device, non_blocking=True)
+        step_loss = torch.zeros((), device=device)
+        for micro_bS in step_rows_BS.chunk(grad_accum):
+            with autocast_for(device):
+                loss = lm_loss(model, micro_bS) / grad_accum
+            loss.backward()
+            step_loss += loss.detach()
+        if not torch.isfinite(step_loss):
+            optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"inner step {t}: loss is {step_loss.item()}")
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[t] = step_loss.item()
+    synchronize(device)
+    return InnerStats(
+        steps=steps,
+        tokens=steps * batch * (seq - 1),
+        loss_mean=float(losses.mean()),
+        loss_last=float(losses[-1]),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
+    """Token-weighted mean eval loss over ``batches`` of [B, S] rows; restores train mode."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for rows_BS in batches:
+        rows_BS = rows_BS.to(device)
+        with autocast_for(device):
+            loss = lm_loss(model, rows_BS)
+        n = rows_BS.shape[0] * (rows_BS.shape[1] - 1)
+        total += loss.item() * n
+        count += n
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("evaluate() needs at least one eval batch")
+    return total / count

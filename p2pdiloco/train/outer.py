@@ -1,0 +1,131 @@
+"""The outer step of DiLoCo: Nesterov SGD on pseudo-gradients, over parameter fragments.
+
+Pseudo-gradient of one learner: Δ = θ_base − θ_local (what the learner's inner steps moved,
+with the sign of a gradient). The outer optimizer treats the merged Δ as a gradient:
+
+    b ← μ·b + Δ                 (momentum buffer, starts at zero)
+    θ ← θ − η·(Δ + μ·b)         (Nesterov; without it θ ← θ − η·b)
+
+which is ``torch.optim.SGD(nesterov=True, dampening=0)``. Each operation is a separate
+element-wise IEEE op in fp32 (no fused multiply-add, no reductions), so every honest syncer that
+applies the same merged Δ to the same state gets bit-identical results on any machine.
+
+Fragments (Streaming DiLoCo) are a balanced partition of the named tensors; a fragment is synced
+on its own schedule and the outer step only touches that fragment's tensors and momentum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MOMENTUM_PREFIX = "outer.momentum."
+
+
+@dataclass
+class OuterConfig:
+    """Outer-optimizer hyperparameters (DiLoCo defaults; each is a run-manifest field)."""
+
+    lr: float = 0.7  # outer learning rate η
+    momentum: float = 0.9  # μ
+    nesterov: bool = True
+    fragments: int = 1  # Streaming DiLoCo fragments; 1 = plain DiLoCo
+
+
+def partition_fragments(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:
+    """Split named tensors into ``num_fragments`` groups of near-equal total size.
+
+    Greedy longest-processing-time: largest tensor first into the currently lightest fragment
+    (ties to the lowest index), then each fragment lists its names in the original order.
+    Deterministic for a given ordered mapping. Raises ValueError if ``num_fragments`` is below 1
+    or above the number of tensors (a fragment must not be empty).
+    """
+    names = list(sizes)
+    if not 1 <= num_fragments <= len(names):
+        raise ValueError(f"fragments must be between 1 and {len(names)}, not {num_fragments}")
+    order = {n: i for i, n in enumerate(names)}
+    loads = [0] * num_fragments
+    members: list[list[str]] = [[] for _ in range(num_fragments)]
+    for name in sorted(names, key=lambda n: (-sizes[n], order[n])):
+        k = min(range(num_fragments), key=lambda j: (loads[j], j))
+        loads[k] += sizes[name]
+        members[k].append(name)
+    return [sorted(m, key=order.__getitem__) for m in members]
+
+
+def pseudo_gradient(
+    base: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor], names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """Δ = θ_base − θ_local for ``names``, in fp32."""
+    return {n: base[n].float() - local[n].float() for n in names}
+
+
+def mean_pseudo_gradient(
+    deltas: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """Plain average of learners' Δ, summed in list order then divided (deterministic)."""
+    if not deltas:
+        raise ValueError("no pseudo-gradients to average")
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        acc = deltas[0][n].float().clone()
+        for d in deltas[1:]:
+            acc += d[n]
+        out[n] = acc / len(deltas)
+    return out
+
+
+class OuterOptimizer:
+    """Nesterov SGD on merged pseudo-gradients, keeping one fp32 momentum buffer per tensor.
+
+    The buffers are part of the certified global state (``state_tensors``), so a new syncer
+    committee continues exactly where the last one stopped.
+    """
+
+    def __init__(self, cfg: OuterConfig) -> None:
+        self.cfg = cfg
+        self.momentum: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(
+        self, params: Mapping[str, torch.Tensor], merged_delta: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Update ``params`` in place for every tensor named in ``merged_delta``.
+
+        Raises KeyError for a delta naming an unknown tensor and ValueError on a shape
+        mismatch, before any tensor is modified.
+        """
+        for n, d in merged_delta.items():
+            if tuple(params[n].shape) != tuple(d.shape):
+                raise ValueError(f"delta '{n}' has shape {tuple(d.shape)}, param {params[n].shape}")
+        mu, lr = self.cfg.momentum, self.cfg.lr
+        for n, delta in merged_delta.items():
+            p = params[n]
+            g = delta.to(device=p.device, dtype=torch.float32)
+            buf = self.momentum.get(n)
+            if buf is None:
+                buf = torch.zeros_like(g)
+                self.momentum[n] = buf
+            buf.mul_(mu)
+            buf.add_(g)
+            if self.cfg.nesterov:
+                update = buf * mu
+                update.add_(g)
+            else:
+                update = buf.clone()
+            update.mul_(lr)
+            p.copy_((p.float() - update).to(p.dtype))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Momentum buffers keyed ``outer.momentum.<param name>``."""
+        return {MOMENTUM_PREFIX + n: b for n, b in self.momentum.items()}
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore buffers saved by ``state_tensors`` (other keys are ignored)."""
+        self.momentum = {
+            k[len(MOMENTUM_PREFIX) :]: v.float().clone()
+            for k, v in tensors.items()
+            if k.startswith(MOMENTUM_PREFIX)
+        }

@@ -1,0 +1,333 @@
+"""``p2pdiloco simulate``: M DiLoCo learners and the outer step in one process, no network.
+
+Beside it, a data-parallel baseline trains one model on exactly the same tokens (step t of the
+baseline sees step t of every learner), so the two eval losses compare at equal tokens.
+
+Wire bytes use parameter-server accounting for both methods: at each sync a learner uploads its
+fp32 update (a gradient for data-parallel, a pseudo-gradient for DiLoCo) and downloads the new
+fp32 values. Data-parallel syncs every inner step; DiLoCo syncs each fragment once per H steps,
+so before compression DiLoCo sends H times fewer bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.train.data import (
+    PackedCorpus,
+    build_corpus,
+    data_parallel_batches,
+    eval_batches,
+    learner_batches,
+)
+from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.inner import InnerConfig, evaluate, make_inner_optimizer, train_steps
+from p2pdiloco.train.memory import check_fits
+from p2pdiloco.train.models import build_model, get_spec, param_state
+from p2pdiloco.train.outer import (
+    OuterConfig,
+    OuterOptimizer,
+    mean_pseudo_gradient,
+    partition_fragments,
+    pseudo_gradient,
+)
+from p2pdiloco.train.tokenizer import load_tokenizer
+
+# (description, completed work units, total work units); one unit = one learner inner step.
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class SimulateConfig:
+    """One simulated run. Inner/outer defaults follow DiLoCo; sizes suit 2 CPU cores."""
+
+    model: str = "gemma-tiny"
+    learners: int = 4  # M, DiLoCo replicas
+    inner_steps: int = 20  # H, inner steps between two syncs of a fragment
+    rounds: int = 5  # outer rounds (each fragment syncs once per round)
+    seed: int = 0  # run seed: init, data order, sharding
+    data: str = "embedded"  # "embedded", a directory or file, or "hf:NAME[:CONFIG][@SPLIT]"
+    tokenizer: str | None = None  # None: the model's default tokenizer
+    device: str = "auto"
+    eval_batches: int = 8  # eval batches of inner.batch_size rows at each round end
+    max_data_bytes: int = 16 * 2**20  # cap on text read from the source
+    init_from: str | None = None  # local Hugging Face checkpoint instead of random init
+    baseline: bool = True  # also train the data-parallel baseline
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+
+@dataclass
+class MethodResult:
+    """Outcome of one method (DiLoCo or data-parallel) at equal tokens."""
+
+    method: str
+    eval_loss_initial: float
+    eval_loss_final: float
+    eval_losses: list[float]  # after each round
+    train_loss_last: float
+    tokens: int
+    wire_bytes: int  # all learners together, uncompressed fp32
+    syncs: int  # synchronisation events per learner
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SimulationResult:
+    model: str
+    parameters: int
+    device: str
+    learners: int
+    inner_steps: int
+    rounds: int
+    fragments: int
+    corpus: dict[str, Any]
+    diloco: MethodResult
+    baseline: MethodResult | None
+    peak_memory_bytes: int
+
+    @property
+    def loss_ratio(self) -> float | None:
+        """DiLoCo / data-parallel final eval loss (target ≤ 1.02)."""
+        return (
+            self.diloco.eval_loss_final / self.baseline.eval_loss_final if self.baseline else None
+        )
+
+    @property
+    def bytes_ratio(self) -> float | None:
+        """Data-parallel / DiLoCo bytes on the wire (≥ H before compression)."""
+        return self.baseline.wire_bytes / self.diloco.wire_bytes if self.baseline else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("diloco", "baseline"):
+            method: MethodResult | None = getattr(self, key)
+            if method is not None:
+                d[key]["tokens_per_second"] = method.tokens_per_second
+        d["loss_ratio"] = self.loss_ratio
+        d["bytes_ratio"] = self.bytes_ratio
+        return d
+
+
+def prepare(cfg: SimulateConfig) -> tuple[torch.device, PackedCorpus]:
+    """Validate the config, check memory before any allocation, and build the corpus.
+
+    Raises ConfigError for inconsistent sizes, ModelError/ModelTooLarge/DeviceError/DataError/
+    TokenizerUnavailable with one-line messages otherwise.
+    """
+    spec = get_spec(cfg.model)
+    if cfg.learners < 1 or cfg.inner_steps < 1 or cfg.rounds < 1:
+        raise ConfigError("--learners, --inner-steps and --rounds must be at least 1")
+    if cfg.inner_steps % cfg.outer.fragments:
+        raise ConfigError(
+            f"--inner-steps {cfg.inner_steps} must be a multiple of --fragments "
+            f"{cfg.outer.fragments} (fragments sync at staggered points H/F steps apart)"
+        )
+    device = resolve_device(cfg.device)
+    replicas = cfg.learners + 1 + (1 if cfg.baseline else 0)
+    check_fits(
+        cfg.model,
+        device,
+        "bf16-mixed" if device.type in ("cuda", "xla") else "fp32",
+        micro_batch=cfg.inner.batch_size // cfg.inner.grad_accum,
+        seq_len=cfg.inner.seq_len,
+        replicas=replicas,
+    )
+    tokenizer = load_tokenizer(cfg.tokenizer or spec.tokenizer)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise ConfigError(
+            f"tokenizer '{tokenizer.name}' has {tokenizer.vocab_size} ids but {cfg.model} "
+            f"embeds only {spec.vocab_size}"
+        )
+    corpus = build_corpus(
+        cfg.data, tokenizer, seq_len=cfg.inner.seq_len, max_bytes=cfg.max_data_bytes
+    )
+    return device, corpus
+
+
+def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> SimulationResult:
+    """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses."""
+    device, corpus = prepare(cfg)
+    total_units = cfg.rounds * cfg.inner_steps * cfg.learners * (2 if cfg.baseline else 1)
+    done = 0
+
+    def tick(desc: str, units: int) -> None:
+        nonlocal done
+        done += units
+        if progress:
+            progress(desc, done, total_units)
+
+    if progress:
+        progress("starting", 0, total_units)
+    evals = eval_batches(corpus, batch_size=cfg.inner.batch_size, max_batches=cfg.eval_batches)
+    inner = replace(cfg.inner, total_steps=cfg.rounds * cfg.inner_steps)
+    initial = build_model(cfg.model, seed=cfg.seed, init_from=cfg.init_from, device=device)
+    n_params = sum(p.numel() for p in param_state(initial).values())
+
+    diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick)
+    baseline = (
+        _run_data_parallel(cfg, inner, corpus, evals, initial, tick) if cfg.baseline else None
+    )
+
+    return SimulationResult(
+        model=cfg.model,
+        parameters=n_params,
+        device=str(device),
+        learners=cfg.learners,
+        inner_steps=cfg.inner_steps,
+        rounds=cfg.rounds,
+        fragments=cfg.outer.fragments,
+        corpus={
+            "source": corpus.source,
+            "fingerprint": corpus.fingerprint,
+            "documents": corpus.num_documents,
+            "train_sequences": int(corpus.train_NS.shape[0]),
+            "eval_sequences": int(corpus.eval_NS.shape[0]),
+            "tokenizer": corpus.tokenizer_name,
+        },
+        diloco=diloco,
+        baseline=baseline,
+        peak_memory_bytes=_peak_memory(device),
+    )
+
+
+def _run_diloco(
+    cfg: SimulateConfig,
+    inner: InnerConfig,
+    corpus: PackedCorpus,
+    evals: list[torch.Tensor],
+    global_model: torch.nn.Module,
+    tick: Callable[[str, int], None],
+) -> MethodResult:
+    t0 = time.perf_counter()
+    theta = param_state(global_model)  # the global parameters, updated in place
+    fragments = partition_fragments({n: t.numel() for n, t in theta.items()}, cfg.outer.fragments)
+    outer = OuterOptimizer(cfg.outer)
+    learners = []
+    for _ in range(cfg.learners):
+        model = copy.deepcopy(global_model)
+        learners.append((model, *make_inner_optimizer(model, inner)))
+    steps_per_sync = cfg.inner_steps // len(fragments)
+
+    loss0 = evaluate(global_model, evals)
+    losses, last_train, tokens, syncs = [], 0.0, 0, 0
+    for rnd in range(cfg.rounds):
+        for f, names in enumerate(fragments):
+            sub_round = rnd * len(fragments) + f
+            for i, (model, opt, sched) in enumerate(learners):
+                batches = learner_batches(
+                    corpus,
+                    seed=cfg.seed,
+                    learner=i,
+                    num_learners=cfg.learners,
+                    round=sub_round,
+                    steps=steps_per_sync,
+                    batch_size=inner.batch_size,
+                )
+                stats = train_steps(
+                    model,
+                    opt,
+                    sched,
+                    batches,
+                    grad_accum=inner.grad_accum,
+                    grad_clip=inner.grad_clip,
+                )
+                tokens += stats.tokens
+                last_train = stats.loss_last
+                tick(f"DiLoCo round {rnd + 1}/{cfg.rounds} learner {i + 1}", stats.steps)
+
+            # Outer step on fragment f: merge the learners' pseudo-gradients, apply Nesterov,
+            # then every learner continues from the new global values of that fragment.
+            deltas = [pseudo_gradient(theta, param_state(m), names) for m, _, _ in learners]
+            outer.step(theta, mean_pseudo_gradient(deltas, names))
+            for model, _, _ in learners:
+                local = param_state(model)
+                with torch.no_grad():
+                    for n in names:
+                        local[n].copy_(theta[n])
+            syncs += 1
+        losses.append(evaluate(global_model, evals))
+
+    n_params = sum(t.numel() for t in theta.values())
+    # Each round every learner sends its fp32 Δ for all fragments and gets the new values back.
+    wire = cfg.rounds * cfg.learners * 2 * n_params * 4
+    return MethodResult(
+        method="diloco",
+        eval_loss_initial=loss0,
+        eval_loss_final=losses[-1],
+        eval_losses=losses,
+        train_loss_last=last_train,
+        tokens=tokens,
+        wire_bytes=wire,
+        syncs=syncs,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _run_data_parallel(
+    cfg: SimulateConfig,
+    inner: InnerConfig,
+    corpus: PackedCorpus,
+    evals: list[torch.Tensor],
+    model: torch.nn.Module,
+    tick: Callable[[str, int], None],
+) -> MethodResult:
+    t0 = time.perf_counter()
+    opt, sched = make_inner_optimizer(model, inner)
+    steps_per_chunk = cfg.inner_steps // cfg.outer.fragments
+    loss0 = evaluate(model, evals)
+    losses, last_train, tokens, steps = [], 0.0, 0, 0
+    for rnd in range(cfg.rounds):
+        for f in range(cfg.outer.fragments):
+            batches = data_parallel_batches(
+                corpus,
+                seed=cfg.seed,
+                num_learners=cfg.learners,
+                round=rnd * cfg.outer.fragments + f,
+                steps=steps_per_chunk,
+                batch_size=inner.batch_size,
+            )
+            stats = train_steps(
+                model,
+                opt,
+                sched,
+                batches,
+                grad_accum=inner.grad_accum * cfg.learners,
+                grad_clip=inner.grad_clip,
+            )
+            tokens += stats.tokens
+            steps += stats.steps
+            last_train = stats.loss_last
+            tick(f"data-parallel round {rnd + 1}/{cfg.rounds}", stats.steps * cfg.learners)
+        losses.append(evaluate(model, evals))
+    n_params = sum(p.numel() for p in param_state(model).values())
+    wire = steps * cfg.learners * 2 * n_params * 4
+    return MethodResult(
+        method="data-parallel",
+        eval_loss_initial=loss0,
+        eval_loss_final=losses[-1],
+        eval_losses=losses,
+        train_loss_last=last_train,
+        tokens=tokens,
+        wire_bytes=wire,
+        syncs=steps,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

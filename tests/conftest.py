@@ -1,0 +1,26 @@
+"""Shared fixtures: offline hub, and no child process outlives its test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+# Tests never touch the network: the hub is off for transformers/huggingface_hub/datasets.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_children() -> Iterator[None]:
+    yield
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=10)

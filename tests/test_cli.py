@@ -1,0 +1,124 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors, JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "100", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "p2pdiloco", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("cmd", [[], ["models"], ["simulate"]])
+def test_help(cmd: list[str]) -> None:
+    out = run_cli(*cmd, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "Usage" in out.stdout
+
+
+def test_simulate_help_lists_required_flags() -> None:
+    out = run_cli("simulate", "--help").stdout
+    for flag in (
+        "--learners",
+        "--inner-steps",
+        "--rounds",
+        "--model",
+        "--data",
+        "--seed",
+        "--json",
+    ):
+        assert flag in out
+
+
+def test_models_json_lists_every_model_with_count_and_memory() -> None:
+    out = run_cli("models", "--json")
+    assert out.returncode == 0, out.stderr
+    models = {m["name"]: m for m in json.loads(out.stdout)["models"]}
+    assert set(models) == {
+        "gemma-tiny",
+        "gemma-small",
+        "gemma-270m",
+        "gemma-1b",
+        "gemma-4b",
+        "gemma-12b",
+        "gemma-27b",
+    }
+    assert models["gemma-12b"]["parameters"] == 11_766_034_176
+    for m in models.values():
+        assert set(m["memory"]) == {"fp32", "bf16-mixed", "bf16"}
+        assert all(v["total"] > 0 for v in m["memory"].values())
+
+
+def test_models_table() -> None:
+    out = run_cli("models")
+    assert out.returncode == 0
+    assert "gemma-12b" in out.stdout and "11.77B" in out.stdout
+
+
+@pytest.fixture()
+def text_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "texts"
+    d.mkdir()
+    sentence = "The quick brown fox jumps over the lazy dog while the cat sleeps. "
+    for i in range(6):
+        (d / f"doc{i}.txt").write_text(f"Document {i}. " + sentence * 120)
+    return d
+
+
+def test_simulate_json_on_a_text_directory(text_dir: Path) -> None:
+    out = run_cli(
+        "simulate",
+        "--learners", "2",
+        "--inner-steps", "6",
+        "--rounds", "2",
+        "--batch-size", "4",
+        "--seq-len", "64",
+        "--inner-lr", "3e-3",
+        "--eval-batches", "2",
+        "--data", str(text_dir),
+        "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    for method in ("diloco", "baseline"):
+        m = result[method]
+        assert m["eval_loss_final"] < m["eval_loss_initial"]
+        assert m["tokens"] == 2 * 6 * 2 * 4 * 64
+    assert result["bytes_ratio"] == pytest.approx(6.0)
+    assert result["corpus"]["documents"] == 6
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "unreadable"])
+def test_bad_data_dir_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    target = tmp_path / "data"
+    if case != "missing":
+        target.mkdir()
+    if case == "unreadable":
+        (target / "ok.txt").write_text("some text " * 100)
+        (target / "bad.txt").symlink_to(tmp_path / "does-not-exist")
+    out = run_cli("simulate", "--data", str(target), "--rounds", "1", "--inner-steps", "1")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert str(target) in lines[0]
+
+
+def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
+    out = run_cli("simulate", "--model", "nope")
+    assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
+    out = run_cli("simulate", "--inner-steps", "5", "--fragments", "2")
+    assert out.returncode == 2 and "multiple of --fragments" in out.stderr

@@ -1,0 +1,133 @@
+"""Model registry: published parameter counts, deterministic init, checkpoints, fit refusal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from p2pdiloco.train.checkpoint import state_hash
+from p2pdiloco.train.memory import GiB, ModelTooLarge, check_fits, estimate_memory
+from p2pdiloco.train.models import (
+    ModelError,
+    build_model,
+    get_spec,
+    model_names,
+    param_state,
+    parameter_count,
+)
+
+# Published sizes of the Gemma 3 text models (tied embeddings counted once).
+PUBLISHED = {
+    "gemma-270m": 268_098_176,
+    "gemma-1b": 999_885_952,
+    "gemma-4b": 3_880_263_168,
+    "gemma-12b": 11_766_034_176,
+    "gemma-27b": 27_009_346_304,
+}
+
+
+def test_registry_has_every_size_smallest_first() -> None:
+    names = model_names()
+    assert names == [
+        "gemma-tiny",
+        "gemma-small",
+        "gemma-270m",
+        "gemma-1b",
+        "gemma-4b",
+        "gemma-12b",
+        "gemma-27b",
+    ]
+    counts = [parameter_count(n) for n in names]
+    assert counts == sorted(counts)
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_parameter_counts_match_published(name: str, count: int) -> None:
+    assert parameter_count(name) == count
+
+
+def test_parameter_count_by_hand_for_tiny() -> None:
+    s = get_spec("gemma-tiny")
+    h, i, q, kv = s.hidden_size, s.intermediate_size, s.num_heads * s.head_dim, s.num_kv_heads
+    kv *= s.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 4 * h + 2 * s.head_dim
+    assert parameter_count("gemma-tiny") == s.vocab_size * h + s.num_layers * per_layer + h
+    assert 500_000 < parameter_count("gemma-tiny") < 5_000_000
+    assert 10_000_000 < parameter_count("gemma-small") < 100_000_000
+
+
+def test_unknown_model_names_the_known_ones() -> None:
+    with pytest.raises(ModelError, match="known models: gemma-tiny"):
+        get_spec("gpt-5")
+
+
+def test_same_seed_same_state_hash_in_two_processes() -> None:
+    here = state_hash(param_state(build_model("gemma-tiny", seed=7)))
+    code = (
+        "from p2pdiloco.train.models import build_model, param_state;"
+        "from p2pdiloco.train.checkpoint import state_hash;"
+        "import torch; torch.manual_seed(12345);"  # caller RNG state must not matter
+        "print(state_hash(param_state(build_model('gemma-tiny', seed=7))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == here
+    other = state_hash(param_state(build_model("gemma-tiny", seed=8)))
+    assert other != here
+
+
+def test_init_does_not_disturb_global_rng() -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    build_model("gemma-tiny", seed=1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_init_from_local_checkpoint_roundtrip(tmp_path) -> None:
+    model = build_model("gemma-tiny", seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = build_model("gemma-tiny", seed=99, init_from=tmp_path / "ckpt")
+    assert state_hash(param_state(loaded)) == state_hash(param_state(model))
+
+
+def test_init_from_wrong_shape_or_missing_path(tmp_path) -> None:
+    build_model("gemma-tiny", seed=3).save_pretrained(tmp_path / "tiny")
+    with pytest.raises(ModelError, match="does not have the shape of gemma-small"):
+        build_model("gemma-small", seed=0, init_from=tmp_path / "tiny")
+    with pytest.raises(ModelError, match="does not exist"):
+        build_model("gemma-tiny", seed=0, init_from=tmp_path / "nope")
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(ModelError, match="cannot load checkpoint"):
+        build_model("gemma-tiny", seed=0, init_from=tmp_path / "junk")
+
+
+def test_memory_estimate_is_itemised_and_monotonic() -> None:
+    est = estimate_memory("gemma-12b", "bf16-mixed")
+    p = parameter_count("gemma-12b")
+    assert est.weights == 4 * p and est.optimizer == 8 * p
+    parts = (
+        est.weights
+        + est.gradients
+        + est.optimizer
+        + est.diloco_state
+        + est.activations
+        + est.logits
+    )
+    assert est.total == parts + est.overhead
+    assert estimate_memory("gemma-12b", "bf16").total < est.total
+    totals = [estimate_memory(n).total for n in model_names()]
+    assert totals == sorted(totals)
+
+
+def test_too_large_model_is_refused_with_need_have_and_alternative() -> None:
+    with pytest.raises(ModelTooLarge) as exc:
+        check_fits("gemma-12b", torch.device("cpu"), available=24 * GiB)
+    msg = str(exc.value)
+    assert "gemma-12b needs about" in msg and "GiB" in msg
+    assert "24.0 GiB" in msg
+    assert "gemma-270m would fit" in msg
+    assert "\n" not in msg
+    assert check_fits("gemma-tiny", torch.device("cpu"), available=24 * GiB).model == "gemma-tiny"
