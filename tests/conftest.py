@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -19,8 +20,6 @@ def _kill_leftover_children() -> Iterator[None]:
     yield
     children = psutil.Process().children(recursive=True)
     for child in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(children, timeout=10)

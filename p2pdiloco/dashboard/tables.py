@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich import box
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -81,7 +81,7 @@ def simulation_summary(result: dict[str, Any]) -> Group:
             str(m["syncs"]),
             f"{m['tokens_per_second']:.0f}",
         )
-    lines = [table]
+    lines: list[RenderableType] = [table]
     if result.get("loss_ratio") is not None:
         lines.append(
             Text(

@@ -27,6 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from p2pdiloco.errors import UserError
+
 __all__ = [
     "STATE_HASH_DOMAIN",
     "Checkpoint",
@@ -51,7 +53,7 @@ _HASH_CHUNK_BYTES = 64 << 20
 _after_temp_written: Callable[[Path], None] | None = None
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint is missing, unreadable, corrupt or fails verification (one-line message)."""
 
 

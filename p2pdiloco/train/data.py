@@ -14,256 +14,42 @@ Tensor legend:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
 import math
-import os
-import sysconfig
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from p2pdiloco.train.sources import (
+    DEFAULT_MAX_BYTES,
+    DataError,
+    Document,
+    SourceStats,
+    describe_source,
+    iter_documents,
+)
 from p2pdiloco.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
-    "DEFAULT_MAX_BYTES", "DataError", "Document", "PackedCorpus", "SourceStats", "build_corpus",
-    "data_parallel_batches", "eval_batches", "iter_documents", "learner_batches",
-    "learner_row_indices"
-]  # fmt: skip
+    "DEFAULT_MAX_BYTES",
+    "DataError",
+    "Document",
+    "PackedCorpus",
+    "SourceStats",
+    "build_corpus",
+    "data_parallel_batches",
+    "eval_batches",
+    "iter_documents",
+    "learner_batches",
+    "learner_row_indices",
+]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_BYTES = 16 * 2**20
-_TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
-# pydoc_data/topics.py is a repr() of the pydoc topics we already include verbatim.
-_EMBEDDED_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib",
-    "lib2to3", "turtledemo", "ensurepip", "__pycache__", "pydoc_data"})  # fmt: skip
-
-
-class DataError(Exception):
-    """A user-facing data problem; the message is one line (the CLI prints it, exits 2)."""
-
-
-@dataclass(frozen=True)
-class Document:
-    name: str
-    text: str
-
-
-@dataclass
-class SourceStats:
-    """Filled in by `iter_documents` while it runs."""
-
-    documents: int = 0
-    bytes: int = 0
-    skipped_records: int = 0
-    truncated: bool = False
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _usable_name(name: str) -> bool:
-    return not name.startswith(".") and (
-        name.endswith(_TEXT_SUFFIXES) or os.path.splitext(name)[1] == ""
-    )
-
-
-def _read_text(path: Path) -> str:
-    """Read a file as UTF-8 (invalid bytes replaced); DataError naming it if unreadable."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"cannot read '{path}': {exc.strerror or _one_line(exc)}") from exc
-    return data.decode("utf-8-sig", errors="replace")
-
-
-def _file_documents(path: Path, rel: str, stats: SourceStats) -> Iterator[Document]:
-    text = _read_text(path)
-    if not rel.endswith(".jsonl"):
-        yield Document(rel, text)
-        return
-    # split("\n"), not splitlines(): JSON strings may legally contain raw U+2028 etc.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and isinstance(record.get("text"), str):
-            yield Document(f"{rel}:{lineno}", record["text"])
-        else:
-            stats.skipped_records += 1
-
-
-def _list_files(
-    root: Path, keep_dir: Callable[[str], bool], keep_file: Callable[[str], bool]
-) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of kept files under `root`, sorted by relative path.
-
-    Raises `DataError` naming any directory that cannot be listed."""
-
-    def on_error(exc: OSError) -> None:
-        raise DataError(f"cannot read '{exc.filename}': {exc.strerror or _one_line(exc)}") from exc
-
-    found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=on_error):
-        dirnames[:] = [d for d in dirnames if keep_dir(d)]
-        for name in filenames:
-            path = Path(dirpath) / name
-            # Broken symlinks are kept so that reading them reports the problem by name.
-            if keep_file(name) and (path.is_symlink() or path.is_file()):
-                found.append((path.relative_to(root).as_posix(), path))
-    found.sort(key=lambda item: item[0])
-    return found
-
-
-def _path_documents(source: str, stats: SourceStats) -> Iterator[Document]:
-    root = Path(os.path.expanduser(source))
-    kind = "file" if source.endswith(_TEXT_SUFFIXES) else "directory"
-    if not root.exists() and not root.is_symlink():
-        raise DataError(f"data {kind} '{source}' does not exist")
-    if root.is_dir():
-        files = _list_files(root, lambda d: not d.startswith("."), _usable_name)
-        if not files:
-            raise DataError(
-                f"data directory '{source}' has no .txt, .md, .jsonl or extension-less files"
-            )
-    elif _usable_name(root.name):
-        files = [(root.name, root)]
-    else:
-        raise DataError(f"data file '{source}' is not a .txt, .md, .jsonl or extension-less file")
-
-    def generate() -> Iterator[Document]:
-        for rel, path in files:
-            yield from _file_documents(path, rel, stats)
-
-    return generate()
-
-
-def _embedded_documents() -> Iterator[Document]:
-    """Python's own docs topics (first, so a small cap keeps them) then stdlib sources."""
-    topics: dict[str, str] = {}
-    try:
-        import pydoc_data.topics
-
-        topics = dict(pydoc_data.topics.topics)
-    except ImportError:  # some distributions strip pydoc_data
-        pass
-    for key in sorted(topics):
-        yield Document(f"pydoc_data/topics/{key}", topics[key])
-    # An odd unreadable stdlib file or directory must not break the default corpus.
-    sources: list[tuple[str, Path]] = []
-    with contextlib.suppress(DataError):
-        sources = _list_files(
-            Path(sysconfig.get_paths()["stdlib"]),
-            lambda d: d not in _EMBEDDED_EXCLUDED_DIRS,
-            lambda f: f.endswith(".py"),
-        )
-    for rel, path in sources:
-        try:
-            text = _read_text(path)
-        except DataError:
-            continue
-        yield Document(f"stdlib/{rel}", text)
-
-
-def _hf_documents(source: str, stats: SourceStats) -> Iterator[Document]:
-    spec, _, split = source[len("hf:") :].partition("@")
-    name, _, config = spec.partition(":")
-    split = split or "train"
-    if not name:
-        raise DataError(f"bad source '{source}': expected hf:NAME[:CONFIG][@SPLIT]")
-    try:
-        import datasets
-    except ImportError as exc:
-        raise DataError(
-            f"source '{source}' needs the 'datasets' package: pip install 'p2pdiloco[hf]'"
-        ) from exc
-    try:
-        dataset = datasets.load_dataset(name, config or None, split=split, streaming=True)
-    except Exception as exc:
-        raise DataError(f"cannot load Hugging Face dataset '{source}': {_one_line(exc)}") from exc
-
-    def generate() -> Iterator[Document]:
-        try:
-            for i, record in enumerate(dataset):
-                text = record.get("text") if isinstance(record, dict) else None
-                if isinstance(text, str):
-                    yield Document(f"{source}/{i}", text)
-                else:
-                    stats.skipped_records += 1
-        except Exception as exc:
-            raise DataError(
-                f"error reading Hugging Face dataset '{source}': {_one_line(exc)}"
-            ) from exc
-
-    return generate()
-
-
-def _describe(source: str) -> str:
-    if source == "embedded":
-        return "the embedded corpus"
-    if source.startswith("hf:"):
-        return f"dataset '{source}'"
-    return f"data {'directory' if os.path.isdir(source) else 'file'} '{source}'"
-
-
-def _capped(
-    documents: Iterator[Document], source: str, max_bytes: int, stats: SourceStats
-) -> Iterator[Document]:
-    for doc in documents:
-        if not doc.text.strip():
-            continue
-        data = doc.text.encode("utf-8")
-        room = max_bytes - stats.bytes
-        if len(data) >= room:
-            stats.truncated = len(data) > room
-            doc = Document(doc.name, data[:room].decode("utf-8", errors="ignore"))
-            data = doc.text.encode("utf-8")
-        if doc.text.strip():
-            stats.documents += 1
-            stats.bytes += len(data)
-            yield doc
-        if stats.bytes >= max_bytes:
-            break
-    if stats.skipped_records:
-        log.warning("%s: skipped %d records without a text field", source, stats.skipped_records)
-    if stats.documents == 0:
-        raise DataError(f"{_describe(source)} contains no text")
-
-
-def iter_documents(
-    source: str, *, max_bytes: int = DEFAULT_MAX_BYTES, stats: SourceStats | None = None
-) -> Iterator[Document]:
-    """Yield the non-empty documents of `source`, at most `max_bytes` UTF-8 bytes in all.
-
-    `source` is "embedded", "hf:NAME[:CONFIG][@SPLIT]", a directory or a single file. The
-    document that crosses the cap is truncated and iteration stops. Missing paths, empty
-    directories and unusable specs raise `DataError` here, eagerly; unreadable files and
-    a source without any text raise `DataError` during iteration. Malformed .jsonl lines
-    are skipped and counted in `stats.skipped_records`.
-    """
-    if max_bytes <= 0:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    stats = stats if stats is not None else SourceStats()
-    if source == "embedded":
-        documents = _embedded_documents()
-    elif source.startswith("hf:"):
-        documents = _hf_documents(source, stats)
-    else:
-        documents = _path_documents(source, stats)
-    return _capped(documents, source, max_bytes, stats)
 
 
 @dataclass
@@ -306,7 +92,7 @@ class PackedCorpus:
 
     def summary(self) -> str:
         return (
-            f"{_describe(self.source)}: {self.num_documents} documents, "
+            f"{describe_source(self.source)}: {self.num_documents} documents, "
             f"{self.num_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens ({self.tokenizer_name}) "
             f"-> {self.num_train_rows} train / {self.num_eval_rows} eval rows of "
             f"{self.seq_len + 1}, fingerprint {self.fingerprint[:12]}"
@@ -461,7 +247,7 @@ def build_corpus(
     num_tokens = sum(lengths)
     if train_NS.shape[0] < 1:
         raise DataError(
-            f"{_describe(source)} is too small: {num_tokens} tokens do not fill one "
+            f"{describe_source(source)} is too small: {num_tokens} tokens do not fill one "
             f"training row of {S} tokens; use a smaller --seq-len or more data"
         )
     return PackedCorpus(
@@ -561,9 +347,14 @@ def learner_batches(
 ) -> torch.Tensor:
     """Rows [T, B, S] that `learner` trains on in `round`; see `learner_row_indices`."""
     rows_TB = learner_row_indices(
-        corpus.num_train_rows, seed=seed, learner=learner, num_learners=num_learners,
-        round=round, steps=steps, batch_size=batch_size,
-    )  # fmt: skip
+        corpus.num_train_rows,
+        seed=seed,
+        learner=learner,
+        num_learners=num_learners,
+        round=round,
+        steps=steps,
+        batch_size=batch_size,
+    )
     return corpus.train_NS[rows_TB]
 
 
@@ -578,13 +369,20 @@ def data_parallel_batches(
 ) -> torch.Tensor:
     """Rows [T, L*B, S]: step t holds step t of learners 0..L-1 in order, so a
     data-parallel baseline trains on exactly the tokens the learners read that round."""
-    rows_LTB = torch.stack([
-        learner_row_indices(
-            corpus.num_train_rows, seed=seed, learner=i, num_learners=num_learners,
-            round=round, steps=steps, batch_size=batch_size,
-        )
-        for i in range(num_learners)
-    ])  # fmt: skip
+    rows_LTB = torch.stack(
+        [
+            learner_row_indices(
+                corpus.num_train_rows,
+                seed=seed,
+                learner=i,
+                num_learners=num_learners,
+                round=round,
+                steps=steps,
+                batch_size=batch_size,
+            )
+            for i in range(num_learners)
+        ]
+    )
     rows_TLB = rows_LTB.transpose(0, 1).reshape(steps, num_learners * batch_size)
     return corpus.train_NS[rows_TLB]
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
+from p2pdiloco.errors import UserError
+
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
@@ -27,7 +29,7 @@ __all__ = [
 _HUB_PROBE_TIMEOUT_S = 3.0
 
 
-class TokenizerUnavailable(Exception):
+class TokenizerUnavailable(UserError):
     """The requested tokenizer cannot be loaded; the message is one user-facing line."""
 
 
