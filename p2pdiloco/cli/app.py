@@ -7,9 +7,13 @@ from typing import Annotated
 import typer
 
 from p2pdiloco import __version__
+from p2pdiloco.cli import keys_cmd, run_cmd
+from p2pdiloco.cli.bootstrap_cmd import bootstrap
 from p2pdiloco.cli.common import setup_logging
+from p2pdiloco.cli.join_cmd import join
 from p2pdiloco.cli.models_cmd import models
 from p2pdiloco.cli.simulate_cmd import simulate
+from p2pdiloco.cli.status_cmd import status
 
 app = typer.Typer(
     name="p2pdiloco",
@@ -20,6 +24,11 @@ app = typer.Typer(
 )
 app.command()(models)
 app.command()(simulate)
+app.command()(bootstrap)
+app.command()(join)
+app.command()(status)
+app.add_typer(keys_cmd.app, name="keys")
+app.add_typer(run_cmd.app, name="run")
 
 
 def _version(value: bool) -> None:

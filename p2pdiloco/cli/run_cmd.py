@@ -1,0 +1,74 @@
+"""``p2pdiloco run create``: write, sign and publish a run manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from p2pdiloco.cli.common import user_errors
+from p2pdiloco.cli.net_common import dht_client
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.net.manifests import create_manifest, publish_manifest
+from p2pdiloco.protocol.identity import Identity, default_identity_path
+from p2pdiloco.protocol.records import default_quorum
+from p2pdiloco.train.inner import InnerConfig
+from p2pdiloco.train.outer import OuterConfig
+
+app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
+_i, _o = InnerConfig(), OuterConfig()
+
+
+@app.command("create")
+@user_errors
+def create(
+    name: Annotated[str, typer.Option(help="Run name (letters, digits, . _ -).")],
+    model: Annotated[str, typer.Option(help="Model name (see `p2pdiloco models`).")],
+    data: Annotated[str, typer.Option(help="Data source every learner reads.")] = "embedded",
+    seed: Annotated[int, typer.Option(help="Run seed (init, data order).")] = 0,
+    inner_steps: Annotated[int, typer.Option(help="Inner steps per round (H).")] = 500,
+    inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
+    batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
+    outer_lr: Annotated[float, typer.Option(help="Outer Nesterov lr.")] = _o.lr,
+    outer_momentum: Annotated[float, typer.Option(help="Outer momentum.")] = _o.momentum,
+    fragments: Annotated[int, typer.Option(help="Streaming DiLoCo fragments.")] = _o.fragments,
+    committee_size: Annotated[int, typer.Option(help="Syncers per round (k).")] = 4,
+    quorum: Annotated[
+        int | None, typer.Option(help="Signatures to certify [floor(2k/3)+1].")
+    ] = None,
+    bootstrap: Annotated[
+        list[str] | None, typer.Option(help="Bootstrap multiaddr (repeatable).")
+    ] = None,
+    identity: Annotated[Path | None, typer.Option(help="Creator key file.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Sign a manifest with this node's key; its hash is the run id; publish it to the DHT."""
+    creator = Identity.load_or_create(identity or default_identity_path())
+    try:
+        run_id, manifest, raw = create_manifest(
+            creator,
+            name=name,
+            model=model,
+            data=data,
+            seed=seed,
+            inner_steps=inner_steps,
+            committee_size=committee_size,
+            quorum=quorum if quorum is not None else default_quorum(committee_size),
+            inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},
+            outer={"lr": outer_lr, "momentum": outer_momentum, "fragments": fragments},
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(
+            f"invalid run setting {'.'.join(map(str, err['loc']))}: {err['msg']}"
+        ) from None
+    with dht_client(bootstrap) as dht:
+        publish_manifest(dht, run_id, manifest, raw)
+    if json_out:
+        print(json.dumps({"run_id": run_id, "manifest": manifest.model_dump(mode="json")}))
+    else:
+        print(f"run {manifest.name} ({manifest.model}) published\nrun id {run_id}")

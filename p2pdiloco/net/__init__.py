@@ -1,0 +1,1 @@
+"""Networking: DHT records, gossip, bulk streams, bootstrap servers, reachability."""

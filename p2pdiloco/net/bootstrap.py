@@ -1,0 +1,197 @@
+"""``p2pdiloco bootstrap``: a long-lived public entry point of the network.
+
+It holds no training state, only its identity key: a hivemind DHT node on a fixed port (relay
+service on, so peers behind NAT stay reachable through it), a py-libp2p gossip host on the next
+port, a dial-back service for reachability checks, and health/state/metrics over HTTP. It keeps
+its peer id across restarts because the key lives on disk. A plain hivemind DHT client that knows
+nothing of p2pdiloco can bootstrap from it: it is an ordinary DHT node that only refuses to
+*store* values that are not p2pdiloco's signed envelopes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from p2pdiloco import __version__
+from p2pdiloco.net import keys
+from p2pdiloco.net.dht import DHTPlane
+from p2pdiloco.net.discovery import NetworkState, collect_state
+from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.net.http_api import HTTPApi
+from p2pdiloco.net.p2p_bridge import P2PBridge
+from p2pdiloco.net.reachability import serve_dialback
+from p2pdiloco.protocol.identity import Identity, default_identity_path
+from p2pdiloco.protocol.records import Hardware, Heartbeat
+from p2pdiloco.protocol.signing import seal
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_TOPIC = "p2pdiloco/v1/announce"
+
+
+@dataclass
+class BootstrapConfig:
+    """Settings of one bootstrap server (flags map one-to-one onto these)."""
+
+    host: str = "0.0.0.0"  # interface the DHT and gossip hosts listen on
+    port: int = 31337  # DHT (p2pd) TCP port; gossip listens on port + 1 (0: both random)
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080  # health/state/metrics; 0 picks a free port
+    announce: list[str] = field(default_factory=list)  # public multiaddrs to advertise
+    identity: Path | None = None  # key file; default: the XDG data path
+    initial_peers: list[str] = field(default_factory=list)  # other bootstraps to peer with
+    refresh_interval: float = keys.HEARTBEAT_INTERVAL  # own heartbeat and state poll period
+
+
+class BootstrapServer:
+    """Start with ``start()`` (or as a context manager); ``close()`` stops everything."""
+
+    def __init__(self, cfg: BootstrapConfig) -> None:
+        self.cfg = cfg
+        self.identity_path = cfg.identity or default_identity_path()
+        self.identity = Identity.load_or_create(self.identity_path)
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._state: dict[str, Any] = NetworkState().to_dict()
+        self._seq = 0
+        self.dht: DHTPlane | None = None
+        self.gossip: GossipProcess | None = None
+        self.bridge: P2PBridge | None = None
+        self.http: HTTPApi | None = None
+        self._thread: threading.Thread | None = None
+        self.registry = CollectorRegistry()
+        self.m_peers = Gauge("p2pdiloco_peers", "live peers over all runs", registry=self.registry)
+        self.m_runs = Gauge("p2pdiloco_runs", "known runs", registry=self.registry)
+        self.m_up = Gauge("p2pdiloco_up", "1 while the DHT is alive", registry=self.registry)
+        self.m_rejected = Counter(
+            "p2pdiloco_rejected_records", "invalid records dropped", registry=self.registry
+        )
+        self.m_polls = Counter("p2pdiloco_state_polls", "DHT state polls", registry=self.registry)
+
+    def start(self) -> None:
+        """Bring up DHT, dial-back, gossip and HTTP. Raises NetworkError/OSError on failure."""
+        cfg = self.cfg
+        self.dht = DHTPlane(
+            self.identity,
+            initial_peers=cfg.initial_peers,
+            host=cfg.host,
+            port=cfg.port,
+            announce=cfg.announce,
+            relay_service=True,
+            force_public=True,
+            identity_path=self.identity_path,
+        )
+        self.bridge = P2PBridge(self.dht.dht)
+        self.bridge.run(serve_dialback(self.bridge.p2p), timeout=30)
+        gossip_port = cfg.port + 1 if cfg.port else 0
+        self.gossip = GossipProcess(
+            self.identity.seed, topics=[ANNOUNCE_TOPIC], listen_host=cfg.host, port=gossip_port
+        )
+        try:
+            self.gossip.start()
+        except GossipError as e:  # gossip only accelerates: run on without it
+            log.warning("gossip host did not start (%s); serving DHT only", e)
+            self.gossip = None
+        self.http = HTTPApi(
+            cfg.http_host,
+            cfg.http_port,
+            healthy=self.healthy,
+            state=self.state,
+            registry=self.registry,
+        )
+        self.http.start()
+        self._refresh()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="bootstrap")
+        self._thread.start()
+
+    def multiaddrs(self) -> list[str]:
+        """Full, copy-pasteable DHT multiaddrs (announced ones first)."""
+        assert self.dht is not None
+        pid = self.identity.peer_id
+        announced = [a if "/p2p/" in a else f"{a}/p2p/{pid}" for a in self.cfg.announce]
+        return announced + [a for a in self.dht.visible_maddrs() if a not in announced]
+
+    def healthy(self) -> bool:
+        return self.dht is not None and self.dht.dht.is_alive()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **self._state,
+            "server": {
+                "peer_id": self.identity.peer_id,
+                "version": __version__,
+                "multiaddrs": self.multiaddrs() if self.dht else [],
+                "gossip": self.gossip.maddrs if self.gossip and self.gossip.alive else [],
+                "uptime_s": round(time.time() - self.started, 1),
+            },
+        }
+
+    def _heartbeat(self) -> bytes:
+        self._seq += 1
+        hb = Heartbeat(
+            peer_id=self.identity.peer_id,
+            island="bootstrap",
+            roles=["bootstrap"],
+            hardware=Hardware(device="cpu", name="bootstrap", memory_gb=0.0, count=0),
+            throughput_tps=0.0,
+            version=0,
+            addrs=self.multiaddrs()[:16],
+            gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
+            reachability="direct",
+            seq=self._seq,
+        )
+        return seal(self.identity, "heartbeat", "", hb.model_dump(mode="json"))
+
+    def _refresh(self) -> None:
+        assert self.dht is not None
+        try:
+            self.dht.store(
+                keys.bootstraps_key(), self.identity.peer_id, self._heartbeat(), keys.HEARTBEAT_TTL
+            )
+            state = collect_state(self.dht)
+        except Exception:  # never let one bad poll take the server down
+            log.exception("state refresh failed")
+            return
+        self.m_polls.inc()
+        self.m_rejected.inc(len(state.rejected))
+        self._state = state.to_dict()
+        self.m_runs.set(len(self._state["runs"]))
+        self.m_peers.set(len(self._state["peers"]))
+        self.m_up.set(1 if self.healthy() else 0)
+        if self.gossip and self.gossip.alive:
+            for run in self._state["runs"]:
+                self.gossip.subscribe(f"p2pdiloco/v1/run/{run['run_id']}")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.refresh_interval):
+            self._refresh()
+            if self.gossip is not None:
+                while self.gossip.get(timeout=0) is not None:
+                    pass  # the bootstrap relays gossip; it does not act on it
+
+    def close(self) -> None:
+        """Stop every part (idempotent); the identity key stays on disk."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for part in (self.http, self.gossip, self.bridge, self.dht):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("error while stopping %s", type(part).__name__)
+        self.http = self.gossip = self.bridge = self.dht = None
+
+    def __enter__(self) -> BootstrapServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

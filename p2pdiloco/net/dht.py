@@ -1,0 +1,199 @@
+"""The records plane: a hivemind DHT node that stores and reads signed envelopes.
+
+hivemind runs the DHT in a child process with its own p2pd daemon; this wrapper only speaks
+bytes in and out. Every value read back is an untrusted envelope: ``read`` verifies each one
+(size before parse, schema, signature, subkey == signer) and drops the bad ones with one log line
+naming the sender, so a peer can never make this node crash or act on a forged record.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2pdiloco.errors import UserError
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.signing import Envelope, InvalidRecord, open_envelope
+
+log = logging.getLogger(__name__)
+
+# Largest value this node stores for anyone, or accepts when reading: manifests and heartbeats
+# are a few KiB; anything bigger is an attack or a bug.
+MAX_RECORD_BYTES = 16 * 1024
+# Most (key, subkey) slots one signer may occupy in this node's storage.
+MAX_SLOTS_PER_SIGNER = 64
+
+
+class NetworkError(UserError):
+    """The network plane cannot start or reach anyone (one-line message)."""
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    subkey: str
+    envelope: Envelope
+    expiration: float
+
+
+class EnvelopeValidator(RecordValidatorBase):
+    """Refuses to store, or to return from a lookup, anything but a valid signed envelope.
+
+    Runs inside the DHT process for every incoming STORE and every value found by GET. It caps
+    the record size and the number of slots one signer may fill, so no peer can make a bootstrap
+    server store unbounded data. Only record shape and signature are checked here; what a record
+    means (kind, run, freshness) is checked by the reader.
+    """
+
+    def __init__(self, max_bytes: int = MAX_RECORD_BYTES, max_slots: int = MAX_SLOTS_PER_SIGNER):
+        self.max_bytes = max_bytes
+        self.max_slots = max_slots
+        self._slots: dict[str, set[tuple[bytes, bytes]]] = {}
+
+    def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > self.max_bytes + 64:
+            return False
+        try:
+            raw = MSGPackSerializer.loads(record.value)
+            env = open_envelope(raw, max_bytes=self.max_bytes, max_skew=3600.0)
+            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
+        except (InvalidRecord, ValueError, TypeError, Exception):
+            return False
+        if env.kind in ("heartbeat",) and subkey != env.signer:
+            return False
+        slots = self._slots.setdefault(env.signer, set())
+        slot = (record.key, record.subkey)
+        if slot not in slots:
+            if len(slots) >= self.max_slots:
+                return False
+            slots.add(slot)
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 0
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+class DHTPlane:
+    """One hivemind DHT node bound to a node identity.
+
+    Use as a context manager. ``initial_peers`` are bootstrap multiaddrs; with none, this node
+    starts a new DHT (what a bootstrap server does). Raises NetworkError if the daemon cannot
+    start, or if no initial peer could be reached.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        initial_peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        announce: Sequence[str] = (),
+        client_mode: bool = False,
+        relay_service: bool = False,
+        force_public: bool = False,
+        identity_path: Path | None = None,
+    ) -> None:
+        self.identity = identity
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        if identity_path is None:
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="p2pdiloco-id-")
+            identity_path = Path(self._tmpdir.name) / "identity.key"
+            identity.save(identity_path)
+        ip = "ip6" if ":" in host else "ip4"
+        kwargs: dict[str, Any] = dict(
+            host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
+            identity_path=str(identity_path),
+            client_mode=client_mode,
+            use_relay=True,
+            use_auto_relay=not relay_service and not client_mode,
+        )
+        if announce:
+            kwargs["announce_maddrs"] = list(announce)
+        if force_public:
+            kwargs["force_reachability"] = "public"
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=list(initial_peers) or None,
+                start=True,
+                record_validators=[EnvelopeValidator()],
+                # A returning peer with the same key would otherwise wait for a dial timeout.
+                check_if_identity_free=False,
+                **kwargs,
+            )
+        except Exception as e:
+            self._cleanup_tmp()
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            tried = ", ".join(initial_peers) or "none"
+            raise NetworkError(
+                f"cannot join the DHT (bootstrap peers tried: {tried}): {first}"
+            ) from e
+        if str(self.dht.peer_id) != identity.peer_id:
+            self.close()
+            raise NetworkError("the DHT daemon did not take this node's identity key")
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def visible_maddrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<peer id>) others can use to reach this node's DHT."""
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def store(self, key: str, subkey: str, raw: bytes, ttl: float) -> bool:
+        """Store one envelope under (key, subkey) for ``ttl`` seconds; False if no peer took it."""
+        expiration = get_dht_time() + ttl
+        return bool(self.dht.store(key, raw, expiration_time=expiration, subkey=subkey))
+
+    def read(
+        self, key: str, *, kind: str, run_id: str | None = None, latest: bool = True
+    ) -> Iterator[StoredRecord]:
+        """Valid envelopes under ``key``; invalid ones are logged (with the sender) and skipped."""
+        found = self.dht.get(key, latest=latest)
+        if found is None or not isinstance(found.value, dict):
+            return
+        for subkey, item in found.value.items():
+            raw, expiration = item.value, item.expiration_time
+            try:
+                if not isinstance(raw, bytes):
+                    raise InvalidRecord(f"value under subkey {subkey!r} is not bytes")
+                env = open_envelope(raw, kind=kind, run_id=run_id, max_bytes=MAX_RECORD_BYTES)
+                if kind == "heartbeat" and subkey != env.signer:
+                    raise InvalidRecord(
+                        f"heartbeat stored under {subkey!r} but signed by another peer"
+                    )
+            except InvalidRecord as e:
+                sender = getattr(e, "signer", None) or subkey
+                log.warning("dropped invalid %s record from %s: %s", kind, sender, e)
+                continue
+            yield StoredRecord(str(subkey), env, float(expiration))
+
+    def close(self) -> None:
+        """Stop the DHT process and its daemon (idempotent)."""
+        dht = getattr(self, "dht", None)
+        if dht is not None and dht.is_alive():
+            dht.shutdown()
+        self._cleanup_tmp()
+
+    def _cleanup_tmp(self) -> None:
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def __enter__(self) -> DHTPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,267 @@
+"""Child side of the gossip plane: a py-libp2p gossipsub host driven over a pipe.
+
+This module imports py-libp2p and must never import hivemind, directly or through a
+``p2pdiloco`` module that does (ADR 0001): it runs in a process started with the ``spawn``
+method by :class:`p2pdiloco.net.gossip.GossipProcess`, which holds the other end of the pipe.
+
+Protocol (tuples over a ``multiprocessing`` Connection):
+
+parent -> child
+    ``("connect", maddr[, timeout])``, ``("subscribe", topic)``,
+    ``("publish", topic, data)``, ``("peers",)``, ``("close",)``
+child -> parent
+    ``("ready", peer_id, maddrs)`` once, first; ``("fatal", description)`` instead if the
+    host cannot start; ``("connected", maddr, ok, error)``; ``("peers", [peer ids])``;
+    ``("message", topic, data, from_peer_id)``; ``("error", description)``.
+
+A failing command is answered with ``("error", ...)`` and the loop goes on; the child exits
+cleanly when the parent sends ``close`` or goes away (EOF / broken pipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+# Mesh parameters. Small meshes suit the small runs this project targets; the heartbeat is
+# fast so that a fresh mesh grafts within a second or two.
+DEGREE = 3
+DEGREE_LOW = 2
+DEGREE_HIGH = 4
+HEARTBEAT_INTERVAL = 1
+# Largest inbound pubsub RPC frame. One RPC may batch several messages (IWANT replies), so
+# this stays at py-libp2p's default (1 MiB) rather than MAX_MESSAGE_BYTES: a frame above the
+# limit resets the whole pubsub stream with that peer. Single messages above
+# MAX_MESSAGE_BYTES are rejected by a topic validator instead (so they are not relayed).
+MAX_INBOUND_RPC_BYTES = 1024 * 1024
+# Messages waiting to be written to the parent; beyond this, received messages are dropped
+# (gossip is an accelerator; everything is in the DHT too).
+OUTBOX_SIZE = 1024
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# After a dial succeeds, wait this long (at most) for the pubsub stream with the peer.
+PUBSUB_STREAM_WAIT = 5.0
+
+
+class _ParentGone(Exception):
+    """The pipe to the parent is closed."""
+
+
+def _within_size(_forwarder: ID, msg: Any) -> bool:
+    return len(msg.data) <= MAX_MESSAGE_BYTES
+
+
+class _Child:
+    def __init__(self, conn: Connection, host: Any, pubsub: Pubsub) -> None:
+        self.conn = conn
+        self.host = host
+        self.pubsub = pubsub
+        self.my_id: ID = host.get_id()
+        self.my_id_bytes = self.my_id.to_bytes()
+        self.out_send, self.out_recv = trio.open_memory_channel[tuple[Any, ...]](OUTBOX_SIZE)
+        self.subscribed: set[str] = set()
+        self.dropped = 0
+        self.nursery: trio.Nursery | None = None
+        self.ready = False
+
+    # -- writing to the parent ------------------------------------------------------------
+
+    async def writer(self) -> None:
+        async for item in self.out_recv:
+            try:
+                await trio.to_thread.run_sync(self.conn.send, item)
+            except (EOFError, OSError) as e:
+                raise _ParentGone from e
+
+    async def reply(self, item: tuple[Any, ...]) -> None:
+        await self.out_send.send(item)
+
+    def post_message(self, item: tuple[Any, ...]) -> None:
+        try:
+            self.out_send.send_nowait(item)
+        except trio.WouldBlock:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                logger.warning("gossip: parent is slow, dropped %d messages", self.dropped)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def reader(self) -> None:
+        while True:
+            try:
+                cmd = await trio.to_thread.run_sync(  # type: ignore[call-arg]  # TypeVarTuple
+                    self.conn.recv, abandon_on_cancel=True
+                )
+            except (EOFError, OSError) as e:
+                raise _ParentGone from e
+            if isinstance(cmd, tuple) and cmd[:1] == ("close",):
+                return
+            try:
+                await self.handle(cmd)
+            except Exception as e:
+                logger.debug("gossip: command %r failed", cmd[:1], exc_info=True)
+                await self.reply(("error", f"{_describe(cmd)}: {type(e).__name__}: {e}"))
+
+    async def handle(self, cmd: Any) -> None:
+        if not isinstance(cmd, tuple) or not cmd or not isinstance(cmd[0], str):
+            raise ValueError("malformed command")
+        kind, args = cmd[0], cmd[1:]
+        if kind == "connect":
+            maddr = str(args[0])
+            timeout = float(args[1]) if len(args) > 1 else DEFAULT_CONNECT_TIMEOUT
+            assert self.nursery is not None
+            # Dials run concurrently so a slow peer does not hold up other commands.
+            self.nursery.start_soon(self.connect, maddr, timeout)
+        elif kind == "subscribe":
+            await self.subscribe(str(args[0]))
+        elif kind == "publish":
+            topic, data = str(args[0]), bytes(args[1])
+            if len(data) > MAX_MESSAGE_BYTES:
+                raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            await self.pubsub.publish(topic, data)
+        elif kind == "peers":
+            await self.reply(("peers", [p.to_base58() for p in list(self.pubsub.peers)]))
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    async def connect(self, maddr: str, timeout: float) -> None:
+        ok, error = False, ""
+        try:
+            with trio.fail_after(timeout):
+                info = info_from_p2p_addr(multiaddr.Multiaddr(maddr))
+                if info.peer_id == self.my_id:
+                    raise ValueError("refusing to dial ourselves")
+                await self.host.connect(info)
+            ok = True
+            # Give the pubsub stream a moment, so that peers() lists the peer on return.
+            with contextlib.suppress(trio.TooSlowError):
+                await self.pubsub.wait_for_peer(info.peer_id, timeout=PUBSUB_STREAM_WAIT)
+        except trio.TooSlowError:
+            error = f"timed out after {timeout:g} s"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        await self.reply(("connected", maddr, ok, error))
+
+    async def subscribe(self, topic: str) -> None:
+        if topic in self.subscribed:
+            return
+        self.pubsub.set_topic_validator(topic, _within_size, is_async_validator=False)
+        subscription = await self.pubsub.subscribe(topic)
+        self.subscribed.add(topic)
+        assert self.nursery is not None
+        self.nursery.start_soon(self.pump, topic, subscription)
+
+    async def pump(self, topic: str, subscription: Any) -> None:
+        while True:
+            msg = await subscription.get()
+            if msg.from_id == self.my_id_bytes:
+                continue  # our own publication, delivered to local subscribers
+            data = bytes(msg.data)
+            if len(data) > MAX_MESSAGE_BYTES:
+                continue
+            try:
+                sender = ID(msg.from_id).to_base58()
+            except Exception:
+                continue
+            self.post_message(("message", topic, data, sender))
+
+
+def _describe(cmd: Any) -> str:
+    if isinstance(cmd, tuple) and cmd:
+        return str(cmd[0])[:40]
+    return type(cmd).__name__
+
+
+async def _amain(
+    conn: Connection, seed: bytes, listen_host: str, port: int, topics: list[str]
+) -> None:
+    try:
+        if len(seed) != 32:
+            raise ValueError(f"seed must be 32 bytes, got {len(seed)}")
+        key_pair = create_new_key_pair(seed)
+        listen = multiaddr.Multiaddr(f"/ip4/{listen_host}/tcp/{int(port)}")
+        host = new_host(key_pair=key_pair, listen_addrs=[listen])
+        router = GossipSub(
+            protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
+            degree=DEGREE,
+            degree_low=DEGREE_LOW,
+            degree_high=DEGREE_HIGH,
+            heartbeat_initial_delay=0.1,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            # Many messages per round are legitimate here (one per peer and phase).
+            max_messages_per_topic_per_second=100.0,
+        )
+        pubsub = Pubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
+    except Exception as e:
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        raise
+
+    child = _Child(conn, host, pubsub)
+    try:
+        await _serve(child, router, listen, topics)
+    except BaseException as e:
+        if _only(e, _ParentGone):
+            logger.debug("gossip: parent went away, exiting")
+            return
+        if not child.ready:
+            with contextlib.suppress(Exception):
+                conn.send(("fatal", _leaf_errors(e)))
+        raise
+
+
+async def _serve(child: _Child, router: GossipSub, listen: Any, topics: list[str]) -> None:
+    host, pubsub = child.host, child.pubsub
+    async with host.run(listen_addrs=[listen]), trio.open_nursery() as nursery:
+        child.nursery = nursery
+        async with background_trio_service(pubsub), background_trio_service(router):
+            await pubsub.wait_until_ready()
+            for topic in topics:
+                await child.subscribe(topic)
+            peer_id = child.my_id.to_base58()
+            maddrs = [f"{a}/p2p/{peer_id}" for a in host.get_transport_addrs()]
+            await trio.to_thread.run_sync(child.conn.send, ("ready", peer_id, maddrs))
+            child.ready = True
+            async with trio.open_nursery() as inner:
+                inner.start_soon(child.writer)
+                await child.reader()  # returns on ("close",)
+                inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+
+def _only(e: BaseException, cls: type[BaseException]) -> bool:
+    if isinstance(e, BaseExceptionGroup):
+        return all(_only(sub, cls) for sub in e.exceptions)
+    return isinstance(e, cls)
+
+
+def _leaf_errors(e: BaseException) -> str:
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_leaf_errors(sub) for sub in e.exceptions)
+    return f"{type(e).__name__}: {e}"
+
+
+def run_child(
+    conn: Connection, seed: bytes, listen_host: str, port: int, topics: list[str]
+) -> None:
+    """Entry point of the gossip child process; returns when told to close or orphaned."""
+    try:
+        trio.run(_amain, conn, bytes(seed), listen_host, port, list(topics))
+    except* (EOFError, BrokenPipeError, ConnectionResetError):
+        pass
+    except* KeyboardInterrupt:
+        pass

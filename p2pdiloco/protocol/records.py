@@ -1,0 +1,223 @@
+"""Typed bodies of the signed records: heartbeats and run manifests.
+
+Every model is strict, forbids extra fields and bounds every string, list and number, because
+bodies come from untrusted peers (and end up in dashboards: no control characters either).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from p2pdiloco.errors import UserError
+from p2pdiloco.protocol.signing import (
+    PROTOCOL_VERSION,
+    Envelope,
+    InvalidRecord,
+    PeerIdStr,
+    canonical_json,
+    schema_error_reason,
+)
+
+HEARTBEAT_KIND = "heartbeat"
+MANIFEST_KIND = "manifest"
+ROLES = ("bootstrap", "learner", "syncer")
+_RUN_ID_DOMAIN = b"p2pdiloco/run-id/v1\x00"
+_MAX_INT = 2**63 - 1
+
+# Printable text only: peer-supplied strings are shown in terminals and web dashboards.
+_PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
+Text = Annotated[str, Field(max_length=256, pattern=_PRINTABLE)]
+ShortText = Annotated[str, Field(min_length=1, max_length=64, pattern=_PRINTABLE)]
+Multiaddr = Annotated[str, Field(min_length=2, max_length=256, pattern=r"^/[\x21-\x7e]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+RuleName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_-]+$")]
+NonNegFloat = Annotated[float, Field(ge=0)]
+NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+Role = Literal["bootstrap", "learner", "syncer"]
+
+
+class IncompatibleProtocol(UserError):
+    """A run made by a p2pdiloco that speaks another protocol version."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# heartbeat
+
+
+class Hardware(_Strict):
+    """What a node trains on."""
+
+    device: ShortText  # "cuda", "cpu", "mps", ...
+    name: Text
+    memory_gb: NonNegFloat = Field(le=1e6)
+    count: int = Field(ge=0, le=4096)
+
+
+class Heartbeat(_Strict):
+    """Body of a ``heartbeat`` record: a node's liveness, roles, capacity and addresses."""
+
+    peer_id: PeerIdStr
+    island: ShortText
+    roles: list[Role] = Field(max_length=len(ROLES))
+    hardware: Hardware
+    throughput_tps: NonNegFloat
+    version: NonNegInt  # latest certified global version the node holds
+    addrs: list[Multiaddr] = Field(max_length=32)  # DHT / p2pd side
+    gossip_addrs: list[Multiaddr] = Field(max_length=32)  # py-libp2p gossip host
+    reachability: Literal["direct", "relayed", "unknown"]
+    seq: NonNegInt
+
+    @model_validator(mode="after")
+    def _roles_unique(self) -> Self:
+        if len(set(self.roles)) != len(self.roles):
+            raise ValueError("roles must not repeat")
+        return self
+
+
+def parse_heartbeat(env: Envelope) -> Heartbeat:
+    """The typed heartbeat of a verified envelope.
+
+    Raises InvalidRecord if the envelope is not a heartbeat, the body fails the schema, or the
+    body's ``peer_id`` is not the envelope's signer (a node may only speak for itself).
+    """
+    if env.kind != HEARTBEAT_KIND:
+        raise InvalidRecord(f"expected a heartbeat, got {env.kind[:64]!r}", signer=env.signer)
+    try:
+        hb = Heartbeat.model_validate(env.body)
+    except ValidationError as e:
+        raise InvalidRecord(schema_error_reason("heartbeat", e), signer=env.signer) from None
+    if hb.peer_id != env.signer:
+        raise InvalidRecord(
+            "heartbeat peer_id differs from its signer", signer=env.signer, signer_verified=True
+        )
+    return hb
+
+
+# ---------------------------------------------------------------------------------------------
+# run manifest
+
+
+def default_quorum(committee_size: int) -> int:
+    """Byzantine quorum ``floor(2k/3) + 1`` for a committee of ``k``; raises ValueError if k < 1."""
+    if committee_size < 1:
+        raise ValueError("committee size must be at least 1")
+    return (2 * committee_size) // 3 + 1
+
+
+class InnerParams(_Strict):
+    """Inner AdamW hyperparameters; same names and defaults as ``train.inner.InnerConfig``."""
+
+    lr: float = Field(default=4e-4, gt=0, le=10)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    weight_decay: float = Field(default=0.1, ge=0, le=10)
+    warmup_steps: int = Field(default=100, ge=0, le=10**9)
+    total_steps: int = Field(default=10_000, ge=1, le=10**9)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6)  # 0 disables
+    grad_accum: int = Field(default=1, ge=1, le=4096)
+    batch_size: int = Field(default=8, ge=1, le=2**20)
+    seq_len: int = Field(default=128, ge=1, le=2**22)
+
+
+class OuterParams(_Strict):
+    """Outer Nesterov-SGD hyperparameters; same names and defaults as ``train.outer.OuterConfig``."""
+
+    lr: float = Field(default=0.7, gt=0, le=10)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    nesterov: bool = True
+    fragments: int = Field(default=1, ge=1, le=1024)
+
+
+class RunManifest(_Strict):
+    """Body of a ``manifest`` record: everything that defines a training run.
+
+    The run id is derived from the manifest (:func:`run_id_of`), so the envelope's run field is
+    empty. ``quorum`` defaults to :func:`default_quorum` of ``committee_size``.
+    """
+
+    protocol_version: int = Field(ge=1, le=2**31)
+    name: Name
+    model: Text = Field(min_length=1)
+    data: Text = Field(min_length=1)
+    seed: NonNegInt
+    creator: PeerIdStr
+    created_at: NonNegFloat
+    committee_size: int = Field(ge=1, le=64)
+    quorum: int = Field(ge=1, le=64)
+    inner_steps: int = Field(ge=1, le=10**7)
+    inner: InnerParams = Field(default_factory=InnerParams)
+    outer: OuterParams = Field(default_factory=OuterParams)
+    compression: RuleName = "none"
+    aggregation: RuleName = "mean"
+    min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
+    staleness: int = Field(default=2, ge=0, le=10_000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_quorum(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "quorum" not in data:
+            k = data.get("committee_size")
+            if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64:
+                return {**data, "quorum": default_quorum(k)}
+        return data
+
+    @model_validator(mode="after")
+    def _quorum_fits(self) -> Self:
+        if self.quorum > self.committee_size:
+            raise ValueError(f"quorum {self.quorum} exceeds committee size {self.committee_size}")
+        return self
+
+
+def run_id_of(manifest: RunManifest) -> str:
+    """The run id: 64 hex chars of sha256 over the domain tag and the canonical manifest.
+
+    Independent of key order; any change to any field gives another id.
+    """
+    blob = _RUN_ID_DOMAIN + canonical_json(manifest.model_dump(mode="json"))
+    return hashlib.sha256(blob).hexdigest()
+
+
+def parse_manifest(env: Envelope) -> tuple[str, RunManifest]:
+    """The run id and typed manifest of a verified envelope.
+
+    Raises IncompatibleProtocol if the manifest declares another protocol version (checked
+    first, since a newer manifest may carry fields this version does not know); InvalidRecord
+    if the envelope is not a manifest, its run field is not empty, the body fails the schema,
+    or its ``creator`` is not the signer.
+    """
+    if env.kind != MANIFEST_KIND:
+        raise InvalidRecord(f"expected a manifest, got {env.kind[:64]!r}", signer=env.signer)
+    if env.run != "":
+        raise InvalidRecord("a manifest's envelope run field must be empty", signer=env.signer)
+    version = env.body.get("protocol_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
+        raise IncompatibleProtocol(_incompatible_message(env.body.get("name"), version))
+    try:
+        manifest = RunManifest.model_validate(env.body)
+    except ValidationError as e:
+        raise InvalidRecord(schema_error_reason("manifest", e), signer=env.signer) from None
+    if manifest.creator != env.signer:
+        raise InvalidRecord(
+            "manifest creator differs from its signer", signer=env.signer, signer_verified=True
+        )
+    return run_id_of(manifest), manifest
+
+
+def _incompatible_message(name: object, version: int) -> str:
+    label = name[:64] if isinstance(name, str) and name.isprintable() else "?"
+    shown = version if abs(version) < 10**9 else "?"
+    head = (
+        f"run {label!r} uses protocol version {shown} "
+        f"but this p2pdiloco speaks version {PROTOCOL_VERSION}"
+    )
+    if version > PROTOCOL_VERSION:
+        return f"{head}; upgrade with: pip install -U p2pdiloco"
+    return f"{head}; join it with an older p2pdiloco release or create a new run"
