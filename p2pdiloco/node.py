@@ -217,6 +217,7 @@ class Node:
     def _tick(self) -> None:
         """One interval: publish, poll the DHT, drain gossip, expire, dial new gossip peers."""
         assert self.dht is not None and self.run is not None and self.members is not None
+        self.dht.rejoin(self.cfg.bootstrap)
         raw = self._heartbeat()
         self.dht.store(
             keys.run_peers_key(self.run.run_id), self.identity.peer_id, raw, self.cfg.heartbeat_ttl

@@ -15,11 +15,26 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _is_infrastructure(proc: psutil.Process) -> bool:
+    """Process-wide helpers that outlive tests by design: killing them breaks later tests
+    (torch aborts on its next shared-memory allocation once its manager is gone)."""
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "torch_shm_manager" in cmd or "resource_tracker" in cmd
+
+
 @pytest.fixture(autouse=True)
 def _kill_leftover_children() -> Iterator[None]:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    children = psutil.Process().children(recursive=True)
-    for child in children:
+    leftovers = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and not _is_infrastructure(p)
+    ]
+    for child in leftovers:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-    psutil.wait_procs(children, timeout=10)
+    psutil.wait_procs(leftovers, timeout=10)

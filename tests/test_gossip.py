@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -170,6 +171,19 @@ def test_star_gossip(star: list[GossipProcess]) -> None:
     msg = _wait_message(a, lambda m: m.data == b"on-u", time.monotonic() + 10.0)
     assert msg == GossipMessage("u", b"on-u", c.peer_id)
     assert all(m.topic == TOPIC for m in _drain(b))
+
+    # asyncio flavour; a message taken by a cancelled aget() is put back, not lost.
+    async def aget_checks() -> None:
+        b.publish(TOPIC, b"async-1")
+        msg = await a.aget(10.0)
+        assert msg == GossipMessage(TOPIC, b"async-1", b.peer_id)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(a.aget(None), 0.1)
+        b.publish(TOPIC, b"async-2")
+        msg = await a.aget(10.0)
+        assert msg == GossipMessage(TOPIC, b"async-2", b.peer_id)
+
+    asyncio.run(aget_checks())
 
     # A sender never receives its own messages (C relays nothing back to B either).
     for p in (a, b, c):

@@ -12,6 +12,7 @@ from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
 
 log = logging.getLogger("p2pdiloco.join")
@@ -39,6 +40,12 @@ def join(
         bool, typer.Option("--no-tui", help="Plain log lines instead of the dashboard.")
     ] = False,
     no_gossip: Annotated[bool, typer.Option("--no-gossip", help="DHT polling only.")] = False,
+    heartbeat_interval: Annotated[
+        float, typer.Option(help="Seconds between heartbeats.", hidden=True)
+    ] = keys.HEARTBEAT_INTERVAL,
+    heartbeat_ttl: Annotated[
+        float, typer.Option(help="Seconds a heartbeat stays valid.", hidden=True)
+    ] = keys.HEARTBEAT_TTL,
 ) -> None:
     """Join a training run through the bootstrap servers and serve until Ctrl-C."""
     if not model and not run:
@@ -57,6 +64,8 @@ def join(
             announce=announce or [],
             island=island or "",
             gossip=not no_gossip,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_ttl=heartbeat_ttl,
         )
     )
     try:
@@ -69,7 +78,7 @@ def join(
         print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
-        while not stop.wait(5.0):
+        while not stop.wait(heartbeat_interval):
             snap = node.snapshot()
             log.info(
                 "peers %d (%s), gossip %s, rejected records %d",

@@ -8,6 +8,8 @@ naming the sender, so a peer can never make this node crash or act on a forged r
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -16,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
+from multiaddr import Multiaddr
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.identity import Identity
@@ -60,19 +65,26 @@ class EnvelopeValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         if len(record.value) > self.max_bytes + 64:
+            log.warning("refused DHT record: %d bytes is over the limit", len(record.value))
             return False
         try:
             raw = MSGPackSerializer.loads(record.value)
             env = open_envelope(raw, max_bytes=self.max_bytes, max_skew=3600.0)
             subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
-        except (InvalidRecord, ValueError, TypeError, Exception):
+        except InvalidRecord as e:
+            log.warning("refused DHT record from %s: %s", e.signer or "unknown peer", e)
             return False
-        if env.kind in ("heartbeat",) and subkey != env.signer:
+        except Exception as e:  # undecodable msgpack from a peer
+            log.warning("refused undecodable DHT record: %s", type(e).__name__)
+            return False
+        if env.kind == "heartbeat" and subkey != env.signer:
+            log.warning("refused heartbeat from %s stored under another peer's slot", env.signer)
             return False
         slots = self._slots.setdefault(env.signer, set())
         slot = (record.key, record.subkey)
         if slot not in slots:
             if len(slots) >= self.max_slots:
+                log.warning("refused DHT record from %s: over %d slots", env.signer, self.max_slots)
                 return False
             slots.add(slot)
         return True
@@ -83,6 +95,23 @@ class EnvelopeValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
+
+
+async def _rejoin(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout: float) -> int:
+    """Runs inside the DHT process (see DHT.run_coroutine)."""
+    answered = 0
+    for maddr in maddrs:
+        try:
+            peer = PeerID.from_base58(Multiaddr(maddr)["p2p"])
+            if peer in node.protocol.routing_table:
+                answered += 1
+                continue
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr)]), timeout)
+            if await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None:
+                answered += 1
+        except Exception as e:  # an unreachable bootstrap is expected; try again next interval
+            log.debug("rejoin via %s failed: %s", maddr, e)
+    return answered
 
 
 class DHTPlane:
@@ -179,6 +208,19 @@ class DHTPlane:
                 log.warning("dropped invalid %s record from %s: %s", kind, sender, e)
                 continue
             yield StoredRecord(str(subkey), env, float(expiration))
+
+    def rejoin(self, initial_peers: Sequence[str], timeout: float = 10.0) -> int:
+        """Re-dial and ping bootstrap peers missing from the routing table; how many answered.
+
+        hivemind pings ``initial_peers`` only once, at start. A bootstrap that restarts drops out
+        of our routing table, and a node whose only contact it was would stay isolated; calling
+        this every heartbeat interval heals that within one interval of the bootstrap's return.
+        """
+        return int(
+            self.dht.run_coroutine(
+                functools.partial(_rejoin, maddrs=list(initial_peers), timeout=timeout)
+            )
+        )
 
     def close(self) -> None:
         """Stop the DHT process and its daemon (idempotent)."""

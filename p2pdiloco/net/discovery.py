@@ -70,6 +70,7 @@ class NetworkState:
                         "throughput_tps": hb.throughput_tps,
                         "hardware": hb.hardware.model_dump(),
                         "addrs": list(hb.addrs),
+                        "gossip_addrs": list(hb.gossip_addrs),
                         "last_seen_s": round(now - v.ts, 1),
                         "via": v.via,
                     }

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -316,14 +316,14 @@ class GossipProcess:
             with self._state_lock:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(2, thread_name_prefix="gossip-aget")
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self.get, timeout)
+        future = self._executor.submit(self.get, timeout)
         try:
-            return await asyncio.shield(future)
+            return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
-            future.add_done_callback(self._requeue)
+            future.add_done_callback(self._requeue)  # runs in the worker, loop or not
             raise
 
-    def _requeue(self, future: asyncio.Future[GossipMessage | None]) -> None:
+    def _requeue(self, future: Future[GossipMessage | None]) -> None:
         if not future.cancelled() and future.exception() is None:
             msg = future.result()
             if msg is not None:

@@ -34,6 +34,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils.address_validation import expand_wildcard_address
 
 from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
 
@@ -114,7 +115,7 @@ class _Child:
             try:
                 await self.handle(cmd)
             except Exception as e:
-                logger.debug("gossip: command %r failed", cmd[:1], exc_info=True)
+                logger.debug("gossip: command %s failed", _describe(cmd), exc_info=True)
                 await self.reply(("error", f"{_describe(cmd)}: {type(e).__name__}: {e}"))
 
     async def handle(self, cmd: Any) -> None:
@@ -203,7 +204,8 @@ async def _amain(
             degree_high=DEGREE_HIGH,
             heartbeat_initial_delay=0.1,
             heartbeat_interval=HEARTBEAT_INTERVAL,
-            # Many messages per round are legitimate here (one per peer and phase).
+            # py-libp2p silently drops messages beyond this rate per forwarding peer and
+            # topic (default 10/s); bursts of one announcement per peer are legitimate here.
             max_messages_per_topic_per_second=100.0,
         )
         pubsub = Pubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
@@ -233,7 +235,7 @@ async def _serve(child: _Child, router: GossipSub, listen: Any, topics: list[str
             for topic in topics:
                 await child.subscribe(topic)
             peer_id = child.my_id.to_base58()
-            maddrs = [f"{a}/p2p/{peer_id}" for a in host.get_transport_addrs()]
+            maddrs = [f"{a}/p2p/{peer_id}" for a in _concrete(host.get_transport_addrs())]
             await trio.to_thread.run_sync(child.conn.send, ("ready", peer_id, maddrs))
             child.ready = True
             async with trio.open_nursery() as inner:
@@ -241,6 +243,20 @@ async def _serve(child: _Child, router: GossipSub, listen: Any, topics: list[str
                 await child.reader()  # returns on ("close",)
                 inner.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+
+
+def _concrete(addrs: list[Any]) -> list[Any]:
+    """Listen addresses with a wildcard IP (0.0.0.0) replaced by the interfaces' IPs."""
+    out: list[Any] = []
+    for addr in addrs:
+        if addr.value_for_protocol("ip4") == "0.0.0.0":
+            try:
+                out.extend(expand_wildcard_address(addr) or [addr])
+            except Exception:
+                out.append(addr)
+        else:
+            out.append(addr)
+    return out
 
 
 def _only(e: BaseException, cls: type[BaseException]) -> bool:

@@ -1,0 +1,94 @@
+"""Helpers for network tests: real `p2pdiloco` processes on loopback, waits with deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.25) -> T:
+    """Poll ``probe`` until it returns something truthy; AssertionError naming ``what`` if not."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        # Bounded back-off between polls of a real network (not a synchronisation sleep).
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+class Proc:
+    """A `python -m p2pdiloco ...` child with its output in files under ``workdir``."""
+
+    def __init__(
+        self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None
+    ):
+        self.name = name
+        self.out = workdir / f"{name}.out"
+        self.err = workdir / f"{name}.err"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_DATA_HOME": str(workdir / name)}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco", *args],
+            stdout=open(self.out, "w"),  # noqa: SIM115 (closed with the process)
+            stderr=open(self.err, "w"),  # noqa: SIM115
+            env=full_env,
+            start_new_session=True,
+        )
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
+
+    def wait_output(self, needle: str, timeout: float) -> str:
+        def probe() -> str | None:
+            if needle in (t := self.text()):
+                return t
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{t[-3000:]}")
+            return None
+
+        return wait_for(f"'{needle}' from {self.name}", probe, timeout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (p2pd daemons and DHT children included)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM and wait; kills the group if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # Children of a cleanly stopped process must not linger either.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return int(self.proc.returncode)
+
+
+def peers_of(state: dict[str, Any], run_id: str) -> set[str]:
+    return {p["peer_id"] for p in state["peers"] if p["run_id"] == run_id}

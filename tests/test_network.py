@@ -1,0 +1,280 @@
+"""The network plane with real processes on loopback: bootstrap, nodes, attackers.
+
+Every node and bootstrap is a real `p2pdiloco` process with its own hivemind p2pd daemon and
+py-libp2p gossip child; the test process reads the DHT with a client node of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.net import keys
+from p2pdiloco.net.dht import DHTPlane
+from p2pdiloco.net.discovery import collect_state
+from p2pdiloco.net.gossip import GossipProcess
+from p2pdiloco.net.manifests import create_manifest, publish_manifest
+from p2pdiloco.node import run_topic
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.records import Hardware, Heartbeat
+from p2pdiloco.protocol.signing import seal
+from tests.netutil import Proc, free_port, peers_of, wait_for
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+FAST = ["--heartbeat-interval", "1", "--heartbeat-ttl", "6"]
+IMPERSONATION = "heartbeat peer_id differs from its signer"
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def start_bootstrap(
+    tmp: Path, name: str = "bootstrap", port: int = 0, http_port: int = 0
+) -> tuple[Proc, str, int]:
+    http_port = http_port or free_port()
+    proc = Proc(
+        name,
+        ["bootstrap", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
+         "--http-port", str(http_port), "--identity", str(tmp / "bootstrap.key")],
+        tmp,
+    )  # fmt: skip
+    out = proc.wait_output("HTTP:", timeout=60)
+    addr = next(ln.strip() for ln in out.splitlines() if ln.startswith("  /ip4/"))
+    return proc, addr, http_port
+
+
+def node_id(proc: Proc, timeout: float = 60) -> str:
+    """Wait for the node's "joined run NAME (ID) as PEER" line; its peer id."""
+    out = proc.wait_output(" as 12D3KooW", timeout=timeout)
+    match = re.search(r"joined run \S+ \(\w+\) as (\S+)", out)
+    assert match, out[-2000:]
+    return match.group(1)
+
+
+def start_node(tmp: Path, name: str, bootstrap: str, *extra: str) -> Proc:
+    proc = Proc(
+        name,
+        ["join", "--model", "gemma-tiny", "--bootstrap", bootstrap, "--host", "127.0.0.1",
+         "--no-tui", "--island", name, *FAST, *extra],
+        tmp,
+    )  # fmt: skip
+    return proc
+
+
+@pytest.fixture()
+def net(tmp_path: Path) -> Iterator[dict]:
+    """A bootstrap server, a published gemma-tiny run and a DHT client for reading state."""
+    boot, addr, http_port = start_bootstrap(tmp_path)
+    client = DHTPlane(Identity.generate(), initial_peers=[addr], client_mode=True)
+    run_id, manifest, raw = create_manifest(
+        Identity.generate(), name="net-test", model="gemma-tiny", data="embedded", seed=0,
+        inner_steps=20, committee_size=4,
+    )  # fmt: skip
+    publish_manifest(client, run_id, manifest, raw)
+    procs: list[Proc] = [boot]
+    yield {"tmp": tmp_path, "boot": boot, "addr": addr, "http": http_port, "client": client,
+           "run_id": run_id, "procs": procs}  # fmt: skip
+    client.close()
+    for p in procs:
+        p.stop(timeout=20)
+
+
+def live_peers(net: dict) -> set[str]:
+    return peers_of(collect_state(net["client"]).to_dict(), net["run_id"])
+
+
+def test_bootstrap_answers_http_within_10s(tmp_path: Path) -> None:
+    """The operator's command from the docs, on its documented ports."""
+    t0 = time.monotonic()
+    proc = Proc(
+        "bootstrap",
+        ["bootstrap", "--port", "31337", "--http-port", "8080", "--identity", str(tmp_path / "k")],
+        tmp_path,
+    )
+    try:
+        status, _ = wait_for(
+            "/healthz 200",
+            lambda: (r := http_get("http://127.0.0.1:8080/healthz"))[0] == 200 and r,
+            10,
+        )
+        code, body = http_get("http://127.0.0.1:8080/api/v1/state")
+        elapsed = time.monotonic() - t0
+        assert code == 200
+        state = json.loads(body)
+        assert {"runs", "peers", "server"} <= set(state)
+        assert elapsed < 10, f"took {elapsed:.1f}s"
+        out = proc.wait_output("/p2p/", timeout=5)
+        assert "/tcp/31337/p2p/12D3KooW" in out
+        code, metrics = http_get("http://127.0.0.1:8080/metrics")
+        assert code == 200 and b"p2pdiloco_peers" in metrics
+        assert http_get("http://127.0.0.1:8080/nope")[0] == 404
+    finally:
+        assert proc.stop() == 0
+
+
+def test_three_nodes_see_each_other_and_a_killed_node_drops_out(net: dict) -> None:
+    nodes = [start_node(net["tmp"], f"node{i}", net["addr"]) for i in range(3)]
+    net["procs"].extend(nodes)
+    t0 = time.monotonic()
+    ids = {node_id(n) for n in nodes}
+    wait_for("3 peers in status", lambda: live_peers(net) >= ids, timeout=20)
+    seen_after = time.monotonic() - t0
+    # The CLI agrees with the in-process reader.
+    status = Proc("status", ["status", "--bootstrap", net["addr"], "--json"], net["tmp"])
+    status.proc.wait(timeout=60)
+    state = json.loads(status.out.read_text())
+    assert peers_of(state, net["run_id"]) >= ids
+    assert state["runs"][0]["peers"] >= 3 and all(
+        p["reachability"] == "direct" for p in state["peers"]
+    )
+
+    victim = nodes[2]
+    victim_id = node_id(victim)
+    victim.kill()
+    t_kill = time.monotonic()
+    wait_for("killed node to drop out", lambda: victim_id not in live_peers(net), timeout=6 + 15)
+    dropped_after = time.monotonic() - t_kill
+    assert live_peers(net) >= ids - {victim_id}
+    nodes[0].wait_output(f"peer {victim_id[:16]} left", timeout=15)
+    print(f"3 nodes visible after {seen_after:.1f}s; killed node gone after {dropped_after:.1f}s")
+
+
+def test_bootstrap_restart_keeps_peer_id_and_nodes_reconnect(net: dict) -> None:
+    node = start_node(net["tmp"], "node", net["addr"])
+    net["procs"].append(node)
+    nid = node_id(node)
+    wait_for("node in status", lambda: nid in live_peers(net), timeout=20)
+    boot = net["boot"]
+    port = int(net["addr"].split("/tcp/")[1].split("/")[0])
+    old_id = net["addr"].rsplit("/", 1)[1]
+    assert boot.stop() == 0
+    boot2, addr2, http2 = start_bootstrap(net["tmp"], "bootstrap2", port=port)
+    net["procs"].append(boot2)
+    assert addr2.rsplit("/", 1)[1] == old_id and f"/tcp/{port}/" in addr2
+
+    def node_seen_by_restarted() -> bool:
+        code, body = http_get(f"http://127.0.0.1:{http2}/api/v1/state")
+        return code == 200 and nid in {p["peer_id"] for p in json.loads(body)["peers"]}
+
+    wait_for("restarted bootstrap to see the node again", node_seen_by_restarted, timeout=45)
+    assert node.alive()
+
+
+def _heartbeat(
+    ident: Identity, run_id: str, ts: float, seq: int = 1, peer_id: str | None = None
+) -> bytes:
+    hb = Heartbeat(
+        peer_id=peer_id or ident.peer_id, island="attacker", roles=["learner"],
+        hardware=Hardware(device="cpu", name="x", memory_gb=1.0, count=1), throughput_tps=0.0,
+        version=0, addrs=[], gossip_addrs=[], reachability="unknown", seq=seq,
+    )  # fmt: skip
+    return seal(ident, "heartbeat", run_id, hb.model_dump(mode="json"), ts=ts)
+
+
+def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) -> None:
+    node = start_node(net["tmp"], "node", net["addr"])
+    net["procs"].append(node)
+    nid = node_id(node)
+    run_id = net["run_id"]
+    state = wait_for(
+        "node's gossip address",
+        lambda: next((p for p in collect_state(net["client"]).to_dict()["peers"]
+                      if p["peer_id"] == nid and p["gossip_addrs"]), None),
+        timeout=20,
+    )  # fmt: skip
+
+    attacker = Identity.generate()
+    now = time.time()
+    forged = bytearray(_heartbeat(attacker, run_id, now))
+    forged[forged.index(b'"island":"attacker"') + 10] ^= 0x01  # body changed after signing
+    impersonation = _heartbeat(attacker, run_id, now + 0.5, peer_id=nid)
+    newer, older = (
+        _heartbeat(attacker, run_id, now + 2, seq=3),
+        _heartbeat(attacker, run_id, now + 1, seq=2),
+    )
+    oversized = b"{" + b" " * 100_000 + b"}"
+
+    with GossipProcess(attacker.seed, topics=[run_topic(run_id)]) as gossip:
+        assert any(gossip.connect(a) for a in state["gossip_addrs"])
+
+        def all_rejections_logged() -> bool:
+            for payload in (bytes(forged), impersonation, oversized, newer, older):
+                gossip.publish(run_topic(run_id), payload)
+            text = node.text()
+            return all(
+                f"{attacker.peer_id} via gossip: {reason}" in text
+                for reason in ("bad signature", "record too large", "replayed", IMPERSONATION)
+            )
+
+        wait_for(
+            "node to log each rejected gossip record",
+            all_rejections_logged,
+            timeout=30,
+            interval=1.0,
+        )
+
+    # DHT path: a heartbeat in the node's slot signed by someone else, and a malformed manifest.
+    net["client"].store(
+        keys.run_peers_key(run_id), nid, _heartbeat(attacker, run_id, time.time()), 30
+    )
+    bad_manifest = seal(attacker, "manifest", "", {"name": "evil", "protocol_version": 1})
+    net["client"].store(keys.runs_key(), "f" * 64, bad_manifest, 60)
+    boot = net["boot"]
+    wait_for(
+        "bootstrap to refuse the slot theft",
+        lambda: "stored under another peer's slot" in boot.text() + node.text(),
+        timeout=20,
+    )
+    state = wait_for(
+        "malformed manifest reported",
+        lambda: (s := collect_state(net["client"]).to_dict())["rejected_records"] and s,
+        timeout=20,
+    )
+    assert any(attacker.peer_id in r for r in state["rejected_records"])
+    # The node kept serving throughout: still heartbeating, still alive.
+    assert node.alive()
+    t_before = time.time()
+    wait_for(
+        "a fresh heartbeat from the node",
+        lambda: any(p["peer_id"] == nid and p["last_seen_s"] < 3
+                    for p in collect_state(net["client"]).to_dict()["peers"]),
+        timeout=15,
+    )  # fmt: skip
+    assert time.time() - t_before < 15
+    assert "Traceback" not in node.text()
+
+
+def test_with_gossip_disabled_nodes_converge_through_the_dht(net: dict) -> None:
+    nodes = [start_node(net["tmp"], f"node{i}", net["addr"], "--no-gossip") for i in range(2)]
+    net["procs"].extend(nodes)
+    ids = {node_id(n) for n in nodes}
+    for n in nodes:
+        n.wait_output("peers 2", timeout=30)
+        assert "gossip off" in n.text()
+    assert live_peers(net) >= ids
+
+
+def test_join_with_no_reachable_bootstrap_says_so_in_one_line(tmp_path: Path) -> None:
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"
+    proc = Proc(
+        "node", ["join", "--model", "gemma-tiny", "--bootstrap", dead, "--no-tui"], tmp_path
+    )
+    proc.proc.wait(timeout=120)
+    assert proc.proc.returncode == 2
+    err = [ln for ln in proc.err.read_text().splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and dead in err[0] and "Traceback" not in proc.text()
