@@ -1,0 +1,75 @@
+"""Settings precedence (flags > env > config file > built-in) and the keys CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco import config
+from p2pdiloco.errors import ConfigError
+
+A, B, C = "/ip4/1.1.1.1/tcp/1/p2p/x", "/ip4/2.2.2.2/tcp/2/p2p/y", "/ip4/3.3.3.3/tcp/3/p2p/z"
+
+
+def test_bootstrap_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"P2PDILOCO_BOOTSTRAP": f"{B}, {C}"}
+    cfg = {"bootstrap": [C]}
+    assert config.resolve_bootstrap([A], env=env, config=cfg) == ([A], "--bootstrap")
+    assert config.resolve_bootstrap(None, env=env, config=cfg)[0] == [B, C]
+    assert config.resolve_bootstrap(None, env={}, config=cfg)[0] == [C]
+    monkeypatch.setattr(config, "COMMUNITY_BOOTSTRAP", (A,))
+    assert config.resolve_bootstrap(None, env={}, config={}) == ([A], "built-in community list")
+    with pytest.raises(ConfigError):
+        config.resolve_bootstrap(None, env={}, config={"bootstrap": 3})
+
+
+def test_generic_setting_precedence() -> None:
+    assert config.resolve("port", 1, 9, env={"P2PDILOCO_PORT": "2"}, config={"port": 3}) == 1
+    assert config.resolve("port", None, 9, env={"P2PDILOCO_PORT": "2"}, config={"port": 3}) == "2"
+    assert config.resolve("port", None, 9, env={}, config={"port": 3}) == 3
+    assert config.resolve("port", None, 9, env={}, config={}) == 9
+
+
+def test_config_file_is_read_and_bad_toml_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "p2pdiloco").mkdir()
+    (tmp_path / "p2pdiloco" / "config.toml").write_text(f'bootstrap = ["{A}"]\n')
+    assert config.load_config_file() == {"bootstrap": [A]}
+    (tmp_path / "p2pdiloco" / "config.toml").write_text("bootstrap = [\n")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        config.load_config_file()
+
+
+def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XDG_DATA_HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg")}
+    return subprocess.run(
+        [sys.executable, "-m", "p2pdiloco", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_keys_new_show_and_refuse_overwrite(tmp_path: Path) -> None:
+    out = cli("keys", "new", home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    key = tmp_path / "p2pdiloco" / "identity.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    shown = json.loads(cli("keys", "show", "--json", home=tmp_path).stdout)
+    assert shown["peer_id"].startswith("12D3KooW") and shown["peer_id"] in out.stdout
+    again = cli("keys", "new", home=tmp_path)
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert json.loads(cli("keys", "show", "--json", home=tmp_path).stdout) == shown
+
+
+def test_join_without_any_bootstrap_is_one_line(tmp_path: Path) -> None:
+    out = cli("join", "--model", "gemma-tiny", home=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: no bootstrap server configured")
+    assert "Traceback" not in out.stderr
