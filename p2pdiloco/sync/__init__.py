@@ -1,0 +1,1 @@
+"""Round logic: committee election, and the sans-IO round state machine."""
