@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 
 def stop_event() -> threading.Event:
-    """An event set by the first SIGINT or SIGTERM; a second SIGINT exits at once."""
+    """An event set by the first SIGINT or SIGTERM; a second SIGINT exits at once.
+
+    Only the installing process reacts this way. hivemind forks its DHT process after this is
+    installed, and a forked child inherits Python-level handlers: there the handler restores the
+    default action and re-raises, so ``terminate()`` still kills the child (otherwise the child
+    ignores it and the parent waits for it forever at exit).
+    """
     stop = threading.Event()
+    owner = os.getpid()
 
     def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if stop.is_set() and signum == signal.SIGINT:
             raise SystemExit(130)
         stop.set()
