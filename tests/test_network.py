@@ -278,3 +278,38 @@ def test_join_with_no_reachable_bootstrap_says_so_in_one_line(tmp_path: Path) ->
     assert proc.proc.returncode == 2
     err = [ln for ln in proc.err.read_text().splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and dead in err[0] and "Traceback" not in proc.text()
+
+
+def test_plain_hivemind_client_bootstraps_but_cannot_store_foreign_values(net: dict) -> None:
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    plain = hivemind.DHT(initial_peers=[net["addr"]], start=True, client_mode=True)
+    try:
+        assert plain.get("some/unrelated/key") is None  # routing through the bootstrap works
+        stored = plain.store("some/unrelated/key", "junk", get_dht_time() + 60)
+        assert stored is False  # the bootstrap refuses values that are not signed envelopes
+    finally:
+        plain.shutdown()
+    net["boot"].wait_output("refused DHT record", timeout=10)
+
+
+def test_join_refuses_a_manifest_of_another_protocol_version(net: dict) -> None:
+    creator = Identity.generate()
+    body = {
+        "protocol_version": 2, "name": "future", "model": "gemma-small", "data": "embedded",
+        "seed": 0, "creator": creator.peer_id, "created_at": time.time(), "committee_size": 4,
+        "quorum": 3, "inner_steps": 20, "something_new": True,
+    }  # fmt: skip
+    raw = seal(creator, "manifest", "", body)
+    net["client"].store(keys.runs_key(), "e" * 64, raw, 60)
+    net["client"].store(keys.model_runs_key("gemma-small"), "e" * 64, raw, 60)
+    proc = Proc(
+        "future-node",
+        ["join", "--model", "gemma-small", "--bootstrap", net["addr"], "--host", "127.0.0.1"],
+        net["tmp"],
+    )
+    proc.proc.wait(timeout=120)
+    err = proc.err.read_text()
+    assert proc.proc.returncode == 2, proc.text()[-2000:]
+    assert "protocol version 2" in err and "upgrade" in err and "Traceback" not in err
