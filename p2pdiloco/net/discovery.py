@@ -116,10 +116,9 @@ def _incompatible(run_id: str, env: Any, why: str) -> RunInfo:
     return RunInfo(run_id, manifest, incompatible=why)
 
 
-def read_peers(dht: DHTPlane, run_id: str, ttl: float = keys.HEARTBEAT_TTL) -> Membership:
-    """The live members of ``run_id`` according to the DHT."""
+def _read_heartbeats(dht: DHTPlane, key: str, run_id: str, ttl: float) -> Membership:
     table = Membership(run_id=run_id, ttl=ttl)
-    for rec in dht.read(keys.run_peers_key(run_id), kind="heartbeat", run_id=run_id):
+    for rec in dht.read(key, kind="heartbeat", run_id=run_id):
         try:
             table.ingest(rec.envelope, via="dht")
         except (InvalidRecord, UserError) as e:
@@ -127,14 +126,14 @@ def read_peers(dht: DHTPlane, run_id: str, ttl: float = keys.HEARTBEAT_TTL) -> M
     return table
 
 
+def read_peers(dht: DHTPlane, run_id: str, ttl: float = keys.HEARTBEAT_TTL) -> Membership:
+    """The live members of ``run_id`` according to the DHT."""
+    return _read_heartbeats(dht, keys.run_peers_key(run_id), run_id, ttl)
+
+
 def read_bootstraps(dht: DHTPlane) -> Membership:
-    table = Membership(run_id="", ttl=keys.HEARTBEAT_TTL)
-    for rec in dht.read(keys.bootstraps_key(), kind="heartbeat", run_id=""):
-        try:
-            table.ingest(rec.envelope, via="dht")
-        except (InvalidRecord, UserError) as e:
-            log.warning("dropped bootstrap heartbeat from %s: %s", rec.envelope.signer, e)
-    return table
+    """Bootstrap servers alive now (their heartbeats carry run id "")."""
+    return _read_heartbeats(dht, keys.bootstraps_key(), "", keys.HEARTBEAT_TTL)
 
 
 def collect_state(dht: DHTPlane) -> NetworkState:
