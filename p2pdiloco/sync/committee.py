@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from p2pdiloco.sync.weights import capped_weights
+
 BEACON_DOMAIN = b"p2pdiloco/beacon/v1\x00"
 _SCORE_DOMAIN = b"p2pdiloco/committee/v1\x00"
 
@@ -87,23 +89,8 @@ def eligible(
 
 
 def _weights(pool: Sequence[Candidate], cap_fraction: float) -> dict[str, float]:
-    """Token weights, capped so no peer holds more than ``cap_fraction`` of the capped total.
-
-    The cap c solves c = f · Σ min(w_i, c) (water-filling): a whale's own weight cannot inflate
-    its cap. Found by bisection in a fixed number of steps, so every node gets the same floats.
-    """
     raw = {c.peer_id: float(max(c.accepted_tokens, 1)) for c in pool}
-    if cap_fraction >= 1.0 or len(raw) < 2:
-        return raw
-    lo, hi = 0.0, max(raw.values())
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if mid <= cap_fraction * sum(min(w, mid) for w in raw.values()):
-            lo = mid
-        else:
-            hi = mid
-    cap = max(lo, 1.0)
-    return {p: min(w, cap) for p, w in raw.items()}
+    return {p: max(w, 1.0) for p, w in capped_weights(raw, cap_fraction).items()}
 
 
 def elect(
