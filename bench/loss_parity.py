@@ -83,7 +83,9 @@ def main() -> int:
             f"data-parallel {r.baseline.eval_loss_final:.4f}"
         )
         print(f"loss ratio  DiLoCo/data-parallel = {r.loss_ratio:.4f}   (target <= 1.02)")
-        print(f"bytes ratio data-parallel/DiLoCo = {r.bytes_ratio:.1f}x   (target >= H = {a.inner_steps})")
+        print(
+            f"bytes ratio data-parallel/DiLoCo = {r.bytes_ratio:.1f}x   (target >= H = {a.inner_steps})"
+        )
     return 0
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2pdiloco.aggregate import get_rule
 from p2pdiloco.train.outer import (
     OuterConfig,
     OuterOptimizer,
-    mean_pseudo_gradient,
     partition_fragments,
     pseudo_gradient,
 )
@@ -84,13 +84,15 @@ def test_pseudo_gradient_and_mean() -> None:
     locals_ = [{"w": torch.tensor([0.0, 2.0])}, {"w": torch.tensor([1.0, 0.0])}]
     deltas = [pseudo_gradient(base, loc, ["w"]) for loc in locals_]
     assert torch.equal(deltas[0]["w"], torch.tensor([1.0, 0.0]))
-    assert torch.equal(mean_pseudo_gradient(deltas, ["w"])["w"], torch.tensor([0.5, 1.0]))
+    merged = get_rule("mean")(torch.stack([d["w"] for d in deltas]))
+    assert torch.equal(merged, torch.tensor([0.5, 1.0]))
 
 
 def test_one_outer_step_with_lr1_no_momentum_is_model_averaging() -> None:
     base = {"w": torch.tensor([1.0, 2.0, 3.0])}
     locals_ = [{"w": torch.tensor([0.0, 4.0, 3.0])}, {"w": torch.tensor([2.0, 0.0, 5.0])}]
-    merged = mean_pseudo_gradient([pseudo_gradient(base, loc, ["w"]) for loc in locals_], ["w"])
+    deltas = [pseudo_gradient(base, loc, ["w"])["w"] for loc in locals_]
+    merged = {"w": get_rule("mean")(torch.stack(deltas))}
     OuterOptimizer(OuterConfig(lr=1.0, momentum=0.0)).step(base, merged)
     assert torch.equal(base["w"], torch.tensor([1.0, 2.0, 4.0]))
 

@@ -9,14 +9,32 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from p2pdiloco.aggregate import RULES
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.progress import progress_bar
 from p2pdiloco.dashboard.tables import simulation_summary
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
 from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 _d = SimulateConfig()
+
+
+def _parse_params(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--agg-param must look like KEY=NUMBER, not '{item}'") from None
+    return out
+
+
 _i = InnerConfig()
 _o = OuterConfig()
 
@@ -54,6 +72,14 @@ def simulate(
     ] = None,
     eval_batches: Annotated[int, typer.Option(help="Eval batches per round.")] = _d.eval_batches,
     baseline: Annotated[bool, typer.Option(help="Also train the data-parallel baseline.")] = True,
+    aggregation: Annotated[
+        str, typer.Option(help=f"Merge rule: {', '.join(RULES)}.")
+    ] = _d.aggregation,
+    agg_param: Annotated[
+        list[str] | None, typer.Option(help="Rule parameter KEY=VALUE, e.g. f=1 (repeatable).")
+    ] = None,
+    adversaries: Annotated[int, typer.Option(help="The last N learners attack.")] = 0,
+    attack: Annotated[str, typer.Option(help=f"Attack: {', '.join(ATTACKS)}.")] = _d.attack,
 ) -> None:
     """Train M DiLoCo learners in one process, next to data-parallel on the same tokens."""
     total = rounds * inner_steps
@@ -77,6 +103,10 @@ def simulate(
             grad_accum=grad_accum,
         ),
         outer=OuterConfig(lr=outer_lr, momentum=outer_momentum, fragments=fragments),
+        aggregation=aggregation,
+        aggregation_params=_parse_params(agg_param or []),
+        adversaries=adversaries,
+        attack=attack,
     )
     console = Console(stderr=True)
     with progress_bar(console) as update:

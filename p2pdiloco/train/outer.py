@@ -62,21 +62,6 @@ def pseudo_gradient(
     return {n: base[n].float() - local[n].float() for n in names}
 
 
-def mean_pseudo_gradient(
-    deltas: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]
-) -> dict[str, torch.Tensor]:
-    """Plain average of learners' Δ, summed in list order then divided (deterministic)."""
-    if not deltas:
-        raise ValueError("no pseudo-gradients to average")
-    out: dict[str, torch.Tensor] = {}
-    for n in names:
-        acc = deltas[0][n].float().clone()
-        for d in deltas[1:]:
-            acc += d[n]
-        out[n] = acc / len(deltas)
-    return out
-
-
 class OuterOptimizer:
     """Nesterov SGD on merged pseudo-gradients, keeping one fp32 momentum buffer per tensor.
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.sync.attacks import AttackConfig
+from p2pdiloco.sync.merge import RobustMerger
 from p2pdiloco.train.data import (
     PackedCorpus,
     build_corpus,
@@ -35,7 +37,6 @@ from p2pdiloco.train.models import build_model, get_spec, param_state
 from p2pdiloco.train.outer import (
     OuterConfig,
     OuterOptimizer,
-    mean_pseudo_gradient,
     partition_fragments,
     pseudo_gradient,
 )
@@ -61,6 +62,11 @@ class SimulateConfig:
     max_data_bytes: int = 16 * 2**20  # cap on text read from the source
     init_from: str | None = None  # local Hugging Face checkpoint instead of random init
     baseline: bool = True  # also train the data-parallel baseline
+    aggregation: str = "mean"  # robust rule (p2pdiloco.aggregate.RULES)
+    aggregation_params: dict[str, float] = field(default_factory=dict)
+    screen_norm_factor: float | None = 3.0  # robust path: reject norm > factor × median
+    adversaries: int = 0  # the last N learners poison their deltas
+    attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
 
@@ -97,6 +103,11 @@ class SimulationResult:
     diloco: MethodResult
     baseline: MethodResult | None
     peak_memory_bytes: int
+    aggregation: str = "mean"
+    adversaries: list[int] = field(default_factory=list)  # learner indices that attacked
+    attack: str | None = None
+    accepted_deltas: list[int] = field(default_factory=list)  # per learner, over the run
+    rejected_deltas: list[int] = field(default_factory=list)  # per learner (screening)
 
     @property
     def loss_ratio(self) -> float | None:
@@ -176,7 +187,8 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     initial = build_model(cfg.model, seed=cfg.seed, init_from=cfg.init_from, device=device)
     n_params = sum(p.numel() for p in param_state(initial).values())
 
-    diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick)
+    merger = _merger(cfg)  # before any training: a bad rule or attack fails fast
+    diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick, merger)
     baseline = (
         _run_data_parallel(cfg, inner, corpus, evals, initial, tick) if cfg.baseline else None
     )
@@ -200,7 +212,29 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         diloco=diloco,
         baseline=baseline,
         peak_memory_bytes=_peak_memory(device),
+        aggregation=cfg.aggregation,
+        adversaries=merger.adversaries,
+        attack=cfg.attack if cfg.adversaries else None,
+        accepted_deltas=merger.accepted,
+        rejected_deltas=merger.rejected,
     )
+
+
+def _merger(cfg: SimulateConfig) -> RobustMerger:
+    """The same screening and merge a syncer runs (plain DiLoCo is the ``mean`` rule)."""
+    if not 0 <= cfg.adversaries < cfg.learners:
+        raise ConfigError("--adversaries must be at least 0 and fewer than --learners")
+    try:
+        return RobustMerger(
+            cfg.aggregation,
+            cfg.aggregation_params,
+            num_learners=cfg.learners,
+            screen_norm_factor=cfg.screen_norm_factor,
+            adversaries=range(cfg.learners - cfg.adversaries, cfg.learners),
+            attack=AttackConfig(cfg.attack, seed=cfg.seed) if cfg.adversaries else None,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _run_diloco(
@@ -210,6 +244,7 @@ def _run_diloco(
     evals: list[torch.Tensor],
     global_model: torch.nn.Module,
     tick: Callable[[str, int], None],
+    merger: RobustMerger,
 ) -> MethodResult:
     t0 = time.perf_counter()
     theta = param_state(global_model)  # the global parameters, updated in place
@@ -251,7 +286,7 @@ def _run_diloco(
             # Outer step on fragment f: merge the learners' pseudo-gradients, apply Nesterov,
             # then every learner continues from the new global values of that fragment.
             deltas = [pseudo_gradient(theta, param_state(m), names) for m, _, _ in learners]
-            outer.step(theta, mean_pseudo_gradient(deltas, names))
+            outer.step(theta, merger.merge(deltas, names, sub_round))
             for model, _, _ in learners:
                 local = param_state(model)
                 with torch.no_grad():

@@ -1,0 +1,319 @@
+"""The aggregation-rule plug-in point, input validation, and the deterministic arithmetic every
+rule is built from.
+
+Shape legend (all modules of this package):
+    M  learners (rows), in the order the committee agreed on
+    D  parameters of one flattened fragment (columns)
+    n  columns of one block
+    G  rows of one group of vectors whose norms are computed together
+    R  all the vectors whose norms one call computes
+    ``delta_MD`` float32 [M, D] learners' pseudo-gradients; ``weights`` M Python floats
+
+Determinism contract. Honest syncers on different machines, SIMD widths and thread counts must
+produce bit-identical aggregates, so that their signatures over the state hash match. Every rule
+is therefore built from four kinds of operation only:
+
+1. Element-wise ops in torch: casts, ``add_``/``sub_`` with the default alpha of 1, ``mul_``,
+   ``div_`` by a tensor (``div_`` below), ``minimum``/``maximum``, comparisons, integer bit ops
+   and index gathers. Each output element is one correctly rounded IEEE operation (or an exact
+   one) on the same input elements, so it cannot depend on how elements are split across
+   threads or SIMD lanes. Never ``add(alpha=c)``, ``addcmul``, ``lerp`` or ``addcdiv``:
+   PyTorch's vectorised path computes them with a fused multiply-add and its scalar tail
+   without, and the tail boundary moves with the thread split.
+2. Sums over the learner axis: an explicit loop over rows in learner order, in float64.
+3. Sums over the parameter axis (norms, distances): never ``torch.sum``/``norm``/``dot``, whose
+   CPU kernels keep one partial sum per thread and several per SIMD register, so their rounding
+   depends on the thread count and the instruction set (measured: ``x.sum()`` of 2M float32
+   differs between 1 and 2 threads). Instead ``sq_norms64`` squares in float64 and adds by a
+   fixed pairwise tree made of element-wise adds: each ``BLOCK`` of consecutive coordinates is
+   folded in halves (``x[:h] += x[n-h:n]`` until one value is left), then the per-block values
+   are folded the same way. The tree depends on D and ``BLOCK`` alone, and its error is
+   O(log D) ulps. (NumPy's pairwise ``add.reduce`` is thread-independent too, but its blocking
+   is an unversioned detail of a NumPy build and it needs a copy out of torch; the fold is ours
+   and, on cache-sized blocks, about as fast as ``torch.sum``.)
+4. Scalar logic (scores, scale factors, weight sums) in Python floats (IEEE double), with
+   ``math.fsum`` (exactly rounded) for sums over learners.
+
+The only torch reduction used is ``aminmax`` in validation (min/max are exact in any order).
+Per-coordinate order statistics are in ``order.py`` (a comparison network: the same ops).
+``BLOCK`` is part of the contract: changing it changes the last bits of norm-based rules.
+Tested on CPU (1 vs 2 threads, AVX-512 build); the ops are also chosen to agree on CUDA
+(e.g. ``div_``), which has not been tested.
+
+``tests/test_aggregate.py::test_bit_exact_across_thread_counts`` enforces this contract; when a
+rule fails it, fix the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import torch
+
+BLOCK = 4096  # fold leaf: coordinates summed by one halving tree before blocks are combined
+GRAIN = 32768  # torch's intra-op grain: ops on at most this many elements stay on one thread
+# Blocked loops keep each op at or below GRAIN elements: in cache, and off the thread pool,
+# whose hand-offs cost milliseconds per op on a busy machine (results would not change).
+
+
+def blocks(numel: int, size: int = BLOCK) -> Iterator[tuple[int, int]]:
+    """Consecutive ``(start, end)`` column ranges of at most ``size`` covering ``range(numel)``."""
+    for s in range(0, numel, size):
+        yield s, min(numel, s + size)
+
+
+def cols_per_block(rows: int) -> int:
+    """Columns per block so that a [rows, n] op stays within ``GRAIN`` elements."""
+    return max(64, GRAIN // max(1, rows))
+
+
+def _fold_(v_Rn: torch.Tensor) -> None:
+    """Pairwise-sum each row of ``v_Rn`` into its column 0, in place (halving tree)."""
+    n = v_Rn.shape[1]
+    while n > 1:
+        h = n // 2
+        v_Rn[:, :h].add_(v_Rn[:, n - h : n])
+        n -= h
+
+
+def sq_norms64(
+    delta_MD: torch.Tensor,
+    rows: Sequence[int] | None = None,
+    center_D: torch.Tensor | None = None,
+) -> list[float]:
+    """Squared L2 norms ``‖delta_MD[i] − center_D‖²`` for ``i`` in ``rows`` (default: all), in
+    float64 by the fixed pairwise tree of the module docstring; bit-identical on any machine.
+
+    ``center_D`` may be float32 or float64 (it is not rounded to float32).
+    """
+    idx = list(range(delta_MD.shape[0])) if rows is None else list(rows)
+    return _blocked_sq_sums(delta_MD, [(i, i) for i in idx], center_D)
+
+
+def pairwise_sq_dists64(delta_MD: torch.Tensor) -> list[list[float]]:
+    """Symmetric matrix of ``‖delta_MD[i] − delta_MD[j]‖²`` (float64, same tree as
+    ``sq_norms64``); the diagonal is 0."""
+    m = delta_MD.shape[0]
+    terms = [(i, j) for i in range(m - 1) for j in range(i + 1, m)]
+    out = [[0.0] * m for _ in range(m)]
+    for (i, j), v in zip(terms, _blocked_sq_sums(delta_MD, terms, None), strict=True):
+        out[i][j] = out[j][i] = v
+    return out
+
+
+def _blocked_sq_sums(
+    delta_MD: torch.Tensor,
+    terms: Sequence[tuple[int, int]],
+    center_D: torch.Tensor | None,
+) -> list[float]:
+    """For each term ``(i, j)`` with j > i: Σ over coordinates of (d_j − d_i)²; with j == i:
+    Σ (d_i − center)², or Σ d_i² without a center. Rows are processed in groups that fit one
+    ``GRAIN``-sized op; a term's value does not depend on its group."""
+    r, d = len(terms), delta_MD.shape[1]
+    if r == 0:
+        return []
+    dev = delta_MD.device
+    per_group = max(1, GRAIN // BLOCK)
+    nblk = max(1, -(-d // BLOCK))
+    part_RB = torch.zeros(r, nblk, dtype=torch.float64, device=dev)
+    buf_Gn = torch.empty(per_group, min(d, BLOCK) or 1, dtype=torch.float64, device=dev)
+    # Each group is filled by runs of consecutive rows j sharing what is subtracted from them
+    # (row i for a pair, else the center): (row in group, i or -1, first j, last j).
+    groups: list[tuple[int, int, list[tuple[int, int, int, int]]]] = []
+    for g0 in range(0, r, per_group):
+        runs: list[tuple[int, int, int, int]] = []
+        for t, (i, j) in enumerate(terms[g0 : g0 + per_group]):
+            base = i if j != i else -1
+            if runs and runs[-1][1] == base and runs[-1][3] + 1 == j:
+                runs[-1] = (*runs[-1][:3], j)
+            else:
+                runs.append((t, base, j, j))
+        groups.append((g0, min(r, g0 + per_group), runs))
+    for k, (s, e) in enumerate(blocks(d)):
+        for g0, g1, runs in groups:
+            v_Gn = buf_Gn[: g1 - g0, : e - s]
+            for t, base, first, last in runs:
+                v = v_Gn[t : t + last - first + 1]
+                v.copy_(delta_MD[first : last + 1, s:e])
+                if base >= 0:
+                    v.sub_(delta_MD[base, s:e])
+                elif center_D is not None:
+                    v.sub_(center_D[s:e])
+            v_Gn.mul_(v_Gn)
+            _fold_(v_Gn)
+            part_RB[g0:g1, k].copy_(v_Gn[:, 0])
+    _fold_(part_RB)
+    return [float(x) for x in part_RB[:, 0].tolist()]
+
+
+def row_sum64(
+    delta_MD: torch.Tensor,
+    rows: Sequence[int],
+    coef: Sequence[float] | None = None,
+    center_D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Σ_{i in rows} coef[i] · (delta_MD[i] − center_D)`` as float64 [D], summed in the order
+    of ``rows``; ``coef`` (indexed by learner) and ``center_D`` are optional. Element-wise only.
+    """
+    rows = list(rows)
+    if not rows:
+        raise ValueError("row_sum64 needs at least one row")
+    m, d = len(rows), delta_MD.shape[1]
+    dev = delta_MD.device
+    out_D = torch.empty(d, dtype=torch.float64, device=dev)
+    plain = coef is None and center_D is None
+    contiguous = rows == list(range(rows[0], rows[0] + m))
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    coef_M1 = (
+        None
+        if coef is None
+        else torch.tensor([coef[i] for i in rows], dtype=torch.float64, device=dev).view(m, 1)
+    )
+    cols = cols_per_block(m)
+    buf_Mn = None if plain else torch.empty(m, min(d, cols), dtype=torch.float64, device=dev)
+    for s, e in blocks(d, GRAIN if plain else cols):
+        acc = out_D[s:e]
+        if plain:
+            acc.copy_(delta_MD[rows[0], s:e])
+            for i in rows[1:]:
+                acc.add_(delta_MD[i, s:e])
+            continue
+        assert buf_Mn is not None
+        v_Mn = buf_Mn[:, : e - s]
+        if contiguous:
+            v_Mn.copy_(delta_MD[rows[0] : rows[0] + m, s:e])
+        else:
+            v_Mn.copy_(delta_MD[:, s:e].index_select(0, idx))
+        if center_D is not None:
+            v_Mn.sub_(center_D[s:e])
+        if coef_M1 is not None:
+            v_Mn.mul_(coef_M1)
+        acc.copy_(v_Mn[0])
+        for r in range(1, m):
+            acc.add_(v_Mn[r])
+    return out_D
+
+
+def div_(x: torch.Tensor, denom: float) -> torch.Tensor:
+    """``x / denom`` in place, as a true IEEE division on every device. (CUDA turns division by
+    a Python scalar into multiplication by its reciprocal, which rounds differently from the
+    CPU; dividing by a 0-dim tensor on ``x``'s device keeps the real division everywhere.)"""
+    return x.div_(torch.tensor(denom, dtype=x.dtype, device=x.device))
+
+
+def median_of(values: Sequence[float]) -> float:
+    """Median of Python floats (mean of the two middle ones for an even count)."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("median of an empty list")
+    k = len(s) // 2
+    return s[k] if len(s) % 2 else (s[k - 1] + s[k]) / 2
+
+
+def _check_deltas(deltas: torch.Tensor) -> torch.Tensor:
+    if not isinstance(deltas, torch.Tensor):
+        raise ValueError(f"deltas must be a torch.Tensor [M, D], not {type(deltas).__name__}")
+    if deltas.dim() != 2:
+        raise ValueError(f"deltas must be 2-D [learners, params], got shape {tuple(deltas.shape)}")
+    if deltas.shape[0] < 1:
+        raise ValueError("deltas must have at least one learner (row)")
+    if not deltas.dtype.is_floating_point:
+        raise ValueError(f"deltas must be floating point, got {deltas.dtype}")
+    x = deltas.detach()
+    if x.dtype != torch.float32:
+        x = x.float()  # fp16/bf16 widen exactly; float64 rounds once
+    x = x.contiguous()
+    if x.numel():
+        lo, hi = torch.aminmax(x)  # NaN propagates; ±inf shows as an extreme
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            bad = (~torch.isfinite(x)).any(dim=1).nonzero().flatten().tolist()
+            raise ValueError(f"deltas contain non-finite values in learner rows {bad}")
+    return x
+
+
+def _check_weights(weights: torch.Tensor | Sequence[float] | None, m: int) -> list[float] | None:
+    if weights is None:
+        return None
+    w = torch.as_tensor(weights).detach()
+    if w.dtype.is_complex or w.dtype == torch.bool:
+        raise ValueError(f"weights must be real numbers, got {w.dtype}")
+    if tuple(w.shape) != (m,):
+        raise ValueError(f"weights must have shape ({m},) for {m} learners, got {tuple(w.shape)}")
+    vals = [float(v) for v in w.to(device="cpu", dtype=torch.float64).tolist()]
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"weights must be finite, got {vals}")
+    if any(v < 0 for v in vals):
+        raise ValueError(f"weights must be non-negative, got {vals}")
+    if not math.fsum(vals) > 0:
+        raise ValueError("weights must have a positive sum")
+    return vals
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Validate an integer hyperparameter. Integral floats (``2.0``, as parsed from a CLI
+    ``KEY=NUMBER``) are accepted; bools and fractional values are not."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def check_positive(name: str, value: object) -> float:
+    """Validate a finite positive float hyperparameter."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return v
+
+
+class AggregationRule(ABC):
+    """Merges learners' pseudo-gradients into one, robustly and bit-reproducibly.
+
+    Call it with ``deltas`` float32 [M, D] (other float dtypes are converted to float32) and
+    optional ``weights`` [M] (tokens or any non-negative trust weight; None = uniform). It
+    returns a new float32 [D] tensor and never modifies its inputs.
+
+    Failure semantics: raises ValueError, before any work, on anything but a finite 2-D float
+    tensor with at least one row, on weights that are not [M], finite, non-negative with a
+    positive sum, and on fewer learners than the rule needs (``min_learners``). A syncer
+    should screen (``screen``) first and treat a ValueError as "no aggregate this round".
+    Results are bit-identical across machines and thread counts (see the module docstring).
+    """
+
+    name: str = ""
+
+    def __call__(
+        self, deltas: torch.Tensor, weights: torch.Tensor | Sequence[float] | None = None
+    ) -> torch.Tensor:
+        delta_MD = _check_deltas(deltas)
+        w = _check_weights(weights, delta_MD.shape[0])
+        if delta_MD.shape[0] < self.min_learners:
+            raise ValueError(
+                f"{self!r} needs at least {self.min_learners} learners, got {delta_MD.shape[0]}"
+            )
+        with torch.no_grad():
+            out_D = self.aggregate(delta_MD, w)
+        return out_D
+
+    @property
+    def min_learners(self) -> int:
+        """Fewest learners the rule accepts (close a round only once this many are screened)."""
+        return 1
+
+    @abstractmethod
+    def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
+        """The rule itself on validated input: contiguous finite float32 [M, D] and validated
+        weights (None = uniform). Returns float32 [D]."""
+
+    def params(self) -> dict[str, object]:
+        """Hyperparameters, as they would go in a run manifest."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({args})"
