@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # an unpinned torch would pull gigabytes of CUDA wheels.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo simulate test lint bench clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ## The embedded default main job: a local DiLoCo run on real text beside a data-parallel baseline.
+## Short-run outer momentum 0.5 and H=20: see docs/adr/0006-short-run-outer-momentum.md.
 demo: $(STAMP)
-	$(BIN)/p2pdiloco simulate --model gemma-tiny --learners 4 --inner-steps 25 --rounds 8
+	$(BIN)/p2pdiloco simulate --model gemma-tiny --learners 4 --inner-steps 20 --rounds 10 --outer-momentum 0.5
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -31,6 +32,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
+	$(BIN)/python bench/codec.py --threads 1
+	$(BIN)/python bench/aggregate.py
 	$(BIN)/python bench/loss_parity.py
 
 clean:
