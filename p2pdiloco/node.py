@@ -78,6 +78,7 @@ class Node:
         self.rejected = 0
         self._seq = 0
         self._gossip_dialed: set[str] = set()
+        self._gossip_retry_at: dict[str, float] = {}  # failed dials wait before the next try
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -132,10 +133,6 @@ class Node:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until close() is called from elsewhere (or timeout); True if stopped."""
-        return self._stop.wait(timeout)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -271,13 +268,17 @@ class Node:
             (v.peer_id, list(v.heartbeat.gossip_addrs))
             for v in read_bootstraps(self.dht).peers.values()
         ]
+        now = time.monotonic()
         for peer_id, addrs in targets:
             if peer_id == self.identity.peer_id or peer_id in self._gossip_dialed or not addrs:
                 continue
-            self._gossip_dialed.add(peer_id)
-            for addr in addrs:
-                if self.gossip.connect(addr, timeout=5):
-                    break
+            if self._gossip_retry_at.get(peer_id, 0.0) > now:
+                continue
+            if any(self.gossip.connect(addr, timeout=5) for addr in addrs[:4]):
+                self._gossip_dialed.add(peer_id)
+                self._gossip_retry_at.pop(peer_id, None)
+            else:  # unreachable for now (relayed, firewalled): DHT polling still covers it
+                self._gossip_retry_at[peer_id] = now + 60.0
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_interval):
