@@ -60,14 +60,10 @@ def simulation_summary(result: dict[str, Any]) -> Group:
             f"{result['rounds']} rounds, {result['fragments']} fragment(s)"
         ),
         title_justify="left",
+        box=box.SIMPLE_HEAD,
     )
-    table.add_column("method", style="bold")
-    table.add_column("eval loss start", justify="right")
-    table.add_column("eval loss end", justify="right")
-    table.add_column("tokens", justify="right")
-    table.add_column("bytes on wire", justify="right")
-    table.add_column("syncs", justify="right")
-    table.add_column("tokens/s", justify="right")
+    for name in ("method", "loss start", "loss end", "tokens", "wire bytes", "syncs", "tok/s"):
+        table.add_column(name, justify="left" if name == "method" else "right", no_wrap=True)
     for key in ("diloco", "baseline"):
         m = result.get(key)
         if m is None:
@@ -81,12 +77,15 @@ def simulation_summary(result: dict[str, Any]) -> Group:
             str(m["syncs"]),
             f"{m['tokens_per_second']:.0f}",
         )
-    lines: list[RenderableType] = [table]
+    lines: list[RenderableType] = [
+        table,
+        Text("loss: eval loss; DP: data-parallel; wire bytes: fp32, all learners", style="dim"),
+    ]
     if result.get("loss_ratio") is not None:
         lines.append(
             Text(
-                f"eval-loss ratio DiLoCo / data-parallel: {result['loss_ratio']:.4f}   "
-                f"bytes ratio data-parallel / DiLoCo: {result['bytes_ratio']:.1f}×"
+                f"loss ratio DiLoCo/DP {result['loss_ratio']:.4f}   "
+                f"bytes ratio DP/DiLoCo {result['bytes_ratio']:.1f}×"
             )
         )
     corpus = result["corpus"]
