@@ -262,14 +262,14 @@ class _Child:
 
 
 HOOKED_WRITER = """
-import sys, time
+import signal, sys
 import torch
 from p2pdiloco.train import checkpoint
 
 def hang(tmp):
     print("READY", flush=True)
     while True:
-        time.sleep(60)
+        signal.pause()  # block until the test kills this process
 
 checkpoint._after_temp_written = hang
 big = {"big": torch.arange(2_000_000, dtype=torch.float32)}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import multiprocessing as mp, os, signal, sys, time
+import multiprocessing as mp, os, signal, sys
 from p2pdiloco.cli.signals import stop_event
 
 ctx = mp.get_context("fork")
@@ -14,7 +14,7 @@ ready = ctx.Event()
 
 def child():
     ready.set()
-    time.sleep(60)  # stands in for hivemind's DHT loop
+    signal.pause()  # stands in for hivemind's DHT loop, until terminate()
 
 stop = stop_event()
 proc = ctx.Process(target=child, daemon=True)
