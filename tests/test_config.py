@@ -73,3 +73,17 @@ def test_join_without_any_bootstrap_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: no bootstrap server configured")
     assert "Traceback" not in out.stderr
+
+
+def test_join_refuses_a_model_that_does_not_fit_within_seconds(tmp_path: Path) -> None:
+    import time
+
+    t0 = time.monotonic()
+    out = cli(
+        "join", "--model", "gemma-27b", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/x", home=tmp_path
+    )
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    line = out.stderr.strip()
+    assert line.startswith("error: gemma-12b needs about") and "GiB" in line and "would fit" in line
+    assert elapsed < 60  # no network, no allocation: only imports and a memory probe

@@ -14,6 +14,8 @@ from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
+from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.memory import check_fits
 
 log = logging.getLogger("p2pdiloco.join")
 
@@ -40,6 +42,7 @@ def join(
         bool, typer.Option("--no-tui", help="Plain log lines instead of the dashboard.")
     ] = False,
     no_gossip: Annotated[bool, typer.Option("--no-gossip", help="DHT polling only.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = "auto",
     heartbeat_interval: Annotated[
         float, typer.Option(help="Seconds between heartbeats.", hidden=True)
     ] = keys.HEARTBEAT_INTERVAL,
@@ -50,6 +53,9 @@ def join(
     """Join a training run through the bootstrap servers and serve until Ctrl-C."""
     if not model and not run:
         raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
+    if model:  # refuse before any network or allocation work, with what would fit instead
+        dev = resolve_device(device)
+        check_fits(model, dev, "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32")
     stop = stop_event()
     addrs, source = bootstrap_addrs(bootstrap)
     log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
