@@ -80,7 +80,7 @@ def test_join_refuses_a_model_that_does_not_fit_within_seconds(tmp_path: Path) -
 
     t0 = time.monotonic()
     out = cli(
-        "join", "--model", "gemma-27b", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/x", home=tmp_path
+        "join", "--model", "gemma-12b", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/x", home=tmp_path
     )
     elapsed = time.monotonic() - t0
     assert out.returncode == 2 and "Traceback" not in out.stderr
