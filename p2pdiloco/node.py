@@ -21,9 +21,10 @@ from typing import Any
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
-from p2pdiloco.net.dht import DHTPlane
+from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.discovery import RunInfo, choose_run, read_bootstraps, read_peers, read_runs
 from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import Reachability, ask_dialback, classify
@@ -79,6 +80,7 @@ class Node:
         self._seq = 0
         self._gossip_dialed: set[str] = set()
         self._gossip_retry_at: dict[str, float] = {}  # failed dials wait before the next try
+        self._ticks = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -152,13 +154,10 @@ class Node:
                     r.peers = read_peers(self.dht, r.run_id)
             run = choose_run(runs, self.cfg.model or "")
         # Re-publish the manifest: a run stays discoverable while any member is alive.
-        raw = self.dht.dht.get(keys.runs_key(), latest=True)
-        if raw is not None and run.run_id in raw.value:
-            blob = raw.value[run.run_id].value
-            self.dht.store(keys.runs_key(), run.run_id, blob, keys.MANIFEST_TTL)
-            self.dht.store(
-                keys.model_runs_key(run.manifest.model), run.run_id, blob, keys.MANIFEST_TTL
-            )
+        try:
+            publish_manifest(self.dht, run.run_id, run.manifest, run.raw)
+        except NetworkError as e:
+            log.warning("could not re-publish the run manifest: %s", e)
         return run
 
     def _start_gossip(self) -> None:
@@ -264,10 +263,12 @@ class Node:
             targets += [
                 (v.peer_id, list(v.heartbeat.gossip_addrs)) for v in self.members.peers.values()
             ]
-        targets += [
-            (v.peer_id, list(v.heartbeat.gossip_addrs))
-            for v in read_bootstraps(self.dht).peers.values()
-        ]
+        self._ticks += 1
+        if self._ticks % 6 == 1:  # bootstrap servers change rarely: look them up every ~30 s
+            targets += [
+                (v.peer_id, list(v.heartbeat.gossip_addrs))
+                for v in read_bootstraps(self.dht).peers.values()
+            ]
         now = time.monotonic()
         for peer_id, addrs in targets:
             if peer_id == self.identity.peer_id or peer_id in self._gossip_dialed or not addrs:

@@ -28,6 +28,7 @@ class RunInfo:
     manifest: RunManifest
     peers: Membership | None = None
     incompatible: str = ""  # why this node cannot join it, if it cannot
+    raw: bytes = b""  # the verified signed manifest, for re-publishing as it is
 
     def summary(self, now: float) -> dict[str, Any]:
         live = self.peers.live(now) if self.peers else []
@@ -105,7 +106,7 @@ def read_runs(dht: DHTPlane, model: str | None = None) -> tuple[list[RunInfo], l
             log.warning("dropped %s", line)
             rejected.append(line)
             continue
-        runs.append(RunInfo(run_id, manifest))
+        runs.append(RunInfo(run_id, manifest, raw=rec.envelope.raw))
     return runs, rejected
 
 
