@@ -15,6 +15,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.discovery import RunInfo, choose_run, read_bootstraps, read_peers, read_runs
-from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
 from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
 from p2pdiloco.net.p2p_bridge import P2PBridge
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 def run_topic(run_id: str) -> str:
     return f"{keys.PREFIX}/run/{run_id}"
+
+
+def cert_topic(run_id: str) -> str:
+    return f"{keys.PREFIX}/run/{run_id}/certs"
 
 
 @dataclass
@@ -85,6 +90,9 @@ class Node:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.events: list[str] = []
+        self.roles: list[str] = ["learner"]
+        # Gossip messages of other topics (certificates) go to this callback, from the node thread.
+        self.on_gossip: Callable[[GossipMessage], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -165,7 +173,7 @@ class Node:
         port = self.cfg.port + 1 if self.cfg.port else 0
         gossip = GossipProcess(
             self.identity.seed,
-            topics=[run_topic(self.run.run_id)],
+            topics=[run_topic(self.run.run_id), cert_topic(self.run.run_id)],
             listen_host=self.cfg.host,
             port=port,
         )
@@ -199,7 +207,7 @@ class Node:
         hb = Heartbeat(
             peer_id=self.identity.peer_id,
             island=self.island[:64],
-            roles=["learner"],
+            roles=list(self.roles),  # type: ignore[arg-type]
             hardware=_hardware(),
             throughput_tps=self.throughput_tps,
             version=self.version,
@@ -238,8 +246,15 @@ class Node:
     def _drain_gossip(self) -> None:
         if self.gossip is None:
             return
+        assert self.run is not None
         while (msg := self.gossip.get(timeout=0)) is not None:
-            self._ingest(msg.data, "gossip", msg.from_peer)
+            if msg.topic == run_topic(self.run.run_id):
+                self._ingest(msg.data, "gossip", msg.from_peer)
+            elif self.on_gossip is not None:
+                try:
+                    self.on_gossip(msg)
+                except Exception:
+                    log.exception("gossip message on %s failed", msg.topic)
 
     def _ingest(self, raw: bytes, via: str, sender: str) -> None:
         assert self.members is not None and self.run is not None
@@ -293,6 +308,23 @@ class Node:
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     # -- views -------------------------------------------------------------------------------
+
+    def peer_addrs(self, peer_id: str) -> list[str]:
+        """DHT-side multiaddrs of a live member (from its heartbeat); [] if unknown."""
+        with self._lock:
+            view = self.members.peers.get(peer_id) if self.members else None
+            return list(view.heartbeat.addrs) if view is not None else []
+
+    def peers_holding(self, version: int) -> list[tuple[str, list[str]]]:
+        """Live members that announce ``version`` or newer, with their addresses."""
+        now = time.time()
+        with self._lock:
+            live = self.members.live(now) if self.members else []
+        return [
+            (v.peer_id, list(v.heartbeat.addrs))
+            for v in live
+            if v.peer_id != self.identity.peer_id and v.heartbeat.version >= version
+        ]
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-data view for status lines and the dashboard."""

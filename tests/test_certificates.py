@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pytest
 
 from p2pdiloco.protocol.certificates import (
     Accepted,
     CertificateBody,
+    Rejected,
+    RosterEntry,
     assemble,
+    body_digest,
     parse_certificate,
     sign_body,
+    verify_body_signature,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
 from p2pdiloco.sync.committee import beacon
 
 RUN = "ab" * 32
@@ -22,13 +27,13 @@ SYNCERS = [Identity.from_seed(bytes([i]) * 32) for i in range(4)]
 LEARNERS = [Identity.from_seed(bytes([100 + i]) * 32) for i in range(3)]
 
 
-def body(**kw) -> CertificateBody:
+def body(**kw: Any) -> CertificateBody:
     accepted = sorted(
         (Accepted(peer_id=who.peer_id, digest=hashlib.sha256(bytes([i])).hexdigest(), steps=20, tokens=20 * 1024)
          for i, who in enumerate(LEARNERS)),
         key=lambda a: a.digest,
     )  # fmt: skip
-    base = dict(run=RUN, version=8, base_version=7, state_hash="cd" * 32,
+    base: dict[str, Any] = dict(run=RUN, version=8, base_version=7, state_hash="cd" * 32,
                 committee=[s.peer_id for s in SYNCERS], quorum=3, accepted=accepted)  # fmt: skip
     base.update(kw)
     return CertificateBody(**base)
@@ -72,3 +77,127 @@ def test_malformed_certificates_are_refused_before_work() -> None:
         body(quorum=5)
     with pytest.raises(ValueError):
         body(base_version=8)
+
+
+def digest_of(i: int) -> str:
+    return hashlib.sha256(b"rejected" + bytes([i])).hexdigest()
+
+
+def rejected(*idx: int, who: Identity = LEARNERS[0]) -> list[Rejected]:
+    return sorted(
+        (Rejected(peer_id=who.peer_id, digest=digest_of(i), reason="norm 40.1 > 3 x median")
+         for i in idx),
+        key=lambda r: r.digest,
+    )  # fmt: skip
+
+
+def entry(who: Identity, **kw: int) -> RosterEntry:
+    base: dict[str, Any] = dict(joined_version=0, accepted=1, tokens=100, last_version=8)
+    base.update(kw)
+    return RosterEntry(peer_id=who.peer_id, **base)
+
+
+def roster(*who: Identity) -> list[RosterEntry]:
+    return sorted((entry(w) for w in who), key=lambda e: e.peer_id)
+
+
+def test_rejected_and_roster_are_signed_and_round_trip() -> None:
+    b = body(rejected=rejected(1, 2), roster=roster(*LEARNERS))
+    cert = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[:3]}))
+    assert cert.body == b and len(cert.body.rejected) == 2 and len(cert.body.roster) == 3
+    assert cert.body.rejected[0].reason == "norm 40.1 > 3 x median"
+    # both lists are inside what the committee signed: changing either breaks every signature
+    sigs = {s.peer_id: sign_body(s, b) for s in SYNCERS}
+    for evil in (body(rejected=rejected(1), roster=b.roster), body(rejected=b.rejected)):
+        with pytest.raises(InvalidRecord, match="0 valid committee signatures"):
+            parse_certificate(assemble(evil, sigs))
+    # older bodies without the new fields still parse, with empty lists
+    assert body().rejected == [] and body().roster == []
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"rejected": list(reversed(rejected(1, 2)))}, "rejected submissions must be sorted"),
+        ({"rejected": rejected(1) * 2}, "rejected submissions must be sorted"),
+        ({"roster": list(reversed(roster(*LEARNERS)))}, "roster must be sorted"),
+        ({"roster": roster(LEARNERS[0]) * 2}, "roster must be sorted"),
+        ({"roster": [entry(LEARNERS[0], last_version=9)]}, "after this version"),
+        ({"roster": [entry(LEARNERS[0], joined_version=8)]}, "after this version"),
+    ],
+)
+def test_rejected_and_roster_ordering_is_enforced(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        body(**kw)
+
+
+def test_a_submission_cannot_be_both_accepted_and_rejected() -> None:
+    taken = body().accepted[0]
+    clash = Rejected(peer_id=taken.peer_id, digest=taken.digest, reason="late")
+    with pytest.raises(ValueError, match="both accepted and rejected"):
+        body(rejected=[clash])
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"reason": ""},
+        {"reason": "x" * 201},
+        {"reason": "evil\x1b[2J"},
+        {"reason": "line\nbreak"},
+        {"digest": "AB" * 32},
+        {"peer_id": "12D3KooWnotapeerid"},
+        {"extra": 1},
+    ],
+)
+def test_rejected_entry_schema(over: dict) -> None:
+    good = {"peer_id": LEARNERS[0].peer_id, "digest": digest_of(0), "reason": "stale base"}
+    Rejected.model_validate(good)
+    with pytest.raises(ValueError):
+        Rejected.model_validate({**good, **over})
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"accepted": -1}, {"tokens": 2**63}, {"joined_version": True}, {"last_version": 1.0}],
+)
+def test_roster_entry_schema(over: dict) -> None:
+    good = {"peer_id": LEARNERS[0].peer_id, "joined_version": 0, "accepted": 0, "tokens": 0,
+            "last_version": 0}  # fmt: skip
+    RosterEntry.model_validate(good)
+    with pytest.raises(ValueError):
+        RosterEntry.model_validate({**good, **over})
+
+
+def test_body_digest_ignores_signatures_and_tracks_the_body() -> None:
+    b = body(roster=roster(*LEARNERS))
+    some = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[:3]}))
+    other = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[1:]}))
+    assert some.raw != other.raw
+    assert body_digest(some.body) == body_digest(other.body) == body_digest(b)
+    assert body_digest(b) == hashlib.sha256(canonical_json(b.model_dump(mode="json"))).hexdigest()
+    assert body_digest(body(state_hash="ee" * 32)) != body_digest(body())
+    assert body_digest(body(rejected=rejected(3))) != body_digest(body())
+
+
+def test_verify_body_signature_never_raises() -> None:
+    b = body()
+    sig = sign_body(SYNCERS[0], b)
+    assert verify_body_signature(SYNCERS[0].peer_id, b, sig)
+    assert not verify_body_signature(SYNCERS[1].peer_id, b, sig)  # someone else's key
+    assert not verify_body_signature(SYNCERS[0].peer_id, body(state_hash="ee" * 32), sig)
+    other_run = body(run="cd" * 32)
+    assert not verify_body_signature(SYNCERS[0].peer_id, other_run, sig)
+    junk: list[tuple[object, object]] = [
+        (SYNCERS[0].peer_id, "zz" * 64),
+        (SYNCERS[0].peer_id, sig[:-2]),
+        (SYNCERS[0].peer_id, sig.upper()),
+        (SYNCERS[0].peer_id, None),
+        (SYNCERS[0].peer_id, bytes.fromhex(sig)),
+        ("12D3KooWnotapeerid", sig),
+        ("", sig),
+        (None, sig),
+        (12345, sig),
+    ]
+    for peer, s in junk:
+        assert verify_body_signature(peer, b, s) is False  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""``p2pdiloco join``: join a run, publish heartbeats, serve until stopped."""
+"""``p2pdiloco join``: join a run and train in it (learner, and syncer when elected)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
+from p2pdiloco.participant import Participant, TrainConfig
+from p2pdiloco.protocol.identity import default_identity_path
+from p2pdiloco.sync.attacks import ATTACKS
+from p2pdiloco.sync.service import SyncSettings
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.memory import check_fits
 
@@ -49,6 +53,30 @@ def join(
     heartbeat_ttl: Annotated[
         float, typer.Option(help="Seconds a heartbeat stays valid.", hidden=True)
     ] = keys.HEARTBEAT_TTL,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Certified states and receipts [default: XDG data path / run id]."),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads for torch [default: torch's choice].")
+    ] = None,
+    until_version: Annotated[
+        int | None,
+        typer.Option(help="Stop training at this global version (keep serving).", hidden=True),
+    ] = None,
+    adversary: Annotated[
+        str | None,
+        typer.Option(help="Play an attacker (sign-flip, scale, ...): demos only.", hidden=True),
+    ] = None,
+    round_grace: Annotated[
+        float, typer.Option(help="Seconds a syncer round collects at most.", hidden=True)
+    ] = 60.0,
+    agree_timeout: Annotated[
+        float, typer.Option(help="Seconds before the next leader proposes.", hidden=True)
+    ] = 20.0,
+    no_train: Annotated[
+        bool, typer.Option("--no-train", help="Membership only (no training).", hidden=True)
+    ] = False,
 ) -> None:
     """Join a training run through the bootstrap servers and serve until Ctrl-C."""
     if not model and not run:
@@ -74,6 +102,7 @@ def join(
             heartbeat_ttl=heartbeat_ttl,
         )
     )
+    participant: Participant | None = None
     try:
         node.start()
         snap = node.snapshot()
@@ -84,15 +113,52 @@ def join(
         print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
+        if not no_train:
+            assert node.run is not None
+            if adversary is not None and adversary not in ATTACKS:
+                raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
+            participant = Participant(
+                node,
+                TrainConfig(
+                    state_dir=state_dir or default_state_dir(node.run.run_id),
+                    device=device,
+                    threads=threads,
+                    until_version=until_version,
+                    attack=adversary,
+                    sync=SyncSettings(grace=round_grace, agree_timeout=agree_timeout),
+                ),
+            )
+            participant.start()
+            print(f"training from version {participant.state.version}", flush=True)
         while not stop.wait(heartbeat_interval):
             snap = node.snapshot()
-            log.info(
-                "peers %d (%s), gossip %s, rejected records %d",
-                len(snap["peers"]),
-                ", ".join(p["peer_id"][-8:] for p in snap["peers"]),
-                "on" if snap["gossip"] else "off",
-                snap["rejected"],
+            line = (
+                f"peers {len(snap['peers'])} "
+                f"({', '.join(p['peer_id'][-8:] for p in snap['peers'])}), "
+                f"gossip {'on' if snap['gossip'] else 'off'}, rejected records {snap['rejected']}"
             )
-        print("stopping: nothing to save yet (no training state at this stage)", flush=True)
+            if participant is not None:
+                ps = participant.snapshot()
+                line += (
+                    f"; {ps['phase']}, version {ps['version']}, deltas sent {ps['sent']} "
+                    f"accepted {ps['accepted']} rejected {ps['rejected']}"
+                )
+            log.info(line)
+        if participant is not None:
+            participant.stop()
+            print(
+                f"stopped at certified version {participant.state.version} "
+                f"(saved under {participant.cfg.state_dir})",
+                flush=True,
+            )
+        else:
+            print("stopped", flush=True)
     finally:
+        if participant is not None and participant.alive:
+            participant.stop()
         node.close()
+
+
+def default_state_dir(run_id: str) -> Path:
+    """``$XDG_DATA_HOME/p2pdiloco/runs/<run id prefix>``, else under ``~/.local/share``."""
+    return default_identity_path().parent / "runs" / run_id[:16]

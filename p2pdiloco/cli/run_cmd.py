@@ -40,6 +40,14 @@ def create(
     quorum: Annotated[
         int | None, typer.Option(help="Signatures to certify [floor(2k/3)+1].")
     ] = None,
+    genesis_committee: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--genesis-committee",
+            metavar="PEER_ID",
+            help="Syncer of the first round (repeatable; default: the creator alone).",
+        ),
+    ] = None,
     bootstrap: Annotated[
         list[str] | None, typer.Option(help="Bootstrap multiaddr (repeatable).")
     ] = None,
@@ -60,6 +68,7 @@ def create(
             quorum=quorum if quorum is not None else default_quorum(committee_size),
             inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},
             outer={"lr": outer_lr, "momentum": outer_momentum, "fragments": fragments},
+            genesis_committee=genesis_committee or [],
         )
     except ValidationError as e:
         err = e.errors()[0]

@@ -98,3 +98,39 @@ def simulation_summary(result: dict[str, Any]) -> Group:
         )
     )
     return Group(*lines)
+
+
+def demo_summary(result: dict[str, Any]) -> RenderableType:
+    """Loss, certified versions, committees and each node's accepted/rejected deltas."""
+    drop = result["loss_start"] - result["loss_end"]
+    head = Text.assemble(
+        ("Local network demo", "bold"),
+        f"  run {result['run_id'][:12]}  {result['seconds']:.0f} s\n",
+        "eval loss ",
+        (
+            f"{result['loss_start']:.3f} → {result['loss_end']:.3f}",
+            "bold green" if drop > 0 else "bold red",
+        ),
+        f"   certified versions {result['versions']}",
+    )
+    committees = Table(box=box.SIMPLE_HEAD, title="committee per version", title_justify="left")
+    committees.add_column("version", justify="right")
+    committees.add_column("syncers (leader first)")
+    for v, members in sorted(result["committee"].items(), key=lambda kv: int(kv[0])):
+        committees.add_row(str(v), ", ".join(members))
+    peers = Table(box=box.SIMPLE_HEAD, title="deltas per node", title_justify="left")
+    for col in ("node", "peer id", "role", "accepted", "rejected", "tokens"):
+        peers.add_column(
+            col, justify="right" if col in ("accepted", "rejected", "tokens") else "left"
+        )
+    for name, p in result["peers"].items():
+        role = f"attacker ({p['adversary']})" if p["adversary"] else "honest"
+        peers.add_row(
+            name,
+            "…" + p["peer_id"][-10:],
+            Text(role, style="red" if p["adversary"] else ""),
+            str(p["accepted"]),
+            str(p["rejected"]),
+            human_count(p["tokens"]),
+        )
+    return Group(head, committees, peers)

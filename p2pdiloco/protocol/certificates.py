@@ -1,25 +1,31 @@
 """Quorum certificates for global versions, which double as contribution receipts.
 
 A syncer signs the certificate *body*: run, new version, its base, the state hash, the committee
-and quorum, and the sorted list of accepted submissions (peer, digest, steps, tokens). q matching
-signatures from distinct committee members make the certificate valid. Because the accepted list
-is inside what the committee signs, each certificate is also the signed receipt of every delta it
-merged: the contribution ledger is the sum over verified certificates, not over anyone's claims.
+and quorum, the sorted lists of accepted and rejected submissions, and the roster of peers who
+may sit on later committees. q matching signatures from distinct committee members make the
+certificate valid. Because the accepted list is inside what the committee signs, each
+certificate is also the signed receipt of every delta it merged: the contribution ledger is the
+sum over verified certificates, not over anyone's claims.
 
 Wire form (canonical JSON): ``{"body": {...}, "sigs": {"<peer id>": "<128 hex>", ...}}``; each
-signature is over ``signing_message("certificate", run, canonical_json(body))``. The certificate
-bytes are also the beacon input of the next committee election.
+signature is over ``signing_message("certificate", run, canonical_json(body))``. Different
+syncers may assemble different signature sets for the same body, so anything that must be the
+same on every node (the next committee's beacon, de-duplication) uses the body
+(:func:`body_digest`), never the certificate bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2pdiloco.protocol.identity import Identity, public_key_from_peer_id, verify
+from p2pdiloco.protocol.records import NonNegInt
 from p2pdiloco.protocol.signing import (
     InvalidRecord,
     PeerIdStr,
@@ -30,11 +36,15 @@ from p2pdiloco.protocol.signing import (
 
 CERTIFICATE_KIND = "certificate"
 MAX_CERTIFICATE_BYTES = 1024 * 1024
+MAX_ROSTER = 1024
+_SIG = re.compile(r"[0-9a-f]{128}")
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# Printable only: reasons end up in logs, terminals and dashboards.
+Reason = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
 class Accepted(_Strict):
@@ -46,14 +56,38 @@ class Accepted(_Strict):
     tokens: int = Field(ge=1, le=10**15)
 
 
+class Rejected(_Strict):
+    """One submission the committee screened out, and why (the learner's signed feedback)."""
+
+    peer_id: PeerIdStr
+    digest: Hex64
+    reason: Reason
+
+
+class RosterEntry(_Strict):
+    """What the certified history says about one peer who may sit on a later committee."""
+
+    peer_id: PeerIdStr
+    joined_version: NonNegInt  # the version the peer first trained from
+    accepted: NonNegInt  # accepted deltas (receipts) so far
+    tokens: NonNegInt  # tokens of those deltas: the election weight
+    last_version: NonNegInt  # the version that last accepted one of its deltas
+
+
 class CertificateBody(_Strict):
+    """What the committee signs for one new global version."""
+
     run: Hex64
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=2**63 - 1)
     base_version: int = Field(ge=0)
     state_hash: Hex64
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
-    accepted: list[Accepted] = Field(max_length=4096)
+    accepted: list[Accepted] = Field(max_length=4096)  # sorted by digest
+    rejected: list[Rejected] = Field(default_factory=list, max_length=4096)  # sorted by digest
+    # Candidates of the next election, after this version's receipts (sync.roster.next_roster);
+    # sorted by peer id.
+    roster: list[RosterEntry] = Field(default_factory=list, max_length=MAX_ROSTER)
 
     @model_validator(mode="after")
     def _consistent(self) -> CertificateBody:
@@ -64,13 +98,52 @@ class CertificateBody(_Strict):
         digests = [a.digest for a in self.accepted]
         if digests != sorted(set(digests)):
             raise ValueError("accepted submissions must be sorted by digest, without repeats")
+        rejected = [r.digest for r in self.rejected]
+        if rejected != sorted(set(rejected)):
+            raise ValueError("rejected submissions must be sorted by digest, without repeats")
+        if not set(digests).isdisjoint(rejected):
+            raise ValueError("a submission is both accepted and rejected")
+        peers = [e.peer_id for e in self.roster]
+        if peers != sorted(set(peers)):
+            raise ValueError("roster must be sorted by peer id, without repeats")
+        if any(
+            e.joined_version >= self.version or e.last_version > self.version for e in self.roster
+        ):
+            raise ValueError("roster entry from after this version")
         return self
+
+
+def _body_message(body: CertificateBody) -> bytes:
+    return signing_message(CERTIFICATE_KIND, body.run, canonical_json(body.model_dump(mode="json")))
+
+
+def body_digest(body: CertificateBody) -> str:
+    """Hex sha256 of the canonical body: the same for every signature set over that body."""
+    return hashlib.sha256(canonical_json(body.model_dump(mode="json"))).hexdigest()
 
 
 def sign_body(identity: Identity, body: CertificateBody) -> str:
     """A syncer's signature (hex) over the certificate body."""
-    msg = signing_message(CERTIFICATE_KIND, body.run, canonical_json(body.model_dump(mode="json")))
-    return identity.sign(msg).hex()
+    return identity.sign(_body_message(body)).hex()
+
+
+def _verify_message(peer_id: object, message: bytes, sig_hex: object) -> bool:
+    # Lowercase hex only, as in envelopes: one text form per signature.
+    if not isinstance(peer_id, str) or not isinstance(sig_hex, str) or not _SIG.fullmatch(sig_hex):
+        return False
+    try:
+        return verify(public_key_from_peer_id(peer_id), message, bytes.fromhex(sig_hex))
+    except Exception:  # malformed peer id or hex from an untrusted certificate
+        return False
+
+
+def verify_body_signature(peer_id: str, body: CertificateBody, sig_hex: str) -> bool:
+    """True if ``sig_hex`` (128 lowercase hex) is ``peer_id``'s valid signature over ``body``.
+
+    Never raises: a malformed peer id or signature (any type) is simply false. Says nothing
+    about committee membership; check that separately.
+    """
+    return _verify_message(peer_id, _body_message(body), sig_hex)
 
 
 @dataclass(frozen=True)
@@ -118,18 +191,13 @@ def parse_certificate(
         raise InvalidRecord(schema_error_reason("certificate", e)) from None
     if run_id is not None and body.run != run_id:
         raise InvalidRecord(f"certificate is for run {body.run[:12]}, expected {run_id[:12]}")
-    msg = signing_message(CERTIFICATE_KIND, body.run, canonical_json(body.model_dump(mode="json")))
+    msg = _body_message(body)  # once, not per signature: a body can be ~1 MB
     members = set(body.committee)
-    signers = []
-    for peer, sig in sorted(obj["sigs"].items()):
-        if peer not in members or not isinstance(sig, str) or len(sig) != 128:
-            continue
-        try:
-            ok = verify(public_key_from_peer_id(peer), msg, bytes.fromhex(sig))
-        except Exception:  # malformed peer id or hex from an untrusted certificate
-            ok = False
-        if ok:
-            signers.append(peer)
+    signers = [
+        peer
+        for peer, sig in sorted(obj["sigs"].items())
+        if peer in members and _verify_message(peer, msg, sig)
+    ]
     if len(signers) < body.quorum:
         raise InvalidRecord(
             f"certificate for version {body.version} has {len(signers)} valid committee "

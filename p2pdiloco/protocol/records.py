@@ -9,7 +9,14 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.signing import (
@@ -159,6 +166,9 @@ class RunManifest(_Strict):
     aggregation: RuleName = "mean"
     min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
     staleness: int = Field(default=2, ge=0, le=10_000)
+    # The committee of round 1, when no certificate exists yet to draw one from; empty means
+    # the creator alone. Also the fallback if a certified roster ever empties.
+    genesis_committee: list[PeerIdStr] = Field(default_factory=list, max_length=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +184,13 @@ class RunManifest(_Strict):
         if self.quorum > self.committee_size:
             raise ValueError(f"quorum {self.quorum} exceeds committee size {self.committee_size}")
         return self
+
+    @field_validator("genesis_committee")
+    @classmethod
+    def _genesis_unique(cls, peers: list[str]) -> list[str]:
+        if len(set(peers)) != len(peers):
+            raise ValueError("the genesis committee must not repeat a peer")
+        return peers
 
 
 def run_id_of(manifest: RunManifest) -> str:

@@ -9,8 +9,9 @@ multi-process tests and a discrete-event simulator of thousands of peers all dri
 Phases of the round that turns certified version v into v+1:
 
     COLLECTING  submissions are screened (run, base version, token claim, duplicates); the round
-                closes when ceil(min_fraction × active learners) are accepted, or at the grace
-                deadline with at least one;
+                closes ``linger`` seconds after ceil(min_fraction × active learners) are
+                accepted (at once when every active learner is in), or at the grace deadline
+                with at least one;
     AGREEING    the leader (committee order, rotating to the next member every ``agree_timeout``
                 without a proposal) proposes the sorted digests of its accepted submissions; the
                 others adopt that set, fetching what they miss;
@@ -57,6 +58,7 @@ class RoundParams:
     max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps
     weight_cap: float = 0.25  # no learner weighs more than this share of the merge
     agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
+    linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
 
     @property
     def min_learners(self) -> int:
@@ -133,6 +135,7 @@ class SyncerRound:
     phase: Phase = Phase.COLLECTING
     accepted: dict[str, Submission] = field(default_factory=dict)  # by digest
     closed_at: float | None = None
+    enough_at: float | None = None  # when the learner quorum was first reached
     input_set: tuple[str, ...] | None = None
     own_hash: str | None = None
     signatures: dict[str, str] = field(default_factory=dict)  # syncer → state hash
@@ -265,8 +268,12 @@ class SyncerRound:
     def _maybe_close(self, now: float) -> list[Action]:
         p = self.params
         enough = len(self.accepted) >= p.min_learners
+        if enough and self.enough_at is None:
+            self.enough_at = now
+        everyone = len(self.accepted) >= p.active_learners
+        lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
         deadline = now >= p.opened_at + p.grace and len(self.accepted) > 0
-        if self.phase is not Phase.COLLECTING or not (enough or deadline):
+        if self.phase is not Phase.COLLECTING or not (everyone or lingered or deadline):
             return []
         self.phase = Phase.AGREEING
         self.closed_at = now

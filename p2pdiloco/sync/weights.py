@@ -23,6 +23,11 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
         return weights
     if any(w < 0 for w in weights.values()):
         raise ValueError("weights must be non-negative")
+    if cap_fraction * len(weights) <= 1.0:
+        # No weight can be at most f of the total unless all are equal: give every entry the
+        # smallest positive weight (a bisection would converge to all zeros here).
+        positive = [w for w in weights.values() if w > 0]
+        return {k: min(positive) if positive else 0.0 for k in weights}
     lo, hi = 0.0, max(weights.values())
     for _ in range(100):
         mid = (lo + hi) / 2

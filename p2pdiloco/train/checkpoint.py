@@ -188,6 +188,25 @@ def _atomic_write(path: Path, write: Callable[[Path], object], hook: bool = Fals
     _fsync_dir(path.parent)
 
 
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically: readers see the old or the new file, whole.
+
+    ``durable=False`` skips the fsyncs (fine for status files that are rewritten every second).
+    """
+    if durable:
+        _atomic_write(path, lambda tmp: tmp.write_bytes(data))
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
 def save_checkpoint(
     path: str | Path,
     tensors: Mapping[str, torch.Tensor],

@@ -1,0 +1,132 @@
+"""The sync protocol's request/reply transport over hivemind P2P streams.
+
+One stream per request on protocol ``/p2pdiloco/sync/1``: the caller writes a control frame
+``{"op": ..., "frames": n, ...}`` and n binary frames; the server answers with a control frame
+``{"ok": bool, "frames": m, ...}`` and m binary frames. Each op has its own size limit per
+request frame, checked before the bytes are read, so an oversized or endless request costs the
+server nothing. Ops and their frames are listed in ``docs/protocol.md`` (Sync transport).
+
+The server side only frames and dispatches; what a request means is decided by the
+``handler`` (the node's sync service), which returns ``(control, frames)`` or raises
+``RpcRefused`` with a reason that is sent back to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from multiaddr import Multiaddr
+
+from p2pdiloco.net.framing import FrameError, read_control, read_frame, write_control, write_frame
+
+log = logging.getLogger(__name__)
+
+SYNC_PROTOCOL = "/p2pdiloco/sync/1"
+REQUEST_TIMEOUT = 30.0
+
+Frames = list[bytes]
+Handler = Callable[[str, str, dict[str, Any], Frames], Awaitable[tuple[dict[str, Any], Frames]]]
+
+
+class RpcRefused(Exception):
+    """Raised by a handler: the request is answered ``ok: false`` with this reason."""
+
+
+class RpcError(Exception):
+    """The call failed: peer unreachable, stream broken, or the peer refused (``refused``)."""
+
+    def __init__(self, reason: str, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.refused = refused
+
+
+async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
+    """Register the sync protocol. ``frame_limits[op]`` bounds each request frame of ``op``."""
+
+    async def on_stream(
+        info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peer = str(info.peer_id)
+        try:
+            control = await read_control(reader, REQUEST_TIMEOUT)
+            op = control.get("op")
+            limits = frame_limits.get(op) if isinstance(op, str) else None
+            count = control.get("frames", 0)
+            if limits is None or not isinstance(op, str):
+                raise RpcRefused(f"unknown op {str(op)[:32]!r}")
+            if not isinstance(count, int) or not 0 <= count <= len(limits):
+                raise RpcRefused(f"op {op} takes at most {len(limits)} frames")
+            frames = [await read_frame(reader, limits[i], REQUEST_TIMEOUT) for i in range(count)]
+            reply, out = await handler(op, peer, control, frames)
+            write_control(writer, {**reply, "ok": True, "frames": len(out)})
+            for f in out:
+                write_frame(writer, f)
+        except RpcRefused as e:
+            write_control(writer, {"ok": False, "error": str(e)[:500], "frames": 0})
+        except FrameError as e:
+            log.warning("dropped sync request from %s: %s", peer, e)
+        except Exception:  # a bug in a handler must not kill the node's P2P loop
+            log.exception("sync request from %s failed", peer)
+            write_control(writer, {"ok": False, "error": "internal error", "frames": 0})
+        with contextlib.suppress(Exception):  # the caller went away: nothing to do
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
+        writer.close()
+
+    await p2p.add_binary_stream_handler(SYNC_PROTOCOL, on_stream)
+
+
+async def call(
+    p2p: P2P,
+    peer_id: str,
+    op: str,
+    *,
+    args: dict[str, Any] | None = None,
+    frames: Sequence[bytes] = (),
+    reply_limit: int = 1 << 20,
+    addrs: Sequence[str] = (),
+    timeout: float = REQUEST_TIMEOUT,
+) -> tuple[dict[str, Any], Frames]:
+    """Send one request; the reply's control dict and frames (each at most ``reply_limit``).
+
+    ``addrs`` (the peer's multiaddrs from its heartbeat) are dialled first when given, so a peer
+    this daemon has never met can be reached. Raises RpcError.
+    """
+    try:
+        peer = PeerID.from_base58(peer_id)
+        if addrs:
+            try:
+                await asyncio.wait_for(
+                    p2p._client.connect(peer, [Multiaddr(a) for a in addrs[:8]]), 10.0
+                )
+            except Exception as e:  # the stream open below may still route through a relay
+                log.debug("connect to %s failed: %s", peer_id, e)
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(peer, SYNC_PROTOCOL), timeout
+        )
+    except Exception as e:
+        raise RpcError(f"cannot open a stream to {peer_id}: {e or type(e).__name__}") from None
+    try:
+        write_control(writer, {**(args or {}), "op": op, "frames": len(frames)})
+        for f in frames:
+            write_frame(writer, f)
+        await asyncio.wait_for(writer.drain(), timeout)
+        reply = await read_control(reader, timeout)
+        count = reply.get("frames", 0)
+        if not isinstance(count, int) or not 0 <= count <= 64:
+            raise RpcError(f"{peer_id} sent a malformed reply")
+        out = [await read_frame(reader, reply_limit, timeout) for _ in range(count)]
+    except FrameError as e:
+        raise RpcError(f"{op} to {peer_id}: {e}") from None
+    except (ConnectionError, OSError, TimeoutError) as e:
+        raise RpcError(f"{op} to {peer_id}: {e or type(e).__name__}") from None
+    finally:
+        writer.close()
+    if not reply.get("ok"):
+        raise RpcError(str(reply.get("error", "refused"))[:500], refused=True)
+    return reply, out

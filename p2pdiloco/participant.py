@@ -1,0 +1,525 @@
+"""A node that trains: the learner loop, its syncer duty, and everything certified it keeps.
+
+One loop, top to bottom (``_round``): train H inner steps from the certified version v → send
+the compressed, signed delta to the committee of v+1 → keep training while it is in flight →
+apply the next certificate (verified; the state merged here if this node was a syncer that
+agreed with the quorum, else downloaded in verified chunks) → rebase. The syncer side runs on
+the P2P loop (``sync.service``) and hands certified versions back through ``_inbox``.
+
+On disk, under ``state_dir``: ``certified/`` (the last certified states, atomic checkpoints
+with their certificate), ``certs/<version>.json`` (every certificate applied: this node's
+receipts) and ``status.json`` (a snapshot for monitors and the demo). A restart resumes from
+the newest certified checkpoint whose hash matches its certificate, then catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pdiloco.net import keys
+from p2pdiloco.net.dht import NetworkError
+from p2pdiloco.net.gossip import GossipError, GossipMessage
+from p2pdiloco.net.sync_rpc import RpcError, call
+from p2pdiloco.node import Node, cert_topic
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal
+from p2pdiloco.protocol.submissions import (
+    FragmentRef,
+    SubmissionHeader,
+    payload_digest,
+    seal_submission,
+)
+from p2pdiloco.sync.attacks import AttackConfig
+from p2pdiloco.sync.certified import CertifiedState, genesis_state
+from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert
+from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.service import SyncService, SyncSettings
+from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_write_bytes
+from p2pdiloco.train.data import build_corpus
+from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.learner import Learner, Outgoing
+from p2pdiloco.train.models import get_spec
+from p2pdiloco.train.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+CERT_RECORD_KIND = "certificate"
+
+
+def certs_key(run_id: str) -> str:
+    return f"{keys.PREFIX}/run/{run_id}/certs"
+
+
+@dataclass
+class TrainConfig:
+    """How this node trains and syncs (the run's rules come from its manifest)."""
+
+    state_dir: Path
+    device: str = "auto"
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    until_version: int | None = None  # stop training once this version is applied; keep serving
+    attack: str | None = None  # play an attacker (demo and tests only)
+    max_data_bytes: int = 16 * 2**20
+    sync: SyncSettings = field(default_factory=SyncSettings)
+
+
+@dataclass
+class Stats:
+    sent: int = 0
+    accepted: int = 0  # by the certificate (receipts)
+    rejected: int = 0  # refused at submission or screened out
+    tokens_accepted: int = 0
+    tokens_trained: int = 0
+    last_loss: float | None = None
+    downloads: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Participant:
+    def __init__(self, node: Node, cfg: TrainConfig) -> None:
+        assert node.run is not None and node.bridge is not None
+        self.node = node
+        self.cfg = cfg
+        self.run_id = node.run.run_id
+        self.manifest = node.run.manifest
+        self.me = node.identity.peer_id
+        self.stats = Stats()
+        self.phase = "starting"
+        self.error: str | None = None
+        self._inbox: queue.Queue[tuple[bytes, CertifiedState | None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_sent: tuple[bytes, bytes] | None = None  # for the replay attacker
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.state_dir / "certs").mkdir(exist_ok=True)
+        self.store = CheckpointStore(cfg.state_dir / "certified", keep=2)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.device = resolve_device(self.cfg.device)
+        spec = get_spec(self.manifest.model)
+        self.corpus = build_corpus(
+            self.manifest.data,
+            load_tokenizer(spec.tokenizer),
+            seq_len=self.manifest.inner.seq_len,
+            max_bytes=self.cfg.max_data_bytes,
+        )
+        self.state = self._restore() or genesis_state(self.manifest)
+        self.service = SyncService(
+            self.node.identity,
+            self.run_id,
+            self.manifest,
+            {n: tuple(t.shape) for n, t in self.state.params.items()},
+            replace(self.cfg.sync, rule=self.manifest.aggregation),
+            addrs_of=self.node.peer_addrs,
+            active_learners=lambda: len(self.node.peers_holding(0)) + 1,
+            on_certified=lambda raw, st: self._inbox.put((raw, st)),
+        )
+        bridge = self.node.bridge
+        assert bridge is not None
+        bridge.run(self.service.start(bridge.p2p), 30)
+        for path in sorted((self.cfg.state_dir / "certs").glob("*.json")):
+            self.service.add_cert(int(path.stem), path.read_bytes())
+        bridge.run(self.service.install(self.state), 120)
+        self.node.version = self.state.version
+        self.node.on_gossip = self._on_gossip
+        attack = AttackConfig(self.cfg.attack) if self.cfg.attack else None
+        self.learner = Learner(
+            self.manifest,
+            self.corpus,
+            self.me,
+            self.state.params,
+            device=self.device,
+            attack=attack,
+        )
+        self._thread = threading.Thread(target=self._main, daemon=True, name="participant")
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.node.bridge is not None:
+            with contextlib.suppress(Exception):
+                self.node.bridge.run(self.service.close(), 5)
+        self._write_status()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._set_phase("syncing state")
+            self._catch_up_from_network()
+            while not self._stop.is_set():
+                target = self.cfg.until_version
+                if target is not None and self.state.version >= target:
+                    self._set_phase(f"idle: version {target} reached")
+                    self._drain(wait=1.0)
+                    continue
+                self._round()
+        except Exception as e:  # reported in the status and the log; the node keeps serving
+            log.exception("training loop stopped")
+            self.error = f"{type(e).__name__}: {e}"
+            self._set_phase("failed")
+
+    def _round(self) -> None:
+        """Train from version v, send the delta, keep training until v+1 (or newer) applies."""
+        H = self.manifest.inner_steps
+        chunk = self._chunk_steps()
+        base = self.state
+        self._set_phase("training")
+        tokens, loss = 0, 0.0
+        trained = 0
+        while trained < H and not self._stop.is_set():
+            st = self.learner.train(chunk)
+            trained += st.steps
+            tokens += st.tokens
+            loss = st.loss_last
+            self.stats.tokens_trained += st.tokens
+            self.stats.last_loss = loss
+            self._drain(wait=0)  # a newer version mid-stretch: rebase and keep going
+            base = self.state
+        if self._stop.is_set():
+            return
+        out = self.learner.outgoing(base.version, base.params, tokens, loss)
+        self._set_phase("submitting")
+        self._submit(out)
+        self._set_phase("waiting for certificate")
+        deadline_poll = 0.0
+        while self.state.version <= out.base_version and not self._stop.is_set():
+            if self.learner.steps_since_send < H:
+                self.learner.train(chunk)  # keep training while the delta is in flight
+            if time.monotonic() >= deadline_poll:
+                self._poll_certificates(out.base_version + 1)
+                deadline_poll = time.monotonic() + 2.0
+            self._drain(wait=0.2, sent=out)
+
+    def _chunk_steps(self) -> int:
+        H = self.manifest.inner_steps
+        return max(1, H // 4) if H % 4 == 0 else H
+
+    # -- submitting --------------------------------------------------------------------------
+
+    def _submit(self, out: Outgoing) -> None:
+        header = SubmissionHeader(
+            peer_id=self.me,
+            base_version=out.base_version,
+            steps=max(1, out.steps),
+            tokens=max(1, out.tokens),
+            loss=min(max(out.loss, 0.0), 1e4),
+            codec=self.manifest.compression,
+            fragments=[
+                FragmentRef(index=0, digest=payload_digest(out.payload), nbytes=len(out.payload))
+            ],
+        )
+        raw = seal_submission(self.node.identity, self.run_id, header)
+        frames = (raw, out.payload)
+        if self.cfg.attack == "replay" and self._last_sent is not None:
+            frames = self._last_sent  # re-send last round's signed submission, byte for byte
+        self._last_sent = (raw, out.payload)
+        committee = committee_for(self.run_id, self.manifest, self.state.cert)
+        pending = [m for m in committee.members]
+        self.stats.sent += 1
+        statuses: dict[str, str] = {}
+        for _ in range(20):
+            replies = self._call_all(pending, "submit", frames)
+            pending = []
+            for peer, reply in replies.items():
+                status = reply.get("status", "error") if isinstance(reply, dict) else "error"
+                statuses[peer] = status
+                if status == "retry":
+                    pending.append(peer)
+                elif status == "rejected":
+                    log.warning("submission rejected by %s: %s", peer, reply.get("reason"))
+            if not pending or self._stop.is_set() or self.state.version > out.base_version:
+                break
+            self._drain(wait=1.0, sent=out)
+        accepted = sum(1 for s in statuses.values() if s == "accepted")
+        log.info(
+            "submitted delta on version %d to %d syncers: %d accepted for merging",
+            out.base_version,
+            len(committee.members),
+            accepted,
+        )
+        if accepted == 0:
+            self.stats.rejected += 1
+
+    def _call_all(
+        self, peers: Sequence[str], op: str, frames: tuple[bytes, bytes]
+    ) -> dict[str, Any]:
+        bridge = self.node.bridge
+        assert bridge is not None
+
+        async def one(peer: str) -> Any:
+            if peer == self.me:
+                reply, _ = await self.service.handle(op, self.me, {}, list(frames))
+                return reply
+            try:
+                reply, _ = await call(
+                    bridge.p2p, peer, op, frames=frames, addrs=self.node.peer_addrs(peer)
+                )
+                return reply
+            except RpcError as e:
+                return {"status": "error", "reason": str(e)}
+
+        async def all_() -> list[Any]:
+            return await asyncio.gather(*(one(p) for p in peers))
+
+        try:
+            results = bridge.run(all_(), 120)
+        except Exception as e:
+            log.warning("submitting failed: %s", e)
+            return {}
+        return dict(zip(peers, results, strict=True))
+
+    # -- certificates ------------------------------------------------------------------------
+
+    def _on_gossip(self, msg: GossipMessage) -> None:
+        if msg.topic == cert_topic(self.run_id) and len(msg.data) < (1 << 20):
+            self._inbox.put((bytes(msg.data), None))
+
+    def _poll_certificates(self, version: int) -> None:
+        """Ask the committee (and anyone announcing it) for the certificate of ``version``."""
+        bridge = self.node.bridge
+        assert bridge is not None
+        committee = committee_for(self.run_id, self.manifest, self.state.cert)
+        peers = [m for m in committee.members if m != self.me]
+        peers += [p for p, _ in self.node.peers_holding(version) if p not in peers]
+        for peer in peers[:6]:
+            try:
+                raw = bridge.run(
+                    fetch_cert(bridge.p2p, peer, version, self.node.peer_addrs(peer)), 20
+                )
+            except Exception:
+                continue
+            self._inbox.put((raw, None))
+            return
+
+    def _drain(self, wait: float, sent: Outgoing | None = None) -> None:
+        """Apply every certificate that arrived (newest wins); wait up to ``wait`` for one."""
+        try:
+            items = [self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for raw, computed in sorted(items, key=lambda it: _version_of(it[0])):
+            try:
+                self._advance(raw, computed, sent)
+            except (InvalidRecord, SyncError, RpcError, TimeoutError) as e:
+                log.warning("could not apply a certificate: %s", e)
+
+    def _advance(self, raw: bytes, computed: CertifiedState | None, sent: Outgoing | None) -> None:
+        cert = parse_certificate(raw, run_id=self.run_id)
+        if cert.body.version <= self.state.version:
+            return
+        self._set_phase("applying")
+        bridge = self.node.bridge
+        assert bridge is not None
+        peers = self._holders(cert)
+        chain = bridge.run(
+            catch_up(bridge.p2p, self.run_id, self.manifest, self.state.cert, cert, peers), 120
+        )
+        cert = chain[-1]
+        if computed is not None and computed.state_hash == cert.body.state_hash:
+            new = computed
+            new.cert = cert
+        else:
+            dl = bridge.run(download_state(bridge.p2p, cert, peers), 600)
+            new = dl.state
+            self.stats.downloads.append(
+                {"version": cert.body.version, "chunks_by_peer": dict(dl.chunks_by_peer)}
+            )
+            log.info(
+                "downloaded state of version %d from %d peers (%s)",
+                cert.body.version,
+                len(dl.chunks_by_peer),
+                ", ".join(f"{p[-8:]}: {n}" for p, n in dl.chunks_by_peer.items()),
+            )
+        self._persist(chain, new)
+        bridge.run(self.service.install(new), 120)
+        committee = self.service.committee
+        self.node.roles = (
+            ["learner", "syncer"] if committee and self.me in committee.members else ["learner"]
+        )
+        old = self.state
+        mine = [a for a in cert.body.accepted if a.peer_id == self.me]
+        for c in chain:
+            for a in c.receipts(self.me):
+                self.stats.accepted += 1
+                self.stats.tokens_accepted += a.tokens
+            self.stats.rejected += sum(1 for r in c.body.rejected if r.peer_id == self.me)
+        self.learner.rebase(new.params, old.params, sent, accepted=bool(mine) and len(chain) == 1)
+        self.state = new
+        self.node.version = new.version
+        self._publish(cert)
+        log.info(
+            "applied version %d (committee %s; %d deltas merged%s)",
+            new.version,
+            ", ".join(m[-8:] for m in cert.body.committee),
+            len(cert.body.accepted),
+            ", ours among them" if mine else "",
+        )
+        self._write_status()
+
+    def _holders(self, cert: Certificate) -> list[tuple[str, list[str]]]:
+        """Peers likely to hold the state of ``cert``: its signers, then anyone announcing it."""
+        out = [(s, self.node.peer_addrs(s)) for s in cert.signers if s != self.me]
+        known = {p for p, _ in out}
+        out += [(p, a) for p, a in self.node.peers_holding(cert.body.version) if p not in known]
+        return out
+
+    def _catch_up_from_network(self) -> None:
+        """At start: the newest certificate in the DHT or held by live peers, if newer."""
+        newest: bytes | None = None
+        for raw in self._dht_certificates():
+            if newest is None or _version_of(raw) > _version_of(newest):
+                newest = raw
+        bridge = self.node.bridge
+        assert bridge is not None
+        for peer, addrs in self.node.peers_holding(self.state.version + 1)[:3]:
+            try:
+                raw = bridge.run(fetch_cert(bridge.p2p, peer, -1, addrs), 20)
+            except Exception:
+                continue
+            if newest is None or _version_of(raw) > _version_of(newest):
+                newest = raw
+        if newest is not None and _version_of(newest) > self.state.version:
+            log.info("catching up from version %d to %d", self.state.version, _version_of(newest))
+            self._inbox.put((newest, None))
+            self._drain(wait=0)
+
+    def _dht_certificates(self) -> list[bytes]:
+        dht = self.node.dht
+        if dht is None:
+            return []
+        out = []
+        try:
+            for rec in dht.read(certs_key(self.run_id), kind=CERT_RECORD_KIND, run_id=self.run_id):
+                cert = rec.envelope.body.get("cert")
+                if isinstance(cert, dict):
+                    out.append(canonical_json(cert))
+        except Exception as e:
+            log.info("reading certificates from the DHT failed: %s", e)
+        return out
+
+    def _publish(self, cert: Certificate) -> None:
+        """Gossip the certificate and keep the newest one in the DHT for late joiners."""
+        gossip = self.node.gossip
+        if gossip is not None and gossip.alive:
+            try:
+                gossip.publish(cert_topic(self.run_id), cert.raw)
+            except GossipError as e:
+                log.info("gossip publish of the certificate failed: %s", e)
+        dht = self.node.dht
+        if dht is None:
+            return
+        body = {"version": cert.body.version, "cert": json.loads(cert.raw)}
+        record = seal(self.node.identity, CERT_RECORD_KIND, self.run_id, body)
+        if len(record) > 16 * 1024:
+            return  # too large for a DHT record; peers serve it over the sync protocol
+        try:
+            dht.store(certs_key(self.run_id), self.me, record, 24 * 3600.0)
+        except NetworkError as e:
+            log.info("storing the certificate in the DHT failed: %s", e)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _persist(self, chain: list[Certificate], state: CertifiedState) -> None:
+        for c in chain:
+            path = self.cfg.state_dir / "certs" / f"{c.body.version:08d}.json"
+            atomic_write_bytes(path, c.raw)
+            self.service.add_cert(c.body.version, c.raw)
+        assert state.cert is not None
+        self.store.save(
+            state.tensors(),
+            {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
+        )
+
+    def _restore(self) -> CertifiedState | None:
+        """The newest saved certified state whose hash matches its certificate, or None."""
+        try:
+            ckpt = self.store.load_latest(verify=True)
+        except CheckpointError as e:
+            log.warning("ignoring the saved state: %s", e)
+            return None
+        if ckpt is None or ckpt.meta.get("run_id") != self.run_id:
+            return None
+        try:
+            cert = parse_certificate(str(ckpt.meta["cert"]).encode(), run_id=self.run_id)
+            state = CertifiedState.from_tensors(cert.body.version, cert, ckpt.tensors)
+        except (InvalidRecord, KeyError, ValueError) as e:
+            log.warning("ignoring the saved state: %s", e)
+            return None
+        if state.state_hash != cert.body.state_hash:
+            log.warning("ignoring the saved state: it does not match its certificate")
+            return None
+        log.info("resuming from certified version %d (saved on disk)", state.version)
+        return state
+
+    # -- status ------------------------------------------------------------------------------
+
+    def _set_phase(self, phase: str) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            log.info(
+                "state: %s (version %d)", phase, self.state.version if hasattr(self, "state") else 0
+            )
+        self._write_status()
+
+    def snapshot(self) -> dict[str, Any]:
+        svc = getattr(self, "service", None)
+        committee = svc.committee.members if svc is not None and svc.committee else ()
+        return {
+            "peer_id": self.me,
+            "run_id": self.run_id,
+            "phase": self.phase,
+            "error": self.error,
+            "version": self.state.version if hasattr(self, "state") else 0,
+            "committee": list(committee),
+            "on_committee": self.me in committee,
+            "sent": self.stats.sent,
+            "accepted": self.stats.accepted,
+            "rejected": self.stats.rejected,
+            "tokens_accepted": self.stats.tokens_accepted,
+            "tokens_trained": self.stats.tokens_trained,
+            "last_loss": self.stats.last_loss,
+            "downloads": self.stats.downloads[-20:],
+            "rejections": list(svc.rejections[-200:]) if svc is not None else [],
+        }
+
+    def _write_status(self) -> None:
+        data = json.dumps(self.snapshot()).encode()
+        try:
+            atomic_write_bytes(self.cfg.state_dir / "status.json", data, durable=False)
+        except OSError as e:
+            log.debug("status write failed: %s", e)
+
+
+def _version_of(raw: bytes) -> int:
+    try:
+        v = json.loads(raw)["body"]["version"]
+        return v if isinstance(v, int) else -1
+    except Exception:
+        return -1

@@ -1,0 +1,146 @@
+"""Client side of the state service: certificates, chain verification, chunked state download.
+
+A node that falls behind (or joins late, or restarts) verifies every certificate from the last
+version it trusts to the newest one — each must be signed by a quorum of exactly the committee
+that the previous certificate elects, and carry the roster that follows from it — then
+downloads the newest state in chunks from several peers at once. Each chunk is checked against
+the index, and the index against the certificate's state hash, so a lying peer can waste a
+request but never get a byte of bad state applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hivemind.p2p import P2P
+
+from p2pdiloco.net import sync_rpc
+from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.roster import verify_successor
+from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
+
+log = logging.getLogger(__name__)
+
+PER_PEER_PARALLEL = 4
+
+
+class SyncError(Exception):
+    """No peer could provide a verifiable certificate or state (one-line message)."""
+
+
+@dataclass
+class Download:
+    state: CertifiedState
+    chunks_by_peer: Counter[str] = field(default_factory=Counter)
+
+
+def verify_next(
+    run_id: str, manifest: RunManifest, prev: Certificate | None, raw: bytes
+) -> Certificate:
+    """Parse and check the certificate of the version after ``prev`` (None: genesis): quorum
+    signatures, then the chain rules of ``roster.verify_successor``. Raises InvalidRecord."""
+    cert = parse_certificate(raw, run_id=run_id)
+    verify_successor(run_id, manifest, prev, cert)
+    return cert
+
+
+async def fetch_cert(p2p: P2P, peer: str, version: int, addrs: Sequence[str] = ()) -> bytes:
+    """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
+    _, frames = await sync_rpc.call(
+        p2p, peer, "cert", args={"version": version}, addrs=addrs, timeout=15.0
+    )
+    if len(frames) != 1:
+        raise RpcError(f"{peer} answered a certificate request without one")
+    return frames[0]
+
+
+async def catch_up(
+    p2p: P2P,
+    run_id: str,
+    manifest: RunManifest,
+    known: Certificate | None,
+    target: Certificate,
+    peers: Sequence[tuple[str, Sequence[str]]],
+) -> list[Certificate]:
+    """Verified certificates after ``known`` up to ``target`` (inclusive), fetched from peers."""
+    chain: list[Certificate] = []
+    prev = known
+    start = known.body.version if known is not None else 0
+    for version in range(start + 1, target.body.version + 1):
+        raw = target.raw if version == target.body.version else None
+        errors = []
+        for peer, addrs in [("", ())] if raw is not None else peers:
+            try:
+                data = raw if raw is not None else await fetch_cert(p2p, peer, version, addrs)
+                cert = verify_next(run_id, manifest, prev, data)
+                break
+            except (RpcError, InvalidRecord) as e:
+                errors.append(f"{peer or 'given'}: {e}")
+        else:
+            raise SyncError(
+                f"no verifiable certificate for version {version}: {'; '.join(errors)[:400]}"
+            )
+        chain.append(cert)
+        prev = cert
+    return chain
+
+
+async def download_state(
+    p2p: P2P, cert: Certificate, peers: Sequence[tuple[str, Sequence[str]]]
+) -> Download:
+    """The state certified by ``cert``, chunks spread over ``peers`` and verified one by one."""
+    version, state_hash = cert.body.version, cert.body.state_hash
+    index = None
+    for peer, addrs in peers:
+        try:
+            _, frames = await sync_rpc.call(
+                p2p, peer, "index", args={"version": version}, addrs=addrs, reply_limit=16 << 20
+            )
+            index = parse_index(frames[0], state_hash)
+            break
+        except (RpcError, StateError, IndexError) as e:
+            log.info("state index of version %d from %s: %s", version, peer, e)
+    if index is None:
+        raise SyncError(f"no peer served a valid state index for version {version}")
+    holders = [p for p in peers]
+    chunks: list[bytes | None] = [None] * len(index.chunk_hashes)
+    by_peer: Counter[str] = Counter()
+    limits = {peer: asyncio.Semaphore(PER_PEER_PARALLEL) for peer, _ in holders}
+    failed: set[str] = set()
+
+    async def get(i: int) -> None:
+        order = holders[i % len(holders) :] + holders[: i % len(holders)]
+        for peer, addrs in order:
+            if peer in failed and len(failed) < len(holders):
+                continue
+            async with limits[peer]:
+                try:
+                    _, frames = await sync_rpc.call(
+                        p2p,
+                        peer,
+                        "chunk",
+                        args={"version": version, "i": i},
+                        addrs=addrs,
+                        reply_limit=index.chunk_bytes,
+                    )
+                    verify_chunk(index, i, frames[0])
+                except (RpcError, StateError, IndexError) as e:
+                    log.info("chunk %d of version %d from %s: %s", i, version, peer, e)
+                    failed.add(peer)
+                    continue
+            chunks[i] = frames[0]
+            by_peer[peer] += 1
+            return
+        raise SyncError(f"no peer served a valid chunk {i} of version {version}")
+
+    await asyncio.gather(*(get(i) for i in range(len(chunks))))
+    tensors = decode_state(index, [c for c in chunks if c is not None])
+    return Download(CertifiedState.from_tensors(version, cert, tensors), by_peer)

@@ -1,0 +1,198 @@
+"""Who may sit on the next committee, from certified data only.
+
+Every node must compute the same committee, so the candidate set cannot come from what each node
+happens to see (heartbeats differ between nodes and can be faked). It comes from the roster
+inside the last certificate, which a quorum signed: each certificate carries
+``next_roster(previous roster, its own receipts)``. Before the first certificate, the manifest's
+genesis committee (or the run creator alone) is the roster.
+
+A peer stays on the roster for ``ROSTER_WINDOW`` versions after its last accepted delta, so the
+roster follows the learners actually contributing; its counters (accepted deltas, tokens) are
+the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from p2pdiloco.protocol.certificates import (
+    MAX_ROSTER,
+    Accepted,
+    Certificate,
+    RosterEntry,
+)
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
+from p2pdiloco.sync import committee
+
+__all__ = [
+    "MAX_ROSTER",
+    "ROSTER_WINDOW",
+    "CommitteeInfo",
+    "beacon_of",
+    "committee_for",
+    "genesis_roster",
+    "next_roster",
+    "roster_of",
+    "verify_successor",
+]
+
+ROSTER_WINDOW = 3  # versions a peer stays on the roster after its last accepted delta
+_MAX_COUNT = 2**63 - 1  # RosterEntry's bound: counters saturate instead of failing validation
+
+
+def genesis_roster(manifest: RunManifest) -> list[RosterEntry]:
+    """The roster before any certificate: the genesis committee, or the creator alone."""
+    members = manifest.genesis_committee or [manifest.creator]
+    return [
+        RosterEntry(peer_id=p, joined_version=0, accepted=0, tokens=0, last_version=0)
+        for p in sorted(members)
+    ]
+
+
+def next_roster(
+    prev: Sequence[RosterEntry],
+    *,
+    new_version: int,
+    accepted: Sequence[Accepted],
+    window: int = ROSTER_WINDOW,
+) -> list[RosterEntry]:
+    """The roster to certify with ``new_version``, given the previous one and its receipts.
+
+    Each receipt adds one accepted delta and its tokens to its peer and sets ``last_version`` to
+    ``new_version``; a peer new to the roster joins at ``new_version - 1`` (the base it trained
+    from). Entries idle for more than ``window`` versions (measured from the later of
+    ``last_version`` and ``joined_version``) are dropped; beyond MAX_ROSTER, the most recently
+    active, then heaviest, then lowest peer ids stay. Sorted by peer id. Pure: every syncer
+    computes the same list. Raises ValueError if ``new_version < 1``, ``window < 0`` or ``prev``
+    repeats a peer.
+    """
+    if new_version < 1:
+        raise ValueError("new_version must be at least 1")
+    if window < 0:
+        raise ValueError("window must be non-negative")
+    entries = {e.peer_id: e for e in prev}
+    if len(entries) != len(prev):
+        raise ValueError("previous roster repeats a peer")
+    for a in accepted:
+        e = entries.get(a.peer_id)
+        if e is None:
+            e = RosterEntry(
+                peer_id=a.peer_id,
+                joined_version=new_version - 1,
+                accepted=0,
+                tokens=0,
+                last_version=new_version - 1,
+            )
+        entries[a.peer_id] = e.model_copy(
+            update={
+                "accepted": min(e.accepted + 1, _MAX_COUNT),
+                "tokens": min(e.tokens + a.tokens, _MAX_COUNT),
+                "last_version": new_version,
+            }
+        )
+    kept = [
+        e for e in entries.values() if new_version - max(e.last_version, e.joined_version) <= window
+    ]
+    if len(kept) > MAX_ROSTER:
+        kept.sort(key=lambda e: (-e.last_version, -e.tokens, e.peer_id))
+        kept = kept[:MAX_ROSTER]
+    return sorted(kept, key=lambda e: e.peer_id)
+
+
+@dataclass(frozen=True)
+class CommitteeInfo:
+    """The committee of one round, as every node computes it."""
+
+    version: int  # the version this round produces (base + 1)
+    members: tuple[str, ...]  # elected syncers, best score first (index 0 is the first leader)
+    quorum: int  # matching signatures that certify ``version``
+
+
+def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEntry]:
+    """The candidates of the election after ``cert``: its roster, or the genesis roster.
+
+    A certified but empty roster (every peer idle past the window) also falls back to the
+    genesis roster, so a run that stalled can be restarted by its genesis committee rather than
+    being left with no committee at all.
+    """
+    if cert is None or not cert.body.roster:
+        return genesis_roster(manifest)
+    return list(cert.body.roster)
+
+
+def beacon_of(run_id: str, cert: Certificate | None) -> bytes:
+    """The election beacon after ``cert``: over its canonical *body*, not its bytes.
+
+    Syncers assemble different signature subsets for one body, and a certificate's bytes
+    include the signatures; hashing the body gives every node the same beacon.
+    """
+    body = canonical_json(cert.body.model_dump(mode="json")) if cert is not None else None
+    return committee.beacon(run_id, body)
+
+
+def committee_for(run_id: str, manifest: RunManifest, cert: Certificate | None) -> CommitteeInfo:
+    """The committee of the round after ``cert`` (after genesis when None).
+
+    Elected by :func:`committee.elect` over :func:`roster_of` with :func:`beacon_of`, committee
+    size from the manifest. The quorum is the manifest's when the committee is full, else
+    ⌊2m/3⌋+1 of the m members found (a young run with a short roster). Raises ValueError if
+    ``cert`` belongs to another run (a caller bug: ``parse_certificate(run_id=...)`` checks it).
+    """
+    if cert is not None and cert.body.run != run_id:
+        raise ValueError("certificate is for another run")
+    base = cert.body.version if cert is not None else 0
+    candidates = [
+        committee.Candidate(
+            peer_id=e.peer_id,
+            joined_version=e.joined_version,
+            accepted=e.accepted,
+            accepted_tokens=e.tokens,
+        )
+        for e in roster_of(manifest, cert)
+    ]
+    members = committee.elect(
+        candidates,
+        version=base,
+        beacon_bytes=beacon_of(run_id, cert),
+        rules=committee.CommitteeRules(size=manifest.committee_size),
+    )
+    if len(members) == manifest.committee_size:
+        q = manifest.quorum
+    else:
+        q = committee.quorum(len(members))
+    return CommitteeInfo(version=base + 1, members=tuple(members), quorum=q)
+
+
+def verify_successor(
+    run_id: str, manifest: RunManifest, prev: Certificate | None, cert: Certificate
+) -> None:
+    """Check that ``cert`` is what the committee elected after ``prev`` may certify.
+
+    :func:`parse_certificate` only counts signatures of the committee the body itself names, so
+    on its own it accepts a body in which anyone names themselves the committee. This closes
+    the chain: run, ``base_version`` = prev's version (0 for genesis), ``version`` = base + 1,
+    committee (in election order) and quorum = :func:`committee_for`, and roster =
+    :func:`next_roster` of prev's roster and ``cert``'s receipts. Raises InvalidRecord naming
+    the first mismatch; apply nothing from a certificate that fails.
+    """
+    body = cert.body
+    if body.run != run_id:
+        raise InvalidRecord(f"certificate is for run {body.run[:12]}, expected {run_id[:12]}")
+    info = committee_for(run_id, manifest, prev)
+    if (body.base_version, body.version) != (info.version - 1, info.version):
+        raise InvalidRecord(
+            f"certificate moves {body.base_version} -> {body.version}, "
+            f"expected {info.version - 1} -> {info.version}"
+        )
+    if tuple(body.committee) != info.members or body.quorum != info.quorum:
+        raise InvalidRecord(
+            f"certificate for version {body.version} names a committee or quorum "
+            "other than the elected one"
+        )
+    expected = next_roster(
+        roster_of(manifest, prev), new_version=body.version, accepted=body.accepted
+    )
+    if list(body.roster) != expected:
+        raise InvalidRecord(f"certificate for version {body.version} carries a wrong roster")

@@ -1,0 +1,184 @@
+"""One learner in the network: inner steps, its outer delta, and rebasing onto a new version.
+
+The learner never owns the global state: it starts from a certified version θ_v, trains, sends
+Δ = θ_v − θ_local, and keeps training while that delta is in flight. When version v+1 is
+certified it rebases instead of restarting:
+
+    accepted  θ_local ← θ_{v+1} + (θ_local − θ_sent)   the merged work is in θ_{v+1}; keep
+                                                         only what was trained since sending
+    rejected  θ_local ← θ_{v+1} + (θ_local − θ_v)       nothing of ours was merged: carry all
+                                                         local progress into the next delta
+
+so no inner step is ever thrown away, and an accepted step is never counted twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from p2pdiloco.compress import ErrorFeedback, get_codec
+from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.attacks import AttackConfig, poison
+from p2pdiloco.train.data import PackedCorpus, learner_batches
+from p2pdiloco.train.inner import InnerConfig, InnerStats, make_inner_optimizer, train_steps
+from p2pdiloco.train.models import build_model, param_state
+
+
+def inner_config(manifest: RunManifest) -> InnerConfig:
+    p = manifest.inner
+    return InnerConfig(
+        lr=p.lr,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        weight_decay=p.weight_decay,
+        warmup_steps=p.warmup_steps,
+        total_steps=p.total_steps,
+        min_lr_ratio=p.min_lr_ratio,
+        grad_clip=p.grad_clip,
+        grad_accum=p.grad_accum,
+        batch_size=p.batch_size,
+        seq_len=p.seq_len,
+    )
+
+
+def data_seed(run_seed: int, peer_id: str) -> int:
+    """Each learner walks its own permutation of the whole corpus (no coordination needed)."""
+    digest = hashlib.sha256(f"p2pdiloco/data/{run_seed}/{peer_id}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
+
+
+@dataclass
+class Outgoing:
+    """A delta ready to send, and what rebasing needs once the round is decided."""
+
+    base_version: int
+    payload: bytes
+    steps: int
+    tokens: int
+    loss: float
+    sent_params: dict[str, torch.Tensor]  # θ_local when the delta was taken
+
+
+class Learner:
+    """Model, inner optimizer, error feedback and data position of one node."""
+
+    def __init__(
+        self,
+        manifest: RunManifest,
+        corpus: PackedCorpus,
+        peer_id: str,
+        base_params: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device,
+        attack: AttackConfig | None = None,
+        rounds_done: int = 0,
+    ) -> None:
+        self.manifest = manifest
+        self.cfg = inner_config(manifest)
+        self.corpus = corpus
+        self.seed = data_seed(manifest.seed, peer_id)
+        self.device = device
+        self.model = build_model(manifest.model, seed=manifest.seed, device=device)
+        self.load(base_params)
+        self.optimizer, self.scheduler = make_inner_optimizer(self.model, self.cfg)
+        self.codec = get_codec(manifest.compression)
+        self.feedback = ErrorFeedback(self.codec)
+        self.attack = attack
+        self.rounds_done = rounds_done  # stretches of H steps trained: the data position
+        self.steps_since_send = 0
+        self._previous_delta: torch.Tensor | None = None  # for the attacks that need one
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return param_state(self.model)
+
+    @torch.no_grad()
+    def load(self, params: Mapping[str, torch.Tensor]) -> None:
+        for n, p in self.params().items():
+            p.copy_(params[n].to(p.device, p.dtype))
+
+    def train(self, steps: int) -> InnerStats:
+        """``steps`` inner steps on the next rows of this learner's data."""
+        batches = learner_batches(
+            self.corpus,
+            seed=self.seed,
+            learner=0,
+            num_learners=1,
+            round=self.rounds_done,
+            steps=steps,
+            batch_size=self.cfg.batch_size,
+        )
+        self.rounds_done += 1
+        self.steps_since_send += steps
+        return train_steps(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batches,
+            grad_accum=self.cfg.grad_accum,
+            grad_clip=self.cfg.grad_clip,
+        )
+
+    @torch.no_grad()
+    def outgoing(
+        self, base_version: int, base: Mapping[str, torch.Tensor], tokens: int, loss: float
+    ) -> Outgoing:
+        """Δ = θ_base − θ_local, (poisoned if this node plays an attacker), compressed."""
+        local = {n: p.detach().float().cpu() for n, p in self.params().items()}
+        names = sorted(local)
+        delta = {n: base[n].float() - local[n] for n in names}
+        if self.attack is not None and self.attack.kind != "replay":
+            delta = self._poison(delta, names, base_version)
+        encoded = {n: self.feedback.compress(n, delta[n]) for n in names}
+        out = Outgoing(
+            base_version=base_version,
+            payload=pack_deltas(encoded),
+            steps=self.steps_since_send,
+            tokens=tokens,
+            loss=loss,
+            sent_params={n: t.clone() for n, t in local.items()},
+        )
+        self.steps_since_send = 0
+        return out
+
+    @torch.no_grad()
+    def rebase(
+        self,
+        new_base: Mapping[str, torch.Tensor],
+        old_base: Mapping[str, torch.Tensor],
+        sent: Outgoing | None,
+        accepted: bool,
+    ) -> None:
+        """Move onto a newly certified version, keeping unmerged local progress."""
+        anchor = sent.sent_params if (accepted and sent is not None) else old_base
+        for n, p in self.params().items():
+            progress = p.detach().float().cpu() - anchor[n].float()
+            p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))
+
+    def _poison(
+        self, delta: dict[str, torch.Tensor], names: list[str], version: int
+    ) -> dict[str, torch.Tensor]:
+        assert self.attack is not None
+        own_D = torch.cat([delta[n].reshape(-1) for n in names])
+        # A lone attacker estimates the honest spread from its own last two deltas.
+        prev = self._previous_delta if self._previous_delta is not None else own_D * 0.5
+        bad_D = poison(
+            self.attack,
+            own_D,
+            torch.stack([own_D, prev]),
+            num_learners=4,
+            num_attackers=1,
+            previous_D=prev,
+            round_index=version,
+        )
+        self._previous_delta = own_D
+        out, offset = {}, 0
+        for n in names:
+            size = delta[n].numel()
+            out[n] = bad_D[offset : offset + size].reshape(delta[n].shape)
+            offset += size
+        return out
