@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class NodeProc:
     dir: Path
     proc: subprocess.Popen[bytes]
     adversary: str | None = None
+    log: Path | None = None
 
     def status(self) -> dict[str, Any]:
         try:
@@ -76,9 +77,21 @@ class NodeProc:
         except (OSError, ValueError):
             return {}
 
+    def kill(self) -> None:
+        """SIGKILL the node's whole process group (daemons included), as a crash would."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def text(self) -> str:
+        try:
+            return (self.log or self.dir / "node.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, n: int = 2000) -> str:
         try:
-            return (self.dir / "node.log").read_text(errors="replace")[-n:]
+            return (self.log or self.dir / "node.log").read_text(errors="replace")[-n:]
         except OSError:
             return ""
 
@@ -139,29 +152,34 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         proc.wait(10)
 
 
-def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> DemoResult:
-    """Run the network until every node applied version ``cfg.rounds``; raise UserError with
-    the failing node's log tail if a node dies or the demo times out."""
-    if cfg.nodes < 2 or cfg.rounds < 1:
-        raise ConfigError("--nodes must be at least 2 and --rounds at least 1")
-    if cfg.adversary is not None and cfg.adversary not in ATTACKS:
-        raise ConfigError(f"unknown --adversary '{cfg.adversary}'; one of {', '.join(ATTACKS)}")
-    get_spec(cfg.model)
-    say = progress or (lambda _: None)
-    t0 = time.monotonic()
-    tmp = None
-    if cfg.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="p2pdiloco-demo-")
-        workdir = Path(tmp.name)
-    else:
-        workdir = cfg.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
+class LocalNetwork:
+    """A bootstrap server and training nodes as processes on loopback (the demo and the tests).
+
+    Use as a context manager: leaving it stops every process (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, workdir: Path, cfg: DemoConfig) -> None:
+        self.workdir = workdir
+        self.cfg = cfg
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.nodes: list[NodeProc] = []
+        self.boot_addr = ""
+        self.run_id = ""
+        self.manifest: Any = None
+
+    def __enter__(self) -> LocalNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            _stop(p)
+
+    def start_bootstrap(self) -> str:
         boot_key = Identity.generate()
-        boot_key.save(workdir / "bootstrap.key")
+        boot_key.save(self.workdir / "bootstrap.key")
         port = _free_port()
+        log = self.workdir / "bootstrap.log"
         boot = _spawn(
             [
                 "bootstrap",
@@ -169,22 +187,22 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
                 "--port", str(port),
                 "--http-host", "127.0.0.1",
                 "--http-port", "0",
-                "--identity", str(workdir / "bootstrap.key"),
+                "--identity", str(self.workdir / "bootstrap.key"),
             ],
-            workdir / "bootstrap.log",
-            env,
+            log,
+            self.env,
         )  # fmt: skip
-        procs.append(boot)
-        boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_key.peer_id}"
-        _wait(lambda: "HTTP:" in (workdir / "bootstrap.log").read_text(errors="replace"),
-              60, "the bootstrap server to start", boot, workdir / "bootstrap.log")  # fmt: skip
-        say(f"bootstrap up at {boot_addr}")
+        self.procs.append(boot)
+        self.boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_key.peer_id}"
+        _wait(lambda: "HTTP:" in log.read_text(errors="replace"), 60, "the bootstrap", boot, log)
+        return self.boot_addr
 
-        keys = [Identity.generate() for _ in range(cfg.nodes)]
-        k = min(cfg.committee_size, cfg.nodes)
+    def publish_run(self, keys: list[Identity], **overrides: Any) -> str:
+        """Sign and publish the run manifest; the first k keys form the genesis committee."""
+        cfg = self.cfg
+        k = min(cfg.committee_size, len(keys))
         total = cfg.rounds * cfg.inner_steps * 2
-        run_id, manifest, raw = create_manifest(
-            keys[0],
+        fields: dict[str, Any] = dict(
             name="demo",
             model=cfg.model,
             data="embedded",
@@ -204,51 +222,71 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
             },
             outer={"lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
         )
-        with DHTPlane(Identity.generate(), initial_peers=[boot_addr], client_mode=True) as dht:
+        fields.update(overrides)
+        run_id, manifest, raw = create_manifest(keys[0], **fields)
+        with DHTPlane(Identity.generate(), initial_peers=[self.boot_addr], client_mode=True) as dht:
             publish_manifest(dht, run_id, manifest, raw)
-        say(f"run {run_id[:12]} published: {cfg.model}, H={cfg.inner_steps}, committee {k}")
+        self.run_id, self.manifest = run_id, manifest
+        return run_id
 
-        nodes: list[NodeProc] = []
-        for i, key in enumerate(keys):
-            d = workdir / f"node{i}"
-            d.mkdir(exist_ok=True)
+    def start_node(
+        self,
+        name: str,
+        key: Identity,
+        *,
+        until_version: int,
+        adversary: str | None = None,
+        extra: Sequence[str] = (),
+    ) -> NodeProc:
+        """Start (or restart, with the same directory) one ``p2pdiloco join`` process."""
+        d = self.workdir / name
+        d.mkdir(exist_ok=True)
+        if not (d / "identity.key").exists():
             key.save(d / "identity.key")
-            adversary = cfg.adversary if (cfg.adversary and i == cfg.nodes - 1) else None
-            args = [
-                "join",
-                "--run", run_id,
-                "--bootstrap", boot_addr,
-                "--identity", str(d / "identity.key"),
-                "--host", "127.0.0.1",
-                "--no-tui",
-                "--state-dir", str(d / "state"),
-                "--threads", "1",
-                "--until-version", str(cfg.rounds),
-                "--heartbeat-interval", "2",
-                "--round-grace", str(cfg.grace),
-                "--agree-timeout", str(cfg.agree_timeout),
-            ]  # fmt: skip
-            if adversary:
-                args += ["--adversary", adversary]
-            p = _spawn(args, d / "node.log", {**env, "XDG_DATA_HOME": str(d)})
-            procs.append(p)
-            nodes.append(NodeProc(f"node{i}", key, d, p, adversary))
-        say(
-            f"{cfg.nodes} nodes started"
-            + (f" (node{cfg.nodes - 1} attacks: {cfg.adversary})" if cfg.adversary else "")
-        )
+        args = [
+            "join",
+            "--run", self.run_id,
+            "--bootstrap", self.boot_addr,
+            "--identity", str(d / "identity.key"),
+            "--host", "127.0.0.1",
+            "--no-tui",
+            "--state-dir", str(d / "state"),
+            "--threads", "1",
+            "--until-version", str(until_version),
+            "--heartbeat-interval", "2",
+            "--round-grace", str(self.cfg.grace),
+            "--agree-timeout", str(self.cfg.agree_timeout),
+            *extra,
+        ]  # fmt: skip
+        if adversary:
+            args += ["--adversary", adversary]
+        log_name = "node.log" if not (d / "node.log").exists() else f"node.{len(self.procs)}.log"
+        p = _spawn(args, d / log_name, {**self.env, "XDG_DATA_HOME": str(d)})
+        self.procs.append(p)
+        node = NodeProc(name, key, d, p, adversary, d / log_name)
+        self.nodes = [n for n in self.nodes if n.name != name] + [node]
+        return node
 
+    def wait_versions(
+        self,
+        target: int,
+        nodes: Sequence[NodeProc],
+        timeout: float,
+        say: Callable[[str], None] = lambda _: None,
+    ) -> list[dict[str, Any]]:
+        """Poll status files until every node in ``nodes`` applied ``target``; their statuses.
+
+        Raises UserError (with the node's log tail) if one exits or fails, or on timeout.
+        """
         last = ""
-        deadline = time.monotonic() + cfg.timeout
+        deadline = time.monotonic() + timeout
         while True:
             statuses = [n.status() for n in nodes]
-            for n in nodes:
+            for n, st in zip(nodes, statuses, strict=True):
                 if n.proc.poll() is not None:
                     raise UserError(f"{n.name} exited with {n.proc.returncode}:\n{n.log_tail()}")
-            failed = [(n, s) for n, s in zip(nodes, statuses, strict=True) if s.get("error")]
-            if failed:
-                n, s = failed[0]
-                raise UserError(f"{n.name} failed: {s['error']}\n{n.log_tail()}")
+                if st.get("error"):
+                    raise UserError(f"{n.name} failed: {st['error']}\n{n.log_tail()}")
             versions = [int(s.get("version", 0)) for s in statuses]
             line = "versions " + " ".join(
                 f"{n.name}={v}" for n, v in zip(nodes, versions, strict=True)
@@ -256,22 +294,56 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
             if line != last:
                 say(line)
                 last = line
-            if min(versions) >= cfg.rounds:
-                break
+            if min(versions) >= target:
+                return statuses
             if time.monotonic() > deadline:
-                raise UserError(f"demo timed out after {cfg.timeout:.0f} s ({line})")
-            time.sleep(1.0)
+                raise UserError(
+                    f"timed out after {timeout:.0f} s waiting for version {target} ({line})"
+                )
+            time.sleep(0.5)
 
-        final_statuses = [n.status() for n in nodes]
-        for p in procs:
-            _stop(p)
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> DemoResult:
+    """Run the network until every node applied version ``cfg.rounds``; raise UserError with
+    the failing node's log tail if a node dies or the demo times out."""
+    if cfg.nodes < 2 or cfg.rounds < 1:
+        raise ConfigError("--nodes must be at least 2 and --rounds at least 1")
+    if cfg.adversary is not None and cfg.adversary not in ATTACKS:
+        raise ConfigError(f"unknown --adversary '{cfg.adversary}'; one of {', '.join(ATTACKS)}")
+    get_spec(cfg.model)
+    say = progress or (lambda _: None)
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if cfg.workdir is None:
+            workdir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="p2pdiloco-demo-"))
+            )
+        else:
+            workdir = cfg.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+        net = stack.enter_context(LocalNetwork(workdir, cfg))
+        say(f"bootstrap up at {net.start_bootstrap()}")
+        keys = [Identity.generate() for _ in range(cfg.nodes)]
+        run_id = net.publish_run(keys)
+        say(f"run {run_id[:12]} published: {cfg.model}, H={cfg.inner_steps}")
+        nodes = [
+            net.start_node(
+                f"node{i}",
+                key,
+                until_version=cfg.rounds,
+                adversary=cfg.adversary if i == cfg.nodes - 1 else None,
+            )
+            for i, key in enumerate(keys)
+        ]
+        if cfg.adversary:
+            say(f"{cfg.nodes} nodes started; node{cfg.nodes - 1} attacks with {cfg.adversary}")
+        else:
+            say(f"{cfg.nodes} nodes started")
+        statuses = net.wait_versions(cfg.rounds, nodes, cfg.timeout, say)
+        net.__exit__()
         say("nodes stopped; verifying certificates and evaluating")
-        return _summarize(cfg, nodes, final_statuses, manifest, run_id, workdir, t0)
-    finally:
-        for p in procs:
-            _stop(p)
-        if tmp is not None:
-            tmp.cleanup()
+        return summarize(cfg, nodes, statuses, net.manifest, run_id, workdir, t0)
+    raise AssertionError("unreachable")
 
 
 def _wait(probe: Callable[[], bool], timeout: float, what: str, proc: Any, log: Path) -> None:
@@ -284,7 +356,7 @@ def _wait(probe: Callable[[], bool], timeout: float, what: str, proc: Any, log: 
         time.sleep(0.2)
 
 
-def _summarize(
+def summarize(
     cfg: DemoConfig,
     nodes: list[NodeProc],
     statuses: list[dict[str, Any]],
@@ -328,14 +400,20 @@ def _summarize(
             tokens[a.peer_id] += a.tokens
         for r in c.body.rejected:
             rejected[r.peer_id] += 1
-    # Submissions refused before aggregation (replays, stale, malformed), counted once each.
-    seen_refusals: set[tuple[str, str]] = set()
+    # Submissions refused before aggregation (replays, stale, malformed, ...), once per
+    # submission and round; a late arrival at one syncer of a delta the committee merged anyway
+    # is not a rejection, and screened-out deltas are already counted from the certificates.
+    merged = {a.digest for c in chain for a in c.body.accepted}
+    screened = {r.digest for c in chain for r in c.body.rejected}
+    refused: set[tuple[str, str, Any]] = set()
     for s in statuses:
         for r in s.get("rejections", []):
-            key = (r.get("peer_id", ""), r.get("digest") or r.get("reason", ""))
-            if key not in seen_refusals and "screened out" not in r.get("reason", ""):
-                seen_refusals.add(key)
-                rejected[key[0]] += 1
+            digest, reason = r.get("digest"), r.get("reason", "")
+            if digest in screened or (digest in merged and "already closed" in reason):
+                continue
+            refused.add((r.get("peer_id", ""), digest or reason, r.get("round")))
+    for peer, _, _ in refused:
+        rejected[peer] += 1
     peers = {
         n.name: {
             "peer_id": n.identity.peer_id,

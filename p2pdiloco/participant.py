@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import queue
@@ -100,7 +101,8 @@ class Participant:
         self._inbox: queue.Queue[tuple[bytes, CertifiedState | None]] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_sent: tuple[bytes, bytes] | None = None  # for the replay attacker
+        self._last_sent: tuple[bytes, bytes] | None = None  # first submission (replay attacker)
+        self._pending: str | None = None  # digest of our submission awaiting a certificate
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         (cfg.state_dir / "certs").mkdir(exist_ok=True)
         self.store = CheckpointStore(cfg.state_dir / "certified", keep=2)
@@ -233,8 +235,10 @@ class Participant:
         raw = seal_submission(self.node.identity, self.run_id, header)
         frames = (raw, out.payload)
         if self.cfg.attack == "replay" and self._last_sent is not None:
-            frames = self._last_sent  # re-send last round's signed submission, byte for byte
-        self._last_sent = (raw, out.payload)
+            frames = self._last_sent  # re-send its first signed submission, byte for byte
+        elif self._last_sent is None:
+            self._last_sent = frames
+        self._pending = hashlib.sha256(frames[0]).hexdigest()
         committee = committee_for(self.run_id, self.manifest, self.state.cert)
         pending = [m for m in committee.members]
         self.stats.sent += 1
@@ -259,8 +263,6 @@ class Participant:
             len(committee.members),
             accepted,
         )
-        if accepted == 0:
-            self.stats.rejected += 1
 
     def _call_all(
         self, peers: Sequence[str], op: str, frames: tuple[bytes, bytes]
@@ -365,12 +367,19 @@ class Participant:
         )
         old = self.state
         mine = [a for a in cert.body.accepted if a.peer_id == self.me]
+        merged = set()
         for c in chain:
             for a in c.receipts(self.me):
                 self.stats.accepted += 1
                 self.stats.tokens_accepted += a.tokens
-            self.stats.rejected += sum(1 for r in c.body.rejected if r.peer_id == self.me)
-        self.learner.rebase(new.params, old.params, sent, accepted=bool(mine) and len(chain) == 1)
+                merged.add(a.digest)
+        if self._pending is not None:  # our delta in flight missed this version: it is lost
+            if self._pending not in merged:
+                self.stats.rejected += 1
+            self._pending = None
+        self.learner.rebase(new.params, old.params, sent)
+        if len(chain) > 1:  # skipped versions: follow the run's lr schedule, not ours
+            self.learner.seek(new.version * self.manifest.inner_steps)
         self.state = new
         self.node.version = new.version
         self._publish(cert)

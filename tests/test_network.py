@@ -70,7 +70,7 @@ def start_node(tmp: Path, name: str, bootstrap: str, *extra: str) -> Proc:
     proc = Proc(
         name,
         ["join", "--model", "gemma-tiny", "--bootstrap", bootstrap, "--host", "127.0.0.1",
-         "--no-tui", "--island", name, *FAST, *extra],
+         "--no-tui", "--no-train", "--island", name, *FAST, *extra],
         tmp,
     )  # fmt: skip
     return proc

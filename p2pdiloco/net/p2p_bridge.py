@@ -8,6 +8,7 @@ back today, bulk transfers later) can be used from anywhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -32,6 +33,20 @@ class P2PBridge:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def close(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+        """Shut the replica's daemon client down, cancel what still runs, stop the loop."""
+        if not self._loop.is_running():
+            return
+        with contextlib.suppress(Exception):
+            self.run(self.p2p.shutdown(), 5)
+        with contextlib.suppress(Exception):
+            self.run(self._cancel_all(), 5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    @staticmethod
+    async def _cancel_all() -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -591,7 +591,10 @@ class SyncService:
 
     def _reject(self, peer: str, digest: str | None, reason: str) -> None:
         log.warning("rejected input from %s: %s", peer, reason)
-        self.rejections.append({"peer_id": peer, "digest": digest, "reason": reason[:300]})
+        version = self.current.version + 1 if self.current is not None else None
+        self.rejections.append(
+            {"peer_id": peer, "digest": digest, "reason": reason[:300], "round": version}
+        )
         del self.rejections[:-MAX_REJECTIONS_KEPT]
 
     async def _tick_loop(self) -> None:

@@ -23,7 +23,7 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
         return weights
     if any(w < 0 for w in weights.values()):
         raise ValueError("weights must be non-negative")
-    if cap_fraction * len(weights) <= 1.0:
+    if cap_fraction * sum(1 for w in weights.values() if w > 0) <= 1.0:
         # No weight can be at most f of the total unless all are equal: give every entry the
         # smallest positive weight (a bisection would converge to all zeros here).
         positive = [w for w in weights.values() if w > 0]

@@ -4,12 +4,17 @@ The learner never owns the global state: it starts from a certified version θ_v
 Δ = θ_v − θ_local, and keeps training while that delta is in flight. When version v+1 is
 certified it rebases instead of restarting:
 
-    accepted  θ_local ← θ_{v+1} + (θ_local − θ_sent)   the merged work is in θ_{v+1}; keep
-                                                         only what was trained since sending
-    rejected  θ_local ← θ_{v+1} + (θ_local − θ_v)       nothing of ours was merged: carry all
-                                                         local progress into the next delta
+    sent      θ_local ← θ_{v+1} + (θ_local − θ_sent)   keep what was trained since sending;
+                                                         the sent delta is in θ_{v+1}, or was
+                                                         refused and is dropped (carrying a
+                                                         refused delta forward would make every
+                                                         later one an outlier too)
+    not sent  θ_local ← θ_{new} + (θ_local − θ_v)       a newer version arrived mid-stretch:
+                                                         carry all local progress onto it
 
-so no inner step is ever thrown away, and an accepted step is never counted twice.
+The inner learning-rate schedule follows global progress (version × H steps), not this
+learner's own step count, so a late joiner trains at the run's current rate and its deltas
+have the size of everyone else's (a fresh warmup would make them outliers).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Learner:
         device: torch.device,
         attack: AttackConfig | None = None,
         rounds_done: int = 0,
+        base_version: int = 0,
     ) -> None:
         self.manifest = manifest
         self.cfg = inner_config(manifest)
@@ -86,12 +92,22 @@ class Learner:
         self.model = build_model(manifest.model, seed=manifest.seed, device=device)
         self.load(base_params)
         self.optimizer, self.scheduler = make_inner_optimizer(self.model, self.cfg)
+        self.seek(base_version * manifest.inner_steps)
         self.codec = get_codec(manifest.compression)
         self.feedback = ErrorFeedback(self.codec)
         self.attack = attack
         self.rounds_done = rounds_done  # stretches of H steps trained: the data position
         self.steps_since_send = 0
         self._previous_delta: torch.Tensor | None = None  # for the attacks that need one
+
+    def seek(self, global_step: int) -> None:
+        """Put the inner lr schedule at ``global_step`` (after joining or catching up)."""
+        sched = self.scheduler
+        sched.last_epoch = global_step
+        for group, base_lr, fn in zip(
+            self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+        ):
+            group["lr"] = base_lr * fn(global_step)
 
     def params(self) -> dict[str, torch.Tensor]:
         return param_state(self.model)
@@ -151,10 +167,9 @@ class Learner:
         new_base: Mapping[str, torch.Tensor],
         old_base: Mapping[str, torch.Tensor],
         sent: Outgoing | None,
-        accepted: bool,
     ) -> None:
-        """Move onto a newly certified version, keeping unmerged local progress."""
-        anchor = sent.sent_params if (accepted and sent is not None) else old_base
+        """Move onto a newly certified version (see the module docstring)."""
+        anchor = sent.sent_params if sent is not None else old_base
         for n, p in self.params().items():
             progress = p.detach().float().cpu() - anchor[n].float()
             p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))

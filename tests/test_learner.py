@@ -1,0 +1,208 @@
+"""Learner: lr schedule seeking, the compressed outgoing delta, rebasing, data seeds, attacks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import pytest
+import torch
+
+from p2pdiloco.compress import get_codec
+from p2pdiloco.compress.wire import unpack_deltas
+from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.attacks import AttackConfig
+from p2pdiloco.train.data import PackedCorpus, build_corpus
+from p2pdiloco.train.inner import lr_factor
+from p2pdiloco.train.learner import Learner, Outgoing, data_seed, inner_config
+from p2pdiloco.train.models import build_model, get_spec, param_state
+from p2pdiloco.train.tokenizer import load_tokenizer
+
+CPU = torch.device("cpu")
+Params = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The model is tiny: one thread is fastest, and spinning OpenMP workers on a busy
+    machine made each inner step ~100× slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def manifest() -> RunManifest:
+    _, m, _ = create_manifest(
+        Identity.generate(),
+        name="t",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=4,
+        committee_size=1,
+        compression="int8",
+        inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 40},
+    )
+    return m
+
+
+@pytest.fixture(scope="module")
+def corpus() -> PackedCorpus:
+    tokenizer = load_tokenizer(get_spec("gemma-tiny").tokenizer)
+    return build_corpus("embedded", tokenizer, seq_len=32, max_bytes=2**20)
+
+
+@pytest.fixture(scope="module")
+def base() -> Params:
+    model = build_model("gemma-tiny", seed=0, device=CPU)
+    return {n: t.clone() for n, t in param_state(model).items()}
+
+
+def _learner(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params, **kwargs: object
+) -> Learner:
+    return Learner(manifest, corpus, "peer-a", base, device=CPU, **kwargs)  # type: ignore[arg-type]
+
+
+def _snapshot(learner: Learner) -> Params:
+    return {n: p.detach().float().cpu().clone() for n, p in learner.params().items()}
+
+
+def _decode(out: Outgoing, base: Mapping[str, torch.Tensor], codec: str) -> Params:
+    expected = {n: tuple(base[n].shape) for n in sorted(base)}
+    encoded = unpack_deltas(out.payload, expected=expected, codec=codec, max_bytes=1 << 30)
+    assert list(encoded) == sorted(base)
+    return {n: get_codec(codec).decode(e) for n, e in encoded.items()}
+
+
+def _expected_lr(manifest: RunManifest, step: int) -> float:
+    p = manifest.inner
+    return p.lr * lr_factor(step, p.warmup_steps, p.total_steps, p.min_lr_ratio)
+
+
+def _group_lrs(learner: Learner) -> list[float]:
+    return [g["lr"] for g in learner.optimizer.param_groups]
+
+
+def test_inner_config_mirrors_the_manifest(manifest: RunManifest) -> None:
+    cfg = inner_config(manifest)
+    for field in type(manifest.inner).model_fields:
+        assert getattr(cfg, field) == getattr(manifest.inner, field), field
+
+
+def test_seek_sets_every_group_lr(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    assert len(learner.optimizer.param_groups) == 2
+    assert _group_lrs(learner) == pytest.approx([_expected_lr(manifest, 0)] * 2, rel=1e-12)
+    for step in (0, 1, 2, 3, 17, 39, 40, 1000):
+        learner.seek(step)
+        want = _expected_lr(manifest, step)
+        assert _group_lrs(learner) == pytest.approx([want, want], rel=1e-12), step
+
+
+def test_constructor_seeks_to_the_base_version(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base, base_version=3)
+    start = 3 * manifest.inner_steps
+    assert _group_lrs(learner) == pytest.approx([_expected_lr(manifest, start)] * 2, rel=1e-12)
+    # The schedule carries on from there: after one inner step it is at start + 1.
+    learner.train(1)
+    assert _group_lrs(learner) == pytest.approx([_expected_lr(manifest, start + 1)] * 2, rel=1e-12)
+
+
+def test_outgoing_decodes_to_the_delta(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    learner.train(2)
+    learner.train(1)
+    local = _snapshot(learner)
+    out = learner.outgoing(0, base, tokens=123, loss=4.5)
+    assert (out.base_version, out.steps, out.tokens, out.loss) == (0, 3, 123, 4.5)
+    for n in base:
+        assert torch.equal(out.sent_params[n], local[n])
+    decoded = _decode(out, base, "int8")
+    num = den = 0.0
+    for n in sorted(base):
+        true = base[n].float() - local[n]
+        assert decoded[n].shape == base[n].shape
+        # int8 absmax blocks: error ≤ half a step of at most absmax/127 (plus fp16 scale slack).
+        atol = true.abs().max().item() / 127 + 1e-7
+        torch.testing.assert_close(decoded[n], true, rtol=0, atol=atol)
+        num += (decoded[n] - true).pow(2).sum().item()
+        den += true.pow(2).sum().item()
+    assert den > 0, "training did not move the weights"
+    assert (num / den) ** 0.5 < 0.02
+
+    learner.train(1)
+    assert learner.outgoing(0, base, tokens=1, loss=1.0).steps == 1
+
+
+def _perturbed(base: Params, seed: int) -> Params:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+
+
+def test_rebase_without_a_send_keeps_all_progress(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    learner.train(1)
+    local = _snapshot(learner)
+    new = _perturbed(base, 1)
+    learner.rebase(new, base, None)
+    after = _snapshot(learner)
+    for n in base:
+        assert torch.equal(after[n], new[n] + (local[n] - base[n]))
+
+
+def test_rebase_after_a_send_keeps_progress_since_sending(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    learner.train(1)
+    sent = learner.outgoing(0, base, tokens=1, loss=1.0)
+    learner.train(1)
+    local = _snapshot(learner)
+    new = _perturbed(base, 2)
+    learner.rebase(new, base, sent)
+    after = _snapshot(learner)
+    moved = False
+    for n in base:
+        assert torch.equal(after[n], new[n] + (local[n] - sent.sent_params[n]))
+        moved |= not torch.equal(local[n], sent.sent_params[n])
+    assert moved, "the second stretch did not move the weights"
+
+
+def test_data_seed_is_stable_and_per_peer() -> None:
+    a = data_seed(7, "peer-a")
+    assert a == data_seed(7, "peer-a")
+    assert a != data_seed(7, "peer-b")
+    assert a != data_seed(8, "peer-a")
+    assert 0 <= a < 2**48
+    seeds = {data_seed(0, f"peer-{i}") for i in range(100)}
+    assert len(seeds) == 100
+
+
+def test_sign_flip_sends_minus_four_times_the_honest_delta(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    honest = _learner(manifest, corpus, base)
+    attacker = _learner(manifest, corpus, base, attack=AttackConfig("sign-flip"))
+    honest.train(2)
+    attacker.train(2)
+    # Same peer id, seed and data: the attacker trained exactly like the honest learner.
+    for n, t in _snapshot(honest).items():
+        assert torch.equal(t, _snapshot(attacker)[n])
+    good = _decode(honest.outgoing(0, base, tokens=1, loss=1.0), base, "int8")
+    bad = _decode(attacker.outgoing(0, base, tokens=1, loss=1.0), base, "int8")
+    for n in sorted(base):
+        atol = 4 * good[n].abs().max().item() / 127 + 1e-6
+        torch.testing.assert_close(bad[n], -4 * good[n], rtol=0, atol=atol)
+        assert torch.dot(bad[n].reshape(-1), good[n].reshape(-1)) < 0

@@ -1,0 +1,221 @@
+"""Outer sync over the real network: processes on loopback, real signatures and certificates.
+
+Each test starts a bootstrap server and `p2pdiloco join` nodes (each with its own p2pd daemon
+and gossip host) through ``p2pdiloco.demo.LocalNetwork``, then checks what the nodes certify,
+refuse and store. They take one to three minutes each on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pdiloco.compress import get_codec
+from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.net.dht import DHTPlane
+from p2pdiloco.net.discovery import read_peers
+from p2pdiloco.net.p2p_bridge import P2PBridge
+from p2pdiloco.net.sync_rpc import RpcError, call
+from p2pdiloco.protocol.certificates import parse_certificate
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.submissions import (
+    FragmentRef,
+    SubmissionHeader,
+    payload_digest,
+    seal_submission,
+)
+from p2pdiloco.train.models import build_model, param_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SMALL = DemoConfig(inner_steps=12, grace=40.0, agree_timeout=10.0)
+
+
+def demo_json(*args: str, timeout: float = 500) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "p2pdiloco", "demo", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+def certificates(node: NodeProc, run_id: str) -> list:
+    return [
+        parse_certificate(p.read_bytes(), run_id=run_id)
+        for p in sorted((node.dir / "state" / "certs").glob("*.json"))
+    ]
+
+
+def test_demo_certifies_versions_and_a_sign_flip_attacker_changes_nothing() -> None:
+    clean = demo_json("--nodes", "4", "--rounds", "3")
+    assert clean["versions"] >= 3
+    assert clean["loss_end"] < clean["loss_start"] - 1.0
+    assert set(clean["committee"]) >= {"1", "2", "3"}
+    assert all(p["accepted"] >= 2 and p["adversary"] is None for p in clean["peers"].values())
+
+    attacked = demo_json("--nodes", "4", "--rounds", "3", "--adversary", "sign-flip")
+    assert attacked["versions"] >= 3
+    bad = attacked["peers"]["node3"]
+    assert bad["adversary"] == "sign-flip" and bad["accepted"] == 0 and bad["rejected"] >= 3
+    assert attacked["rejected"]["node3"] >= 3
+    assert all(attacked["peers"][f"node{i}"]["rejected"] == 0 for i in range(3))
+    assert attacked["loss_end"] <= clean["loss_end"] * 1.05
+
+
+def test_demo_replaying_attacker_is_refused_and_training_goes_on() -> None:
+    res = demo_json("--nodes", "4", "--rounds", "3", "--adversary", "replay")
+    assert res["versions"] >= 3 and res["loss_end"] < res["loss_start"] - 1.0
+    bad = res["peers"]["node3"]
+    # Its first (honest) delta may be merged; every later one is a byte-for-byte replay.
+    assert bad["accepted"] <= 1 and bad["rejected"] >= 2
+
+
+def _forge_signature(raw: bytes) -> bytes:
+    env = json.loads(raw)
+    env["sig"] = ("0" if env["sig"][0] != "0" else "1") + env["sig"][1:]
+    return json.dumps(env, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path: Path) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(3)]
+        run_id = net.publish_run(keys, staleness=0)
+        nodes = [net.start_node(f"node{i}", k, until_version=1) for i, k in enumerate(keys)]
+        net.wait_versions(1, nodes, 300)
+
+        attacker = Identity.generate()
+        model = build_model("gemma-tiny", seed=0)
+        codec = get_codec(net.manifest.compression)
+        zeros = {
+            n: codec.encode(torch.zeros_like(t)) for n, t in sorted(param_state(model).items())
+        }
+        payload = pack_deltas(zeros)
+
+        def submission(base: int, peer: str | None = None, body: bytes = payload) -> bytes:
+            header = SubmissionHeader(
+                peer_id=peer or attacker.peer_id,
+                base_version=base,
+                steps=12,
+                tokens=12 * 8 * 127,
+                loss=3.0,
+                codec=net.manifest.compression,
+                fragments=[FragmentRef(index=0, digest=payload_digest(body), nbytes=len(body))],
+            )
+            if peer is None:
+                return seal_submission(attacker, run_id, header)
+            # Impersonation: the header names another peer but the attacker signs it.
+            from p2pdiloco.protocol.signing import seal
+
+            return seal(attacker, "submission", run_id, header.model_dump(mode="json"))
+
+        garbage = bytes(range(256)) * 40
+        with DHTPlane(attacker, initial_peers=[net.boot_addr], host="127.0.0.1") as dht:
+            bridge = P2PBridge(dht.dht)
+            try:
+                view = read_peers(dht, run_id)
+                target = keys[0].peer_id
+                addrs = list(view.peers[target].heartbeat.addrs)
+
+                def send(raw: bytes, body: bytes = payload) -> dict:
+                    try:
+                        reply, _ = bridge.run(
+                            call(bridge.p2p, target, "submit", frames=[raw, body], addrs=addrs), 60
+                        )
+                        return reply
+                    except RpcError as e:
+                        return {"status": "refused", "reason": str(e)}
+
+                forged = send(_forge_signature(submission(1)))
+                impersonating = send(submission(1, peer=keys[1].peer_id))
+                mismatched = send(submission(1), body=garbage)
+                malformed = send(submission(1, body=garbage), body=garbage)
+                stale = send(submission(0))
+                valid = submission(1)
+                first = send(valid)
+                replayed = send(valid)
+            finally:
+                bridge.close()
+
+    assert forged["status"] == "refused" and "signature" in forged["reason"]
+    assert impersonating["status"] == "refused" and "signer" in impersonating["reason"]
+    assert mismatched["status"] == "rejected" and "digest" in mismatched["reason"]
+    assert malformed["status"] == "rejected" and "malformed payload" in malformed["reason"]
+    assert stale["status"] == "rejected" and "stale" in stale["reason"]
+    assert stale.get("fast_forward") == 1
+    assert first["status"] == "accepted"
+    assert replayed["status"] == "rejected" and "replayed" in replayed["reason"]
+
+    log = nodes[0].text()
+    named = [ln for ln in log.splitlines() if f"rejected input from {attacker.peer_id}" in ln]
+    for needle in ("signature", "signer", "digest", "malformed payload", "stale", "replayed"):
+        assert any(needle in ln for ln in named), f"no log line naming the attacker for {needle}"
+    assert "Traceback" not in log
+
+
+def test_killed_syncer_and_learner_do_not_stop_certification_and_a_restart_resumes(
+    tmp_path: Path,
+) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(4)]
+        run_id = net.publish_run(keys)  # k = 4, quorum 3: one syncer may fail
+        nodes = [net.start_node(f"node{i}", k, until_version=4) for i, k in enumerate(keys)]
+        net.wait_versions(1, nodes, 300)
+        victim = nodes[3]
+        killed_at = victim.status()["version"]
+        victim.kill()  # mid-round: it is a learner and on the committee of the next version
+        survivors = nodes[:3]
+        net.wait_versions(killed_at + 2, survivors, 300)
+
+        later = [c for c in certificates(nodes[0], run_id) if c.body.version > killed_at]
+        assert later, "no version certified after the kill"
+        dead = keys[3].peer_id
+        assert dead in later[0].body.committee  # it was elected, yet the round closed
+        assert all(dead not in c.signers and len(c.signers) >= c.body.quorum for c in later)
+
+        restarted = net.start_node("node3", keys[3], until_version=4)
+        net.wait_versions(4, [*survivors, restarted], 300)
+        text = restarted.text()
+        assert f"resuming from certified version {killed_at}" in text
+        assert "catching up from version" in text
+        assert "Traceback" not in text
+
+
+def test_late_joiner_downloads_from_several_peers_then_contributes(tmp_path: Path) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(3)]
+        run_id = net.publish_run(keys)
+        # The run goes on (up to 100 versions) until the late joiner has contributed.
+        nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
+        net.wait_versions(2, nodes, 300)
+
+        late_key = Identity.generate()
+        late = net.start_node("late", late_key, until_version=100)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and late.status().get("accepted", 0) < 1:
+            assert late.proc.poll() is None, late.log_tail()
+            time.sleep(0.5)
+        status = late.status()
+        assert status.get("accepted", 0) >= 1, late.log_tail()
+        first = status["downloads"][0]
+        assert first["version"] >= 2
+        assert len(first["chunks_by_peer"]) >= 2  # spread over several peers
+        receipts = [
+            a
+            for c in certificates(late, run_id)
+            for a in c.body.accepted
+            if a.peer_id == late_key.peer_id
+        ]
+        assert receipts and all(a.tokens > 0 for a in receipts)
