@@ -339,7 +339,12 @@ class Node:
             "version": self.version,
             "reachability": self.reachability.status,
             "peers": [
-                {"peer_id": v.peer_id, "via": v.via, "reachability": v.heartbeat.reachability}
+                {
+                    "peer_id": v.peer_id,
+                    "via": v.via,
+                    "reachability": v.heartbeat.reachability,
+                    "island": v.heartbeat.island,
+                }
                 for v in live
             ],
             "gossip": bool(self.gossip and self.gossip.alive),

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import NetworkError
 from p2pdiloco.net.gossip import GossipError, GossipMessage
@@ -51,6 +53,7 @@ from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_
 from p2pdiloco.train.data import build_corpus
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.learner import Learner, Outgoing
+from p2pdiloco.train.local_state import load_local, restore_local, save_local
 from p2pdiloco.train.models import get_spec
 from p2pdiloco.train.tokenizer import load_tokenizer
 
@@ -73,6 +76,7 @@ class TrainConfig:
     until_version: int | None = None  # stop training once this version is applied; keep serving
     attack: str | None = None  # play an attacker (demo and tests only)
     max_data_bytes: int = 16 * 2**20
+    micro_batch: int | None = None  # sequences per forward pass; None: the whole step batch
     sync: SyncSettings = field(default_factory=SyncSettings)
 
 
@@ -85,6 +89,14 @@ class Stats:
     tokens_trained: int = 0
     last_loss: float | None = None
     downloads: list[dict[str, Any]] = field(default_factory=list)
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
+    inner_step: int = 0  # steps trained since the last send
+    step_seconds: float = 0.0  # recent seconds per inner step (EMA)
+    tokens_per_second: float = 0.0
+    paused_reason: str | None = None
+    resumed_local_steps: int | None = None  # local progress picked up at start
+    events: deque[str] = field(default_factory=lambda: deque(maxlen=50))
+    tokens_by_peer: dict[str, int] = field(default_factory=dict)  # ledger of verified receipts
 
 
 class Participant:
@@ -120,7 +132,10 @@ class Participant:
             seq_len=self.manifest.inner.seq_len,
             max_bytes=self.cfg.max_data_bytes,
         )
+        if self.node.run is not None and self.node.run.raw:  # for offline leaderboards
+            atomic_write_bytes(self.cfg.state_dir / "manifest.json", self.node.run.raw)
         self.state = self._restore() or genesis_state(self.manifest)
+        self._init_ledger()
         self.service = SyncService(
             self.node.identity,
             self.run_id,
@@ -147,18 +162,40 @@ class Participant:
             self.state.params,
             device=self.device,
             attack=attack,
+            base_version=self.state.version,
+            micro_batch=self.cfg.micro_batch,
         )
+        local = load_local(self.cfg.state_dir, self.run_id)
+        same_base = local is not None and int(local.get("base_version", -1)) == self.state.version
+        if local is not None and same_base and restore_local(self.learner, local):
+            self.stats.resumed_local_steps = self.learner.steps_since_send
+            self.event(
+                f"resumed local progress: {self.learner.steps_since_send} steps "
+                f"on version {self.state.version}"
+            )
         self._thread = threading.Thread(target=self._main, daemon=True, name="participant")
         self._thread.start()
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 60.0) -> str:
+        """Stop after the current stretch of steps (an in-flight delta is abandoned), save the
+        local progress next to the certified state, and say what was kept."""
+        self._set_phase("stopping")
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if self.node.bridge is not None:
             with contextlib.suppress(Exception):
                 self.node.bridge.run(self.service.close(), 5)
+        kept = f"certified version {self.state.version} under {self.cfg.state_dir}"
+        if hasattr(self, "learner") and not self.alive:
+            save_local(self.cfg.state_dir, self.learner, self.run_id, self.state.version)
+            kept += f", plus {self.learner.steps_since_send} local steps not yet merged"
         self._write_status()
+        return kept
+
+    def event(self, text: str) -> None:
+        log.info(text)
+        self.stats.events.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     @property
     def alive(self) -> bool:
@@ -191,12 +228,10 @@ class Participant:
         tokens, loss = 0, 0.0
         trained = 0
         while trained < H and not self._stop.is_set():
-            st = self.learner.train(chunk)
+            st = self._train(chunk)
             trained += st.steps
             tokens += st.tokens
             loss = st.loss_last
-            self.stats.tokens_trained += st.tokens
-            self.stats.last_loss = loss
             self._drain(wait=0)  # a newer version mid-stretch: rebase and keep going
             base = self.state
         if self._stop.is_set():
@@ -208,11 +243,23 @@ class Participant:
         deadline_poll = 0.0
         while self.state.version <= out.base_version and not self._stop.is_set():
             if self.learner.steps_since_send < H:
-                self.learner.train(chunk)  # keep training while the delta is in flight
+                self._train(chunk)  # keep training while the delta is in flight
             if time.monotonic() >= deadline_poll:
                 self._poll_certificates(out.base_version + 1)
                 deadline_poll = time.monotonic() + 2.0
             self._drain(wait=0.2, sent=out)
+
+    def _train(self, steps: int) -> Any:
+        st = self.learner.train(steps)
+        s = self.stats
+        s.tokens_trained += st.tokens
+        s.last_loss = st.loss_last
+        s.losses.append(st.loss_last)
+        s.inner_step = self.learner.steps_since_send
+        per_step = st.seconds / max(1, st.steps)
+        s.step_seconds = per_step if s.step_seconds == 0 else 0.7 * s.step_seconds + 0.3 * per_step
+        s.tokens_per_second = st.tokens / st.seconds if st.seconds > 0 else 0.0
+        return st
 
     def _chunk_steps(self) -> int:
         H = self.manifest.inner_steps
@@ -243,6 +290,7 @@ class Participant:
         pending = [m for m in committee.members]
         self.stats.sent += 1
         statuses: dict[str, str] = {}
+        backoff = 1.0
         for _ in range(20):
             replies = self._call_all(pending, "submit", frames)
             pending = []
@@ -252,10 +300,18 @@ class Participant:
                 if status == "retry":
                     pending.append(peer)
                 elif status == "rejected":
-                    log.warning("submission rejected by %s: %s", peer, reply.get("reason"))
+                    self.event(f"delta refused by {peer[-8:]}: {reply.get('reason')}")
+            if replies and all(st == "error" for st in statuses.values()):
+                # Nobody on the committee answered: the network (ours or theirs) is down.
+                pending = list(replies)
+                self.stats.paused_reason = f"no syncer reachable, retrying in {backoff:.0f} s"
+                self._set_phase("paused")
+                self.event(f"network: no syncer reachable; retrying in {backoff:.0f} s")
             if not pending or self._stop.is_set() or self.state.version > out.base_version:
                 break
-            self._drain(wait=1.0, sent=out)
+            self._drain(wait=backoff, sent=out)
+            backoff = min(backoff * 2, 30.0) if self.phase == "paused" else 1.0
+        self.stats.paused_reason = None
         accepted = sum(1 for s in statuses.values() if s == "accepted")
         log.info(
             "submitted delta on version %d to %d syncers: %d accepted for merging",
@@ -369,6 +425,10 @@ class Participant:
         mine = [a for a in cert.body.accepted if a.peer_id == self.me]
         merged = set()
         for c in chain:
+            for a in c.body.accepted:
+                self.stats.tokens_by_peer[a.peer_id] = (
+                    self.stats.tokens_by_peer.get(a.peer_id, 0) + a.tokens
+                )
             for a in c.receipts(self.me):
                 self.stats.accepted += 1
                 self.stats.tokens_accepted += a.tokens
@@ -378,17 +438,16 @@ class Participant:
                 self.stats.rejected += 1
             self._pending = None
         self.learner.rebase(new.params, old.params, sent)
+        self.stats.inner_step = self.learner.steps_since_send
         if len(chain) > 1:  # skipped versions: follow the run's lr schedule, not ours
             self.learner.seek(new.version * self.manifest.inner_steps)
         self.state = new
         self.node.version = new.version
         self._publish(cert)
-        log.info(
-            "applied version %d (committee %s; %d deltas merged%s)",
-            new.version,
-            ", ".join(m[-8:] for m in cert.body.committee),
-            len(cert.body.accepted),
-            ", ours among them" if mine else "",
+        self.event(
+            f"applied version {new.version} (committee "
+            f"{', '.join(m[-8:] for m in cert.body.committee)}; {len(cert.body.accepted)} deltas "
+            f"merged{', ours among them' if mine else ''})"
         )
         self._write_status()
 
@@ -466,6 +525,17 @@ class Participant:
             {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
         )
 
+    def _init_ledger(self) -> None:
+        """Contribution tallies from the certificates kept on disk, verified from genesis."""
+        raws = [p.read_bytes() for p in sorted((self.cfg.state_dir / "certs").glob("*.json"))]
+        ledger = build_ledger(self.run_id, self.manifest, raws)
+        for line in ledger.ignored:
+            log.warning("ledger: %s", line)
+        for e in ledger.entries:
+            self.stats.tokens_by_peer[e.peer_id] = e.tokens
+            if e.peer_id == self.me:
+                self.stats.accepted, self.stats.tokens_accepted = e.accepted, e.tokens
+
     def _restore(self) -> CertifiedState | None:
         """The newest saved certified state whose hash matches its certificate, or None."""
         try:
@@ -484,7 +554,7 @@ class Participant:
         if state.state_hash != cert.body.state_hash:
             log.warning("ignoring the saved state: it does not match its certificate")
             return None
-        log.info("resuming from certified version %d (saved on disk)", state.version)
+        self.event(f"resuming from certified version {state.version} (saved on disk)")
         return state
 
     # -- status ------------------------------------------------------------------------------

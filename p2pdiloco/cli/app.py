@@ -11,6 +11,7 @@ from p2pdiloco.cli import keys_cmd, run_cmd
 from p2pdiloco.cli.bootstrap_cmd import bootstrap
 from p2pdiloco.cli.common import setup_logging
 from p2pdiloco.cli.demo_cmd import demo
+from p2pdiloco.cli.doctor_cmd import doctor
 from p2pdiloco.cli.join_cmd import join
 from p2pdiloco.cli.models_cmd import models
 from p2pdiloco.cli.simulate_cmd import simulate
@@ -26,6 +27,7 @@ app = typer.Typer(
 app.command()(models)
 app.command()(simulate)
 app.command()(demo)
+app.command()(doctor)
 app.command()(bootstrap)
 app.command()(join)
 app.command()(status)

@@ -1,20 +1,25 @@
-"""``p2pdiloco join``: join a run and train in it (learner, and syncer when elected)."""
+"""``p2pdiloco join``: preflight, join a run, train in it, show the dashboard, stop cleanly."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import sys
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
-from p2pdiloco.errors import ConfigError
+from p2pdiloco.config import load_config_file, resolve
+from p2pdiloco.errors import ConfigError, UserError
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
-from p2pdiloco.participant import Participant, TrainConfig
 from p2pdiloco.protocol.identity import default_identity_path
 from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.sync.service import SyncSettings
@@ -22,6 +27,30 @@ from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.memory import check_fits
 
 log = logging.getLogger("p2pdiloco.join")
+GiB = 2**30
+
+
+def _typed(name: str, flag: Any, default: Any, cast: Any, config: dict[str, Any]) -> Any:
+    """flags > env P2PDILOCO_<NAME> > config file > default, cast to the option's type."""
+    value = resolve(name, flag, default, config=config)
+    if value is None or value == default:
+        return value
+    try:
+        return cast(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting '{name}' has an invalid value {value!r}") from None
+
+
+def _gpus(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        ids = tuple(int(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--gpus takes indices like 0,2, not {value!r}") from None
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ConfigError(f"--gpus takes distinct non-negative indices like 0,2, not {value!r}")
+    return ids
 
 
 @user_errors
@@ -37,22 +66,26 @@ def join(
         Path | None, typer.Option(help="Key file [default: XDG data path].")
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "0.0.0.0",
-    port: Annotated[int, typer.Option(help="DHT TCP port (gossip: port+1); 0 = random.")] = 0,
+    port: Annotated[
+        int | None, typer.Option(help="DHT TCP port (gossip: port+1); 0 = random.")
+    ] = None,
     announce: Annotated[
         list[str] | None, typer.Option(help="Public multiaddr to advertise.")
     ] = None,
     island: Annotated[str | None, typer.Option(help="Island name [default: host name].")] = None,
-    no_tui: Annotated[
-        bool, typer.Option("--no-tui", help="Plain log lines instead of the dashboard.")
-    ] = False,
-    no_gossip: Annotated[bool, typer.Option("--no-gossip", help="DHT polling only.")] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = "auto",
-    heartbeat_interval: Annotated[
-        float, typer.Option(help="Seconds between heartbeats.", hidden=True)
-    ] = keys.HEARTBEAT_INTERVAL,
-    heartbeat_ttl: Annotated[
-        float, typer.Option(help="Seconds a heartbeat stays valid.", hidden=True)
-    ] = keys.HEARTBEAT_TTL,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="CUDA devices to use, e.g. 0,2 (the first trains).")
+    ] = None,
+    max_memory: Annotated[
+        float | None, typer.Option(help="GiB this node may use [default: what is free].")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Sequences per micro-batch [default: auto, printed].")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Hugging Face cache for tokenizers and weights.")
+    ] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(help="Certified states and receipts [default: XDG data path / run id]."),
@@ -60,6 +93,22 @@ def join(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch [default: torch's choice].")
     ] = None,
+    no_tui: Annotated[
+        bool, typer.Option("--no-tui", help="Plain log lines instead of the dashboard.")
+    ] = False,
+    json_logs: Annotated[
+        bool, typer.Option("--json-logs", help="One JSON object per log line.")
+    ] = False,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics on this port.")
+    ] = None,
+    no_gossip: Annotated[bool, typer.Option("--no-gossip", help="DHT polling only.")] = False,
+    heartbeat_interval: Annotated[
+        float, typer.Option(help="Seconds between heartbeats.", hidden=True)
+    ] = keys.HEARTBEAT_INTERVAL,
+    heartbeat_ttl: Annotated[
+        float, typer.Option(help="Seconds a heartbeat stays valid.", hidden=True)
+    ] = keys.HEARTBEAT_TTL,
     until_version: Annotated[
         int | None,
         typer.Option(help="Stop training at this global version (keep serving).", hidden=True),
@@ -78,12 +127,41 @@ def join(
         bool, typer.Option("--no-train", help="Membership only (no training).", hidden=True)
     ] = False,
 ) -> None:
-    """Join a training run through the bootstrap servers and serve until Ctrl-C."""
+    """Join a training run through the bootstrap servers and train until Ctrl-C.
+
+    Settings come from flags, then P2PDILOCO_<NAME> variables, then
+    ~/.config/p2pdiloco/config.toml, then defaults. The first Ctrl-C stops cleanly (saves and
+    says what was kept); a second one exits at once.
+    """
+    conf = load_config_file()
+    model = _typed("model", model, None, str, conf)
+    run = _typed("run", run, None, str, conf)
+    identity = _typed("identity", identity, None, Path, conf)
+    port = _typed("port", port, 0, int, conf)
+    dev_name = _typed("device", device, "auto", str, conf)
+    gpu_ids = _gpus(_typed("gpus", gpus, None, str, conf))
+    max_mem = _typed("max_memory", max_memory, None, float, conf)
+    micro = _typed("batch_size", batch_size, None, int, conf)
+    cache = _typed("cache_dir", cache_dir, None, Path, conf)
+    state = _typed("state_dir", state_dir, None, Path, conf)
+    mport = _typed("metrics_port", metrics_port, None, int, conf)
     if not model and not run:
         raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
+    if gpu_ids:
+        dev_name = f"cuda:{gpu_ids[0]}"
+    if micro is not None and micro < 1:
+        raise ConfigError("--batch-size must be at least 1")
+    if cache is not None:
+        os.environ["HF_HOME"] = str(cache)  # read by transformers when tokenizers load
+    if json_logs:
+        _json_logging()
     if model:  # refuse before any network or allocation work, with what would fit instead
-        dev = resolve_device(device)
-        check_fits(model, dev, "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32")
+        dev = resolve_device(dev_name)
+        available = int(max_mem * GiB) if max_mem else None
+        check_fits(
+            model, dev, "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32", available=available
+        )
+        _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
     stop = stop_event()
     addrs, source = bootstrap_addrs(bootstrap)
     log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
@@ -102,7 +180,8 @@ def join(
             heartbeat_ttl=heartbeat_ttl,
         )
     )
-    participant: Participant | None = None
+    participant = None
+    metrics_api = None
     try:
         node.start()
         snap = node.snapshot()
@@ -114,49 +193,177 @@ def join(
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
         if not no_train:
-            assert node.run is not None
-            if adversary is not None and adversary not in ATTACKS:
-                raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
-            participant = Participant(
-                node,
-                TrainConfig(
-                    state_dir=state_dir or default_state_dir(node.run.run_id),
-                    device=device,
-                    threads=threads,
-                    until_version=until_version,
-                    attack=adversary,
-                    sync=SyncSettings(grace=round_grace, agree_timeout=agree_timeout),
-                ),
-            )
-            participant.start()
-            print(f"training from version {participant.state.version}", flush=True)
-        while not stop.wait(heartbeat_interval):
-            snap = node.snapshot()
-            line = (
-                f"peers {len(snap['peers'])} "
-                f"({', '.join(p['peer_id'][-8:] for p in snap['peers'])}), "
-                f"gossip {'on' if snap['gossip'] else 'off'}, rejected records {snap['rejected']}"
-            )
-            if participant is not None:
-                ps = participant.snapshot()
-                line += (
-                    f"; {ps['phase']}, version {ps['version']}, deltas sent {ps['sent']} "
-                    f"accepted {ps['accepted']} rejected {ps['rejected']}"
-                )
-            log.info(line)
+            participant = _start_training(
+                node, dev_name, micro, max_mem, state, threads, until_version, adversary,
+                round_grace, agree_timeout,
+            )  # fmt: skip
+        from p2pdiloco.node_view import NodeView
+
+        view = NodeView(node, participant)
+        if mport is not None:
+            from p2pdiloco.node_metrics import serve_metrics
+
+            metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)
+            print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
+        tui = sys.stdout.isatty() and not no_tui and not json_logs
+        _serve(view, participant, stop, tui, json_logs, heartbeat_interval)
         if participant is not None:
-            participant.stop()
-            print(
-                f"stopped at certified version {participant.state.version} "
-                f"(saved under {participant.cfg.state_dir})",
-                flush=True,
-            )
+            kept = participant.stop()
+            print(f"stopped cleanly; kept {kept}", flush=True)
+            if participant.error:
+                raise UserError(f"training stopped: {participant.error}")
         else:
             print("stopped", flush=True)
     finally:
         if participant is not None and participant.alive:
             participant.stop()
+        if metrics_api is not None:
+            metrics_api.close()
         node.close()
+
+
+def _preflight(
+    model: str,
+    device: str,
+    gpus: tuple[int, ...],
+    max_mem: float | None,
+    micro: int | None,
+    state: Path | None,
+) -> None:
+    """The rest of the preflight (memory was checked above): warnings printed, errors fatal."""
+    from p2pdiloco.preflight import (
+        PreflightConfig,
+        check_disk,
+        check_python,
+        check_torch,
+    )
+
+    cfg = PreflightConfig(
+        model=model, device=device, gpus=gpus, max_memory_gb=max_mem, batch_size=micro,
+        state_dir=state,
+    )  # fmt: skip
+    findings = [check_python(), *check_torch(), check_disk(cfg)]
+    errors = [f for f in findings if f.severity == "error"]
+    for f in findings:
+        if f.severity == "warn":
+            log.warning("preflight %s: %s (fix: %s)", f.check, f.detail, f.fix)
+    if errors:
+        f = errors[0]
+        raise UserError(f"{f.check}: {f.detail}; fix: {f.fix}")
+
+
+def _start_training(
+    node: Node,
+    device: str,
+    micro: int | None,
+    max_mem: float | None,
+    state: Path | None,
+    threads: int | None,
+    until_version: int | None,
+    adversary: str | None,
+    grace: float,
+    agree_timeout: float,
+) -> Any:
+    from p2pdiloco.participant import Participant, TrainConfig
+    from p2pdiloco.preflight import auto_batch_size
+
+    assert node.run is not None
+    if adversary is not None and adversary not in ATTACKS:
+        raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
+    manifest = node.run.manifest
+    step_batch = manifest.inner.batch_size
+    if micro is None:
+        dev = resolve_device(device)
+        from p2pdiloco.train.memory import available_memory
+
+        have = int(max_mem * GiB) if max_mem else available_memory(dev)[0]
+        micro = auto_batch_size(manifest.model, dev, have)
+        how = "auto"
+    else:
+        how = "--batch-size"
+    micro = max(d for d in range(1, step_batch + 1) if step_batch % d == 0 and d <= micro)
+    print(
+        f"batch: {micro} sequences per micro-batch ({how}), {step_batch // micro} accumulation "
+        f"steps per inner step of {step_batch} × {manifest.inner.seq_len} tokens",
+        flush=True,
+    )
+    participant = Participant(
+        node,
+        TrainConfig(
+            state_dir=state or default_state_dir(node.run.run_id),
+            device=device,
+            threads=threads,
+            until_version=until_version,
+            attack=adversary,
+            micro_batch=micro,
+            sync=SyncSettings(grace=grace, agree_timeout=agree_timeout),
+        ),
+    )
+    participant.start()
+    print(f"training from version {participant.state.version}", flush=True)
+    return participant
+
+
+def _serve(
+    view: Any, participant: Any, stop: Any, tui: bool, json_logs: bool, interval: float
+) -> None:
+    """Until Ctrl-C (or a fatal training error): the dashboard at 4 Hz, or a log line per
+    interval (plain or JSON)."""
+    from p2pdiloco.dashboard.live import json_line, plain_line, render
+
+    def failed() -> bool:
+        return participant is not None and participant.error is not None
+
+    if tui:
+        from rich.live import Live
+
+        log_file = (participant.cfg.state_dir if participant else Path(".")) / "join.log"
+        _log_to_file(log_file)
+        with Live(render(view.snapshot()), refresh_per_second=4, screen=False) as live:
+            while not stop.wait(0.25) and not failed():
+                live.update(render(view.snapshot()))
+        return
+    next_line = 0.0
+    while not stop.wait(0.5) and not failed():
+        if time.monotonic() >= next_line:
+            snap = view.snapshot()
+            if json_logs:
+                print(json_line(snap), flush=True)
+            else:
+                log.info(plain_line(snap))
+            next_line = time.monotonic() + interval
+
+
+class _JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        obj = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj)
+
+
+def _json_logging() -> None:
+    root = logging.getLogger()
+    for h in root.handlers:
+        h.setFormatter(_JSONFormatter())
+
+
+def _log_to_file(path: Path) -> None:
+    """While the dashboard owns the terminal, log lines go to a file next to the state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            with contextlib.suppress(Exception):
+                root.removeHandler(h)
+    root.addHandler(handler)
 
 
 def default_state_dir(run_id: str) -> Path:

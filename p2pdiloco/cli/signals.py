@@ -24,7 +24,10 @@ def stop_event() -> threading.Event:
             os.kill(os.getpid(), signum)
             return
         if stop.is_set() and signum == signal.SIGINT:
-            raise SystemExit(130)
+            os.write(2, b"\nsecond Ctrl-C: exiting now, without saving\n")
+            os._exit(130)
+        if signum == signal.SIGINT:
+            os.write(2, b"\nstopping cleanly (Ctrl-C again to exit at once)\n")
         stop.set()
 
     signal.signal(signal.SIGINT, handler)

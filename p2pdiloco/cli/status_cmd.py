@@ -1,16 +1,18 @@
-"""``p2pdiloco status``: runs and peers as the DHT sees them."""
+"""``p2pdiloco status``: runs and peers as the DHT sees them, or the contribution leaderboard."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.net_common import dht_client
-from p2pdiloco.dashboard.status import status_view
+from p2pdiloco.dashboard.status import leaderboard_view, status_view
+from p2pdiloco.errors import UserError
 from p2pdiloco.net.discovery import collect_state
 
 
@@ -19,12 +21,103 @@ def status(
     bootstrap: Annotated[
         list[str] | None, typer.Option(help="Bootstrap multiaddr (repeatable).")
     ] = None,
+    leaderboard: Annotated[
+        bool,
+        typer.Option("--leaderboard", help="Rank peers by verified accepted tokens."),
+    ] = False,
+    run: Annotated[
+        str | None, typer.Option(help="Run id (prefix) for --leaderboard [default: busiest].")
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="--leaderboard from a node's state directory instead of the network."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Show runs, peers (direct or relayed), their versions and throughput."""
+    """Show runs, peers (direct or relayed), their versions and throughput; or, with
+    --leaderboard, every peer's contribution as certified by the committees' receipts."""
+    if leaderboard:
+        board = (
+            _leaderboard_offline(state_dir) if state_dir else _leaderboard_online(bootstrap, run)
+        )
+        if json_out:
+            print(json.dumps(board, indent=2))
+        else:
+            Console().print(leaderboard_view(board))
+        return
     with dht_client(bootstrap) as dht:
         state = collect_state(dht).to_dict()
     if json_out:
         print(json.dumps(state, indent=2))
     else:
         Console().print(status_view(state))
+
+
+def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
+    """From a node's kept certificates and the signed manifest it saved."""
+    from p2pdiloco.ledger import build_ledger
+    from p2pdiloco.protocol.records import parse_manifest
+    from p2pdiloco.protocol.signing import InvalidRecord, open_envelope
+
+    try:
+        env = open_envelope((state_dir / "manifest.json").read_bytes(), kind="manifest")
+        run_id, manifest = parse_manifest(env)
+    except (OSError, InvalidRecord) as e:
+        raise UserError(f"no valid run manifest in {state_dir}: {e}") from None
+    raws = [p.read_bytes() for p in sorted((state_dir / "certs").glob("*.json"))]
+    return {
+        "run_id": run_id,
+        "run_name": manifest.name,
+        **build_ledger(run_id, manifest, raws).to_dict(),
+    }
+
+
+def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
+    """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
+    from p2pdiloco.ledger import build_ledger
+    from p2pdiloco.net.discovery import read_peers, read_runs
+    from p2pdiloco.net.p2p_bridge import P2PBridge
+    from p2pdiloco.participant import CERT_RECORD_KIND, certs_key
+    from p2pdiloco.protocol.signing import canonical_json
+    from p2pdiloco.sync.fetch import fetch_cert
+
+    with dht_client(bootstrap) as dht:
+        runs, _ = read_runs(dht)
+        runs = [r for r in runs if not r.incompatible and (run is None or r.run_id.startswith(run))]
+        if not runs:
+            raise UserError(f"run '{run}' not found in the DHT" if run else "no runs found")
+        for r in runs:
+            r.peers = read_peers(dht, r.run_id)
+        info = max(runs, key=lambda r: len(r.peers.peers) if r.peers else 0)
+        raws: list[bytes] = []
+        for rec in dht.read(certs_key(info.run_id), kind=CERT_RECORD_KIND, run_id=info.run_id):
+            cert = rec.envelope.body.get("cert")
+            if isinstance(cert, dict):
+                raws.append(canonical_json(cert))
+        newest = max((_version(r) for r in raws), default=0)
+        peers = (
+            [(v.peer_id, list(v.heartbeat.addrs)) for v in info.peers.peers.values()]
+            if info.peers
+            else []
+        )
+        bridge = P2PBridge(dht.dht)
+        try:
+            for version in range(1, newest):
+                for peer, addrs in peers:
+                    try:
+                        raws.append(bridge.run(fetch_cert(bridge.p2p, peer, version, addrs), 20))
+                        break
+                    except Exception:
+                        continue
+        finally:
+            bridge.close()
+    ledger = build_ledger(info.run_id, info.manifest, raws)
+    return {"run_id": info.run_id, "run_name": info.manifest.name, **ledger.to_dict()}
+
+
+def _version(raw: bytes) -> int:
+    try:
+        v = json.loads(raw)["body"]["version"]
+        return v if isinstance(v, int) else 0
+    except Exception:
+        return 0

@@ -44,3 +44,29 @@ def status_view(state: dict[str, Any]) -> RenderableType:
             Text(f"{len(state['rejected_records'])} invalid record(s) ignored", style="yellow")
         )
     return Group(*parts)
+
+
+def leaderboard_view(board: dict[str, Any]) -> RenderableType:
+    """Peers ranked by verified accepted tokens, and what was ignored (with why)."""
+    table = Table(
+        title=f"Contributions to run {board['run_name']} ({board['run_id'][:12]}): "
+        f"{board['versions']} verified versions",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("rank", "peer", "accepted", "rejected", "tokens", "share", "last version"):
+        table.add_column(col, justify="left" if col == "peer" else "right", no_wrap=True)
+    for p in board["peers"]:
+        table.add_row(
+            str(p["rank"]),
+            Text("…" + p["peer_id"][-16:]),
+            str(p["accepted"]),
+            str(p["rejected"]),
+            f"{p['tokens']:,}",
+            f"{100 * p['share']:.1f}%",
+            str(p["last_version"]),
+        )
+    parts: list[RenderableType] = [table]
+    for line in board["ignored"]:
+        parts.append(Text(f"ignored: {line}", style="yellow"))
+    return Group(*parts)

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 SYNC_PROTOCOL = "/p2pdiloco/sync/1"
 REQUEST_TIMEOUT = 30.0
+# Bytes of sync traffic this process sent and received (both roles), for dashboards and metrics.
+TRAFFIC = {"up": 0, "down": 0}
 
 Frames = list[bytes]
 Handler = Callable[[str, str, dict[str, Any], Frames], Awaitable[tuple[dict[str, Any], Frames]]]
@@ -63,7 +65,9 @@ async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[
             if not isinstance(count, int) or not 0 <= count <= len(limits):
                 raise RpcRefused(f"op {op} takes at most {len(limits)} frames")
             frames = [await read_frame(reader, limits[i], REQUEST_TIMEOUT) for i in range(count)]
+            TRAFFIC["down"] += sum(len(f) for f in frames)
             reply, out = await handler(op, peer, control, frames)
+            TRAFFIC["up"] += sum(len(f) for f in out)
             write_control(writer, {**reply, "ok": True, "frames": len(out)})
             for f in out:
                 write_frame(writer, f)
@@ -115,12 +119,14 @@ async def call(
         write_control(writer, {**(args or {}), "op": op, "frames": len(frames)})
         for f in frames:
             write_frame(writer, f)
+        TRAFFIC["up"] += sum(len(f) for f in frames)
         await asyncio.wait_for(writer.drain(), timeout)
         reply = await read_control(reader, timeout)
         count = reply.get("frames", 0)
         if not isinstance(count, int) or not 0 <= count <= 64:
             raise RpcError(f"{peer_id} sent a malformed reply")
         out = [await read_frame(reader, reply_limit, timeout) for _ in range(count)]
+        TRAFFIC["down"] += sum(len(f) for f in out)
     except FrameError as e:
         raise RpcError(f"{op} to {peer_id}: {e}") from None
     except (ConnectionError, OSError, TimeoutError) as e:

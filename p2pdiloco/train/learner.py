@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,9 +83,13 @@ class Learner:
         attack: AttackConfig | None = None,
         rounds_done: int = 0,
         base_version: int = 0,
+        micro_batch: int | None = None,
     ) -> None:
         self.manifest = manifest
         self.cfg = inner_config(manifest)
+        if micro_batch is not None and self.cfg.batch_size % micro_batch == 0:
+            # Same step batch as everyone (the run's), split to fit this device's memory.
+            self.cfg = replace(self.cfg, grad_accum=self.cfg.batch_size // micro_batch)
         self.corpus = corpus
         self.seed = data_seed(manifest.seed, peer_id)
         self.device = device
