@@ -22,6 +22,7 @@ from typing import Any
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
+from p2pdiloco.net.cert_records import cert_topic
 from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.discovery import RunInfo, choose_run, read_bootstraps, read_peers, read_runs
 from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
@@ -38,10 +39,6 @@ log = logging.getLogger(__name__)
 
 def run_topic(run_id: str) -> str:
     return f"{keys.PREFIX}/run/{run_id}"
-
-
-def cert_topic(run_id: str) -> str:
-    return f"{keys.PREFIX}/run/{run_id}/certs"
 
 
 @dataclass

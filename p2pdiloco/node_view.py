@@ -82,6 +82,7 @@ class NodeView:
         snap.eta_seconds = max(0, H - s.inner_step) * s.step_seconds if s.step_seconds else None
         snap.tokens_per_second = s.tokens_per_second
         snap.loss_local = list(s.losses)
+        snap.loss_global = list(s.eval_losses)
         committee = p.service.committee if hasattr(p, "service") else None
         if committee is not None and p.me in committee.members:
             role = "leader" if committee.members[0] == p.me else "member"

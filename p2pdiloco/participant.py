@@ -31,13 +31,12 @@ from typing import Any
 import torch
 
 from p2pdiloco.ledger import build_ledger
-from p2pdiloco.net import keys
-from p2pdiloco.net.dht import NetworkError
-from p2pdiloco.net.gossip import GossipError, GossipMessage
+from p2pdiloco.net.cert_records import cert_topic, publish_certificate, read_certificates
+from p2pdiloco.net.gossip import GossipMessage
 from p2pdiloco.net.sync_rpc import RpcError, call
-from p2pdiloco.node import Node, cert_topic
+from p2pdiloco.node import Node
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
-from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal
+from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import (
     FragmentRef,
     SubmissionHeader,
@@ -50,20 +49,15 @@ from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.service import SyncService, SyncSettings
 from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_write_bytes
-from p2pdiloco.train.data import build_corpus
+from p2pdiloco.train.data import build_corpus, eval_batches
 from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.inner import evaluate
 from p2pdiloco.train.learner import Learner, Outgoing
 from p2pdiloco.train.local_state import load_local, restore_local, save_local
-from p2pdiloco.train.models import get_spec
+from p2pdiloco.train.models import build_model, get_spec, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-CERT_RECORD_KIND = "certificate"
-
-
-def certs_key(run_id: str) -> str:
-    return f"{keys.PREFIX}/run/{run_id}/certs"
 
 
 @dataclass
@@ -97,6 +91,7 @@ class Stats:
     resumed_local_steps: int | None = None  # local progress picked up at start
     events: deque[str] = field(default_factory=lambda: deque(maxlen=50))
     tokens_by_peer: dict[str, int] = field(default_factory=dict)  # ledger of verified receipts
+    eval_losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
 
 
 class Participant:
@@ -115,6 +110,8 @@ class Participant:
         self._thread: threading.Thread | None = None
         self._last_sent: tuple[bytes, bytes] | None = None  # first submission (replay attacker)
         self._pending: str | None = None  # digest of our submission awaiting a certificate
+        self._eval_model: torch.nn.Module | None = None
+        self._eval_rows: list[torch.Tensor] = []
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         (cfg.state_dir / "certs").mkdir(exist_ok=True)
         self.store = CheckpointStore(cfg.state_dir / "certified", keep=2)
@@ -438,6 +435,7 @@ class Participant:
                 self.stats.rejected += 1
             self._pending = None
         self.learner.rebase(new.params, old.params, sent)
+        self._evaluate(new)
         self.stats.inner_step = self.learner.steps_since_send
         if len(chain) > 1:  # skipped versions: follow the run's lr schedule, not ours
             self.learner.seek(new.version * self.manifest.inner_steps)
@@ -450,6 +448,23 @@ class Participant:
             f"merged{', ours among them' if mine else ''})"
         )
         self._write_status()
+
+    def _evaluate(self, state: CertifiedState) -> None:
+        """Eval loss of a certified version for the dashboard, when the model is small enough
+        for it to be cheap (a few eval batches on a separate copy)."""
+        if sum(t.numel() for t in state.params.values()) > 50_000_000:
+            return
+        if self._eval_model is None:
+            self._eval_model = build_model(self.manifest.model, seed=self.manifest.seed)
+            self._eval_rows = eval_batches(
+                self.corpus, batch_size=self.manifest.inner.batch_size, max_batches=2
+            )
+        if not self._eval_rows:
+            return
+        with torch.no_grad():
+            for n, p in param_state(self._eval_model).items():
+                p.copy_(state.params[n])
+        self.stats.eval_losses.append(evaluate(self._eval_model, self._eval_rows))
 
     def _holders(self, cert: Certificate) -> list[tuple[str, list[str]]]:
         """Peers likely to hold the state of ``cert``: its signers, then anyone announcing it."""
@@ -479,38 +494,10 @@ class Participant:
             self._drain(wait=0)
 
     def _dht_certificates(self) -> list[bytes]:
-        dht = self.node.dht
-        if dht is None:
-            return []
-        out = []
-        try:
-            for rec in dht.read(certs_key(self.run_id), kind=CERT_RECORD_KIND, run_id=self.run_id):
-                cert = rec.envelope.body.get("cert")
-                if isinstance(cert, dict):
-                    out.append(canonical_json(cert))
-        except Exception as e:
-            log.info("reading certificates from the DHT failed: %s", e)
-        return out
+        return read_certificates(self.node.dht, self.run_id) if self.node.dht else []
 
     def _publish(self, cert: Certificate) -> None:
-        """Gossip the certificate and keep the newest one in the DHT for late joiners."""
-        gossip = self.node.gossip
-        if gossip is not None and gossip.alive:
-            try:
-                gossip.publish(cert_topic(self.run_id), cert.raw)
-            except GossipError as e:
-                log.info("gossip publish of the certificate failed: %s", e)
-        dht = self.node.dht
-        if dht is None:
-            return
-        body = {"version": cert.body.version, "cert": json.loads(cert.raw)}
-        record = seal(self.node.identity, CERT_RECORD_KIND, self.run_id, body)
-        if len(record) > 16 * 1024:
-            return  # too large for a DHT record; peers serve it over the sync protocol
-        try:
-            dht.store(certs_key(self.run_id), self.me, record, 24 * 3600.0)
-        except NetworkError as e:
-            log.info("storing the certificate in the DHT failed: %s", e)
+        publish_certificate(self.node.identity, self.run_id, cert, self.node.dht, self.node.gossip)
 
     # -- persistence -------------------------------------------------------------------------
 

@@ -87,3 +87,30 @@ def test_join_refuses_a_model_that_does_not_fit_within_seconds(tmp_path: Path) -
     line = out.stderr.strip()
     assert line.startswith("error: gemma-12b needs about") and "GiB" in line and "would fit" in line
     assert elapsed < 60  # no network, no allocation: only imports and a memory probe
+
+
+def test_join_settings_flags_over_env_over_config_file(tmp_path: Path, monkeypatch) -> None:
+    from p2pdiloco.cli.join_cmd import _gpus, _typed
+    from p2pdiloco.errors import ConfigError
+
+    conf = {"batch_size": 2, "max_memory": 10.0, "device": "cpu", "gpus": "1"}
+    monkeypatch.setenv("P2PDILOCO_BATCH_SIZE", "4")
+    monkeypatch.delenv("P2PDILOCO_MAX_MEMORY", raising=False)
+    assert _typed("batch_size", 8, None, int, conf) == 8  # flag
+    assert _typed("batch_size", None, None, int, conf) == 4  # env (a string, cast)
+    assert _typed("max_memory", None, None, float, conf) == 10.0  # config file
+    assert _typed("metrics_port", None, None, int, conf) is None  # default
+    monkeypatch.setenv("P2PDILOCO_PORT", "not-a-port")
+    with pytest.raises(ConfigError, match="port"):
+        _typed("port", None, 0, int, conf)
+    assert _gpus(_typed("gpus", None, None, str, conf)) == (1,)
+    assert _gpus("0,2") == (0, 2)
+    for bad in ("0,x", "-1", "1,1"):
+        with pytest.raises(ConfigError):
+            _gpus(bad)
+
+
+def test_join_rejects_a_bad_gpus_flag_in_one_line(tmp_path: Path) -> None:
+    out = cli("join", "--model", "gemma-tiny", "--gpus", "0,x", home=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("error: --gpus")

@@ -139,6 +139,18 @@ def test_metrics_port_and_json_logs(tmp_path: Path) -> None:
         assert values["p2pdiloco_bytes_sent_total"] > 0
         assert "p2pdiloco_peers" in text
 
+        # The leaderboard over the network: certificates fetched from the nodes, verified.
+        out = subprocess.run(
+            [sys.executable, "-m", "p2pdiloco", "status", "--leaderboard", "--bootstrap",
+             net.boot_addr, "--json"],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        board = json.loads(out.stdout)
+        assert board["versions"] >= 1 and board["ignored"] == []
+        assert {p["peer_id"] for p in board["peers"]} <= {k.peer_id for k in keys}
+        assert board["peers"] and board["peers"][0]["tokens"] > 0
+
         lines = [ln for ln in node.text().splitlines() if ln.startswith("{")]
         records = [json.loads(ln) for ln in lines]
         assert any(r.get("logger", "").startswith("p2pdiloco") for r in records)

@@ -192,6 +192,7 @@ def join(
         print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
+        _network_findings(node)
         if not no_train:
             participant = _start_training(
                 node, dev_name, micro, max_mem, state, threads, until_version, adversary,
@@ -250,6 +251,34 @@ def _preflight(
     if errors:
         f = errors[0]
         raise UserError(f"{f.check}: {f.detail}; fix: {f.fix}")
+
+
+def _network_findings(node: Node) -> None:
+    """Preflight checks that need the network: clock skew against the bootstrap servers'
+    signed heartbeats (they refresh every few seconds, so their timestamps trail ours by at
+    most an interval when clocks agree)."""
+    from statistics import median
+
+    from p2pdiloco.net.discovery import read_bootstraps
+    from p2pdiloco.preflight import check_clock
+
+    assert node.dht is not None
+    try:
+        views = list(read_bootstraps(node.dht).peers.values())
+    except Exception as e:  # the check is advisory; the node works without it
+        log.info("clock check skipped: %s", e)
+        return
+    if not views:
+        return
+    now = time.time()
+    offset = median(v.ts - now for v in views)
+    # A fresh heartbeat is up to one interval old: only what lies beyond that is skew.
+    skew = offset if offset > 0 else min(0.0, offset + keys.HEARTBEAT_INTERVAL)
+    finding = check_clock(skew)
+    line = f"clock: {finding.severity}: {finding.detail}"
+    if finding.fix:
+        line += f"; fix: {finding.fix}"
+    print(line, flush=True)
 
 
 def _start_training(

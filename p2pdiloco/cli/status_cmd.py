@@ -75,10 +75,9 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.ledger import build_ledger
+    from p2pdiloco.net.cert_records import read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge
-    from p2pdiloco.participant import CERT_RECORD_KIND, certs_key
-    from p2pdiloco.protocol.signing import canonical_json
     from p2pdiloco.sync.fetch import fetch_cert
 
     with dht_client(bootstrap) as dht:
@@ -89,11 +88,7 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
         for r in runs:
             r.peers = read_peers(dht, r.run_id)
         info = max(runs, key=lambda r: len(r.peers.peers) if r.peers else 0)
-        raws: list[bytes] = []
-        for rec in dht.read(certs_key(info.run_id), kind=CERT_RECORD_KIND, run_id=info.run_id):
-            cert = rec.envelope.body.get("cert")
-            if isinstance(cert, dict):
-                raws.append(canonical_json(cert))
+        raws = read_certificates(dht, info.run_id)
         newest = max((_version(r) for r in raws), default=0)
         peers = (
             [(v.peer_id, list(v.heartbeat.addrs)) for v in info.peers.peers.values()]

@@ -1,0 +1,72 @@
+"""Certificates in the DHT and on gossip: how late joiners and leaderboards find them.
+
+Each node keeps the newest certificate it applied under ``p2pdiloco/v1/run/<run>/certs``, in
+its own subkey, wrapped in an envelope it signs (the DHT validator accepts only envelopes); the
+certificate inside is verified by whoever reads it, never trusted for its wrapper. Certificates
+are also gossiped raw on the run's certificate topic. Older versions are served by nodes over
+the sync protocol (``cert`` op).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from p2pdiloco.net import keys
+from p2pdiloco.net.dht import DHTPlane, NetworkError
+from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.protocol.certificates import Certificate
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.signing import canonical_json, seal
+
+log = logging.getLogger(__name__)
+
+CERT_RECORD_KIND = "certificate"
+CERT_RECORD_TTL = 24 * 3600.0
+MAX_RECORD = 16 * 1024
+
+
+def certs_key(run_id: str) -> str:
+    return f"{keys.PREFIX}/run/{run_id}/certs"
+
+
+def cert_topic(run_id: str) -> str:
+    return f"{keys.PREFIX}/run/{run_id}/certs"
+
+
+def read_certificates(dht: DHTPlane, run_id: str) -> list[bytes]:
+    """Certificate bytes found in the DHT (unverified: parse and verify before use)."""
+    out = []
+    try:
+        for rec in dht.read(certs_key(run_id), kind=CERT_RECORD_KIND, run_id=run_id):
+            cert = rec.envelope.body.get("cert")
+            if isinstance(cert, dict):
+                out.append(canonical_json(cert))
+    except Exception as e:  # the DHT is a hint here; peers also serve certificates
+        log.info("reading certificates from the DHT failed: %s", e)
+    return out
+
+
+def publish_certificate(
+    identity: Identity,
+    run_id: str,
+    cert: Certificate,
+    dht: DHTPlane | None,
+    gossip: GossipProcess | None,
+) -> None:
+    """Gossip ``cert`` and store it as this node's newest certificate in the DHT."""
+    if gossip is not None and gossip.alive:
+        try:
+            gossip.publish(cert_topic(run_id), cert.raw)
+        except GossipError as e:
+            log.info("gossip publish of the certificate failed: %s", e)
+    if dht is None:
+        return
+    body = {"version": cert.body.version, "cert": json.loads(cert.raw)}
+    record = seal(identity, CERT_RECORD_KIND, run_id, body)
+    if len(record) > MAX_RECORD:
+        return  # too large for a DHT record; peers serve it over the sync protocol
+    try:
+        dht.store(certs_key(run_id), identity.peer_id, record, CERT_RECORD_TTL)
+    except NetworkError as e:
+        log.info("storing the certificate in the DHT failed: %s", e)
