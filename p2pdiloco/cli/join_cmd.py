@@ -359,7 +359,16 @@ def _serve(
             if json_logs:
                 print(json_line(snap), flush=True)
             else:
-                log.info(plain_line(snap))
+                ns = view.node.snapshot()
+                log.info(
+                    "peers %d (%s), gossip %s, rejected records %d",
+                    len(ns["peers"]),
+                    ", ".join(p["peer_id"][-8:] for p in ns["peers"]),
+                    "on" if ns["gossip"] else "off",
+                    ns["rejected"],
+                )
+                if participant is not None:
+                    log.info(plain_line(snap))
             next_line = time.monotonic() + interval
 
 
