@@ -172,6 +172,10 @@ class LocalNetwork:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every process (idempotent)."""
         for p in self.procs:
             _stop(p)
 
@@ -340,7 +344,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         else:
             say(f"{cfg.nodes} nodes started")
         statuses = net.wait_versions(cfg.rounds, nodes, cfg.timeout, say)
-        net.__exit__()
+        net.close()
         say("nodes stopped; verifying certificates and evaluating")
         return summarize(cfg, nodes, statuses, net.manifest, run_id, workdir, t0)
     raise AssertionError("unreachable")

@@ -15,18 +15,6 @@ from p2pdiloco.net import sync_rpc
 from p2pdiloco.node import Node
 from p2pdiloco.participant import Participant
 
-_PHASES = {
-    "starting": "connecting",
-    "syncing state": "syncing state",
-    "training": "training",
-    "submitting": "submitting",
-    "waiting for certificate": "waiting for certificate",
-    "applying": "applying",
-    "paused": "paused",
-    "stopping": "stopping",
-    "failed": "failed",
-}
-
 
 class NodeView:
     """Call ``snapshot()`` a few times a second; it is cheap and thread-safe enough to read."""
@@ -73,7 +61,10 @@ class NodeView:
             return snap
         s = p.stats
         phase = p.phase
-        snap.state = _PHASES.get(phase, "idle" if phase.startswith("idle") else phase)
+        # The participant's phases are the dashboard's states, but for these two spellings.
+        snap.state = (
+            "connecting" if phase == "starting" else "idle" if phase.startswith("idle") else phase
+        )
         snap.paused_reason = s.paused_reason
         snap.version = p.state.version if hasattr(p, "state") else 0
         H = p.manifest.inner_steps

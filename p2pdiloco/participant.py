@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from p2pdiloco.ledger import build_ledger
-from p2pdiloco.net.cert_records import cert_topic, publish_certificate, read_certificates
+from p2pdiloco.net.cert_records import (
+    cert_topic,
+    cert_version,
+    publish_certificate,
+    read_certificates,
+)
 from p2pdiloco.net.gossip import GossipMessage
 from p2pdiloco.net.sync_rpc import RpcError, call
 from p2pdiloco.node import Node
@@ -88,7 +93,6 @@ class Stats:
     step_seconds: float = 0.0  # recent seconds per inner step (EMA)
     tokens_per_second: float = 0.0
     paused_reason: str | None = None
-    resumed_local_steps: int | None = None  # local progress picked up at start
     events: deque[str] = field(default_factory=lambda: deque(maxlen=50))
     tokens_by_peer: dict[str, int] = field(default_factory=dict)  # ledger of verified receipts
     eval_losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
@@ -165,7 +169,6 @@ class Participant:
         local = load_local(self.cfg.state_dir, self.run_id)
         same_base = local is not None and int(local.get("base_version", -1)) == self.state.version
         if local is not None and same_base and restore_local(self.learner, local):
-            self.stats.resumed_local_steps = self.learner.steps_since_send
             self.event(
                 f"resumed local progress: {self.learner.steps_since_send} steps "
                 f"on version {self.state.version}"
@@ -284,7 +287,7 @@ class Participant:
             self._last_sent = frames
         self._pending = hashlib.sha256(frames[0]).hexdigest()
         committee = committee_for(self.run_id, self.manifest, self.state.cert)
-        pending = [m for m in committee.members]
+        pending = list(committee.members)
         self.stats.sent += 1
         statuses: dict[str, str] = {}
         backoff = 1.0
@@ -379,7 +382,7 @@ class Participant:
                 items.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        for raw, computed in sorted(items, key=lambda it: _version_of(it[0])):
+        for raw, computed in sorted(items, key=lambda it: cert_version(it[0])):
             try:
                 self._advance(raw, computed, sent)
             except (InvalidRecord, SyncError, RpcError, TimeoutError) as e:
@@ -477,7 +480,7 @@ class Participant:
         """At start: the newest certificate in the DHT or held by live peers, if newer."""
         newest: bytes | None = None
         for raw in self._dht_certificates():
-            if newest is None or _version_of(raw) > _version_of(newest):
+            if newest is None or cert_version(raw) > cert_version(newest):
                 newest = raw
         bridge = self.node.bridge
         assert bridge is not None
@@ -486,10 +489,10 @@ class Participant:
                 raw = bridge.run(fetch_cert(bridge.p2p, peer, -1, addrs), 20)
             except Exception:
                 continue
-            if newest is None or _version_of(raw) > _version_of(newest):
+            if newest is None or cert_version(raw) > cert_version(newest):
                 newest = raw
-        if newest is not None and _version_of(newest) > self.state.version:
-            log.info("catching up from version %d to %d", self.state.version, _version_of(newest))
+        if newest is not None and cert_version(newest) > self.state.version:
+            log.info("catching up from version %d to %d", self.state.version, cert_version(newest))
             self._inbox.put((newest, None))
             self._drain(wait=0)
 
@@ -581,11 +584,3 @@ class Participant:
             atomic_write_bytes(self.cfg.state_dir / "status.json", data, durable=False)
         except OSError as e:
             log.debug("status write failed: %s", e)
-
-
-def _version_of(raw: bytes) -> int:
-    try:
-        v = json.loads(raw)["body"]["version"]
-        return v if isinstance(v, int) else -1
-    except Exception:
-        return -1

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork
+from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
 from p2pdiloco.protocol.identity import Identity
+from tests.netutil import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,6 +46,18 @@ def read_until(fd: int, proc: subprocess.Popen[bytes], needles: list[str], timeo
             break
     text = ANSI.sub(b"", buf).decode(errors="replace")
     raise AssertionError(f"never saw {needles}; terminal said:\n{text[-3000:]}")
+
+
+def volunteer_version(state: Path) -> int:
+    try:
+        return int(json.loads((state / "status.json").read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def alive(node: NodeProc) -> bool:
+    assert node.proc.poll() is None, node.log_tail()
+    return True
 
 
 def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Path) -> None:
@@ -74,13 +87,7 @@ def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Pa
             )
             assert "p2pdiloco join" in screen and "Traceback" not in screen
             # Let it certify a version, then a first Ctrl-C.
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                status = json.loads((state / "status.json").read_text())
-                if status["version"] >= 1:
-                    break
-                time.sleep(0.5)
-            assert status["version"] >= 1
+            wait_for("version 1", lambda: volunteer_version(state) >= 1, 180)
             os.kill(proc.pid, signal.SIGINT)
             tail = read_until(master, proc, ["stopped cleanly"], 120)
             assert proc.wait(60) == 0
@@ -94,10 +101,9 @@ def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Pa
 
         # The next join resumes: certified version from disk, then the local progress on it.
         again = net.start_node("volunteer", key, until_version=saved_version + 1)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and "resumed local progress" not in again.text():
-            assert again.proc.poll() is None, again.log_tail()
-            time.sleep(0.5)
+        wait_for(
+            "the resume", lambda: alive(again) and "resumed local progress" in again.text(), 180
+        )
         text = again.text()
         assert f"resuming from certified version {saved_version}" in text
         assert "resumed local progress" in text
@@ -107,7 +113,7 @@ def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Pa
 def test_metrics_port_and_json_logs(tmp_path: Path) -> None:
     import urllib.request
 
-    from tests.netutil import free_port, wait_for
+    from tests.netutil import free_port
 
     with LocalNetwork(tmp_path, DemoConfig(inner_steps=8, grace=20.0)) as net:
         net.start_bootstrap()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from p2pdiloco.protocol.submissions import (
     seal_submission,
 )
 from p2pdiloco.train.models import build_model, param_state
+from tests.netutil import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -203,10 +203,12 @@ def test_late_joiner_downloads_from_several_peers_then_contributes(tmp_path: Pat
 
         late_key = Identity.generate()
         late = net.start_node("late", late_key, until_version=100)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and late.status().get("accepted", 0) < 1:
+
+        def contributed() -> bool:
             assert late.proc.poll() is None, late.log_tail()
-            time.sleep(0.5)
+            return late.status().get("accepted", 0) >= 1
+
+        wait_for("a merged delta from the late joiner", contributed, 300)
         status = late.status()
         assert status.get("accepted", 0) >= 1, late.log_tail()
         first = status["downloads"][0]

@@ -75,7 +75,7 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.ledger import build_ledger
-    from p2pdiloco.net.cert_records import read_certificates
+    from p2pdiloco.net.cert_records import cert_version, read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge
     from p2pdiloco.sync.fetch import fetch_cert
@@ -89,7 +89,7 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
             r.peers = read_peers(dht, r.run_id)
         info = max(runs, key=lambda r: len(r.peers.peers) if r.peers else 0)
         raws = read_certificates(dht, info.run_id)
-        newest = max((_version(r) for r in raws), default=0)
+        newest = max((cert_version(r) for r in raws), default=0)
         peers = (
             [(v.peer_id, list(v.heartbeat.addrs)) for v in info.peers.peers.values()]
             if info.peers
@@ -108,11 +108,3 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
             bridge.close()
     ledger = build_ledger(info.run_id, info.manifest, raws)
     return {"run_id": info.run_id, "run_name": info.manifest.name, **ledger.to_dict()}
-
-
-def _version(raw: bytes) -> int:
-    try:
-        v = json.loads(raw)["body"]["version"]
-        return v if isinstance(v, int) else 0
-    except Exception:
-        return 0

@@ -34,6 +34,15 @@ def cert_topic(run_id: str) -> str:
     return f"{keys.PREFIX}/run/{run_id}/certs"
 
 
+def cert_version(raw: bytes) -> int:
+    """The version an (unverified) certificate claims, for ordering only; -1 if unreadable."""
+    try:
+        v = json.loads(raw)["body"]["version"]
+    except Exception:  # junk from a peer: sorts first, then fails verification
+        return -1
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
 def read_certificates(dht: DHTPlane, run_id: str) -> list[bytes]:
     """Certificate bytes found in the DHT (unverified: parse and verify before use)."""
     out = []

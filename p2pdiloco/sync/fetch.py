@@ -110,7 +110,7 @@ async def download_state(
             log.info("state index of version %d from %s: %s", version, peer, e)
     if index is None:
         raise SyncError(f"no peer served a valid state index for version {version}")
-    holders = [p for p in peers]
+    holders = list(peers)
     chunks: list[bytes | None] = [None] * len(index.chunk_hashes)
     by_peer: Counter[str] = Counter()
     limits = {peer: asyncio.Semaphore(PER_PEER_PARALLEL) for peer, _ in holders}

@@ -12,7 +12,9 @@ executor, and every peer input is size-checked, verified and bounded before it i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -113,7 +115,7 @@ class SyncService:
         self.active_learners = active_learners
         self.on_certified = on_certified
         self.codec = get_codec(manifest.compression)
-        numel = sum(max(1, _prod(s)) for s in self.shapes.values())
+        numel = sum(max(1, math.prod(s)) for s in self.shapes.values())
         self.max_payload = numel * 4 + 4096 * len(self.shapes) + (1 << 20)
         self.outer = OuterConfig(
             lr=manifest.outer.lr, momentum=manifest.outer.momentum, nesterov=manifest.outer.nesterov
@@ -264,14 +266,13 @@ class SyncService:
             self._reject(sub.envelope.signer, sub.digest, reason)
             return {"status": "rejected", "reason": reason}, []
         assert self.current is not None and rest
-        self.seen.add(sub.digest)
         h = sub.header
-        if h.base_version > self.current.version:
-            self.seen.discard(sub.digest)
+        if h.base_version > self.current.version:  # not seen yet: the learner will re-send
             return {
                 "status": "retry",
                 "reason": f"this syncer holds version {self.current.version}",
             }, []
+        self.seen.add(sub.digest)
         if self.round is None:
             reason = f"not on the committee for version {self.current.version + 1}"
             ff = self.current.version if h.base_version < self.current.version else None
@@ -357,8 +358,6 @@ class SyncService:
     async def _on_signature(
         self, peer: str, frames: list[bytes]
     ) -> tuple[dict[str, Any], list[bytes]]:
-        import json
-
         try:
             msg = json.loads(frames[0].decode()) if frames else None
             if not isinstance(msg, dict) or set(msg) != {"signer", "body", "sig"}:
@@ -605,10 +604,3 @@ class SyncService:
                     await self._execute(self.round.on_tick(time.monotonic()))
                 except Exception:
                     log.exception("round tick failed")
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

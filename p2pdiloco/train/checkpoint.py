@@ -166,7 +166,7 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
 
 
-def _atomic_write(path: Path, write: Callable[[Path], object], hook: bool = False) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], hook: bool = False) -> None:
     """Run ``write(tmp)``, fsync tmp, rename onto ``path``, fsync the directory.
 
     Any exception (including KeyboardInterrupt) removes the temp file and is re-raised;
@@ -194,7 +194,7 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     ``durable=False`` skips the fsyncs (fine for status files that are rewritten every second).
     """
     if durable:
-        _atomic_write(path, lambda tmp: tmp.write_bytes(data))
+        atomic_write(path, lambda tmp: tmp.write_bytes(data))
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_path(path)
@@ -232,7 +232,7 @@ def save_checkpoint(
     full_meta["state_hash"] = digest
     full_meta["format"] = FORMAT_VERSION
     header = {META_KEY: json.dumps(full_meta, sort_keys=True)}
-    _atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata=header), hook=True)
+    atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata=header), hook=True)
     return digest
 
 
@@ -346,7 +346,7 @@ class CheckpointStore:
         target = self.path_for(version)
         digest = save_checkpoint(target, tensors, meta)
         pointer = json.dumps({"file": target.name, "state_hash": digest, "version": version})
-        _atomic_write(self.directory / self.LATEST, lambda tmp: tmp.write_text(pointer))
+        atomic_write(self.directory / self.LATEST, lambda tmp: tmp.write_text(pointer))
         others = [v for v in self.versions() if v != version]
         for old in others[self.keep - 1 :]:
             with contextlib.suppress(FileNotFoundError):

@@ -35,20 +35,8 @@ from p2pdiloco.train.models import build_model, param_state
 
 
 def inner_config(manifest: RunManifest) -> InnerConfig:
-    p = manifest.inner
-    return InnerConfig(
-        lr=p.lr,
-        beta1=p.beta1,
-        beta2=p.beta2,
-        weight_decay=p.weight_decay,
-        warmup_steps=p.warmup_steps,
-        total_steps=p.total_steps,
-        min_lr_ratio=p.min_lr_ratio,
-        grad_clip=p.grad_clip,
-        grad_accum=p.grad_accum,
-        batch_size=p.batch_size,
-        seq_len=p.seq_len,
-    )
+    """The run's inner hyperparameters (``InnerParams`` mirrors ``InnerConfig`` field by field)."""
+    return InnerConfig(**manifest.inner.model_dump())
 
 
 def data_seed(run_seed: int, peer_id: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from p2pdiloco.train.checkpoint import _atomic_write
+from p2pdiloco.train.checkpoint import atomic_write
 from p2pdiloco.train.learner import Learner
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def save_local(state_dir: Path, learner: Learner, run_id: str, base_version: int
         "optimizer": learner.optimizer.state_dict(),
         "feedback": learner.feedback.state_tensors(),
     }
-    _atomic_write(path, lambda tmp: torch.save(blob, tmp))
+    atomic_write(path, lambda tmp: torch.save(blob, tmp))
     return path
 
 
