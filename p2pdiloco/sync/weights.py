@@ -36,3 +36,16 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
         else:
             hi = mid
     return {k: min(w, lo) for k, w in weights.items()}
+
+
+def merge_weights(
+    entries: Mapping[str, tuple[int, int]], cap_fraction: float
+) -> dict[str, float]:
+    """Merge weights of a round's submissions, the one rule every merge uses.
+
+    ``entries`` maps a submission id to (tokens, lag), lag = certified version − base version.
+    A submission weighs tokens / (1 + lag), capped per ``capped_weights`` at ``cap_fraction``
+    of the total. The mapping's order is kept, so callers pass ids in sorted order.
+    """
+    raw = {k: float(tokens) / (1 + lag) for k, (tokens, lag) in entries.items()}
+    return capped_weights(raw, cap_fraction)
