@@ -42,6 +42,8 @@ class Reason(enum.StrEnum):
     BUSY = "busy"  # too many concurrent requests; retry later
     INTERNAL = "internal"  # a bug on the answering side
     UNREACHABLE = "unreachable"  # the caller could not reach the peer (transport failure)
+    # -- appended after the first release ---------------------------------------------------
+    MERGE_FAILED = "merge_failed"  # this syncer could not merge the agreed set; it was dropped
 
     @classmethod
     def parse(cls, value: object) -> Reason:

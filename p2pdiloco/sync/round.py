@@ -1,129 +1,88 @@
 """One outer round on one syncer, as a sans-IO state machine.
 
 The machine never touches the network, the clock or tensors: a driver feeds it events (a
-submission arrived, the leader proposed an input set, the aggregate was computed, a fellow syncer
-signed, time passed) and carries out the actions it returns (reject and log, fast-forward a stale
-learner, propose, fetch, aggregate, sign, publish a certificate). The asyncio node, the
-multi-process tests and a discrete-event simulator of thousands of peers all drive this class.
+submission arrived, the leader proposed an input set, the aggregate was computed or could not
+be, a fellow syncer signed, time passed) and carries out the actions it returns (reject and
+log, fast-forward a stale learner, propose, fetch, aggregate, forget dropped payloads, sign,
+publish a certificate). The asyncio node, the multi-process tests and a discrete-event
+simulator of thousands of peers all drive this class. Its vocabulary lives in
+``sync/round_types.py`` and is re-exported here.
 
 Phases of the round that turns certified version v into v+1:
 
-    COLLECTING  submissions are screened (run, base version, token claim, duplicates); the round
-                closes ``linger`` seconds after ceil(min_fraction × active learners) are
-                accepted (at once when every active learner is in), or at the grace deadline
-                with at least one;
-    AGREEING    the leader (committee order, rotating to the next member every ``agree_timeout``
-                without a proposal) proposes the sorted digests of its accepted submissions; the
-                others adopt that set, fetching what they miss;
+    COLLECTING  submissions are screened (run, base version, token claim, duplicates); the
+                attempt closes ``linger`` seconds after ceil(min_fraction × active learners)
+                are accepted (at once when every active learner is in; a full round refuses
+                more with BUSY until then),
+                or ``grace`` seconds after the attempt opened, with at least one;
+    AGREEING    the leader proposes the sorted digests of its accepted submissions; the others
+                adopt that set, fetching what they miss;
     AGGREGATING the driver merges exactly that set (weights from ``weights()``) and reports the
-                resulting state hash;
+                resulting state hash, or that the merge failed;
     SIGNING     signatures over (run, v+1, state hash) are collected; q = floor(2k/3)+1 matching
                 ones certify the version, whatever this syncer computed itself;
-    CERTIFIED   done. ``DONE`` actions carry the certified hash and its signers.
+    CERTIFIED   done. ``Done`` actions carry the certified hash and its signers.
+
+Attempts. A syncer that cannot merge the agreed set (screening refused every delta, or a local
+error) calls ``on_merge_failed``: it signs nothing for that set, drops its submissions (they
+are refused if sent again) and opens attempt n+1 in COLLECTING with a fresh grace period.
+Leadership of attempt n starts at committee member n mod k and rotates to the next member every
+``agree_timeout`` without a proposal. Proposals name their attempt; one for another attempt is
+refused with NO_OPEN_ROUND (retryable), never adopted. Signatures do not name the attempt, so
+they count in every phase: if the others merged and reached quorum, a syncer that failed still
+learns the certified hash (``Done(agreed_with_quorum=False)``). A syncer signs at most one state
+per version: once it has signed, a later attempt that aggregates to another hash signs nothing.
 
 Stale submissions (base older than v − staleness) are rejected and their sender fast-forwarded;
 fresher-but-behind ones (v − staleness ≤ base < v) are accepted at weight 1/(1 + v − base).
+
+Memory is bounded whatever peers send: at most ``max_inputs`` accepted submissions (more are
+refused with BUSY), at most ``max_dropped`` dropped digests, one signature per committee member.
 """
 
 from __future__ import annotations
 
-import enum
-import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from p2pdiloco.sync.weights import capped_weights
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sync.round_types import (
+    Action,
+    Aggregate,
+    Done,
+    Dropped,
+    FastForward,
+    Fetch,
+    Phase,
+    Propose,
+    Reject,
+    RoundParams,
+    Sign,
+    Standing,
+    Submission,
+    SubmissionStatus,
+)
+from p2pdiloco.sync.weights import merge_weights
 
+__all__ = [
+    "Action",
+    "Aggregate",
+    "Done",
+    "Dropped",
+    "FastForward",
+    "Fetch",
+    "Phase",
+    "Propose",
+    "Reject",
+    "RoundParams",
+    "Sign",
+    "Standing",
+    "Submission",
+    "SubmissionStatus",
+    "SyncerRound",
+]
 
-class Phase(enum.Enum):
-    COLLECTING = "collecting"
-    AGREEING = "agreeing"
-    AGGREGATING = "aggregating"
-    SIGNING = "signing"
-    CERTIFIED = "certified"
-
-
-@dataclass(frozen=True)
-class RoundParams:
-    """Everything fixed for the round, from the run manifest and the last certificate."""
-
-    run_id: str
-    version: int  # v: the certified base; this round produces v + 1
-    committee: tuple[str, ...]  # elected syncers, leader first
-    quorum: int  # signatures that certify
-    active_learners: int  # learners alive at round start (heartbeats)
-    opened_at: float  # when the round started collecting
-    grace: float = 60.0  # seconds after opening at which the round closes with what it has
-    min_fraction: float = 0.6  # share of active learners that closes the round early
-    staleness: int = 2  # oldest base version accepted: v − staleness
-    max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps
-    weight_cap: float = 0.25  # no learner weighs more than this share of the merge
-    agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
-    linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
-
-    @property
-    def min_learners(self) -> int:
-        return max(1, math.ceil(self.min_fraction * self.active_learners))
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A learner's signed header (signature already checked by the transport)."""
-
-    peer_id: str
-    run_id: str
-    base_version: int
-    steps: int
-    tokens: int
-    digest: str  # hash of the compressed payload, which the driver stores by digest
-
-
-# -- actions returned to the driver ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reject:
-    peer_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class FastForward:
-    peer_id: str
-    to_version: int
-
-
-@dataclass(frozen=True)
-class Propose:
-    digests: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Fetch:
-    digests: tuple[str, ...]
-    from_peer: str
-
-
-@dataclass(frozen=True)
-class Aggregate:
-    digests: tuple[str, ...]
-    weights: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Sign:
-    version: int
-    state_hash: str
-
-
-@dataclass(frozen=True)
-class Done:
-    version: int
-    state_hash: str
-    signers: tuple[str, ...]
-    agreed_with_quorum: bool  # False: this syncer's own hash differed from the certified one
-
-
-Action = Reject | FastForward | Propose | Fetch | Aggregate | Sign | Done
+_Refusal = tuple[Reason, str]
 
 
 @dataclass
@@ -133,11 +92,16 @@ class SyncerRound:
     params: RoundParams
     me: str
     phase: Phase = Phase.COLLECTING
-    accepted: dict[str, Submission] = field(default_factory=dict)  # by digest
-    closed_at: float | None = None
-    enough_at: float | None = None  # when the learner quorum was first reached
+    attempt: int = 0  # bumped by every failed merge on this syncer
+    attempt_opened_at: float = field(init=False)  # grace counts from here (params.opened_at)
+    accepted: dict[str, Submission] = field(default_factory=dict)  # by digest, ≤ max_inputs
+    by_peer: dict[str, str] = field(default_factory=dict)  # learner → its accepted digest
+    dropped: dict[str, Reason] = field(default_factory=dict)  # digest → code, ≤ max_dropped
+    closed_at: float | None = None  # when this attempt stopped collecting
+    enough_at: float | None = None  # when this attempt first reached the learner quorum
     input_set: tuple[str, ...] | None = None
-    own_hash: str | None = None
+    own_hash: str | None = None  # the state this syncer signed; set once per version
+    last_hash: str | None = None  # the state of this syncer's latest successful merge
     signatures: dict[str, str] = field(default_factory=dict)  # syncer → state hash
 
     def __post_init__(self) -> None:
@@ -145,18 +109,21 @@ class SyncerRound:
             raise ValueError(f"{self.me} is not on this round's committee")
         if not 1 <= self.params.quorum <= len(self.params.committee):
             raise ValueError("quorum must be between 1 and the committee size")
+        if self.params.max_inputs < 1 or self.params.max_dropped < 0:
+            raise ValueError("max_inputs must be ≥ 1 and max_dropped ≥ 0")
+        self.attempt_opened_at = self.params.opened_at
 
     # -- events ----------------------------------------------------------------------------
 
     def on_submission(self, sub: Submission, now: float) -> list[Action]:
-        """Screen one submission header; accepted ones wait for the round to close."""
-        reason = self._screen(sub)
-        if reason is not None:
-            actions: list[Action] = [Reject(sub.peer_id, reason)]
-            if sub.base_version < self.params.version - self.params.staleness:
+        """Screen one submission header; accepted ones wait for the attempt to close."""
+        refusal = self._screen(sub)
+        if refusal is not None:
+            actions: list[Action] = [Reject(sub.peer_id, *refusal)]
+            if refusal[0] is Reason.STALE:
                 actions.append(FastForward(sub.peer_id, self.params.version))
             return actions
-        self.accepted[sub.digest] = sub
+        self._accept(sub)
         return self._maybe_close(now)
 
     def on_tick(self, now: float) -> list[Action]:
@@ -167,14 +134,33 @@ class SyncerRound:
             return self._propose()
         return []
 
-    def on_proposal(self, sender: str, digests: tuple[str, ...], now: float) -> list[Action]:
-        """The leader's input set: adopt it (fetching what is missing) and aggregate."""
+    def on_proposal(
+        self, sender: str, digests: tuple[str, ...], now: float, attempt: int = 0
+    ) -> list[Action]:
+        """The leader's input set for ``attempt``: adopt it (fetching what is missing) and
+        aggregate. Refused with NO_OPEN_ROUND when this syncer is in another attempt (the
+        sender retries); ignored once this syncer has adopted or computed a set itself."""
+        if self.phase is Phase.CERTIFIED:
+            return []
+        if attempt != self.attempt:
+            text = f"proposal for attempt {attempt}, this syncer is in attempt {self.attempt}"
+            return [Reject(sender, Reason.NO_OPEN_ROUND, text)]
         if self.phase not in (Phase.COLLECTING, Phase.AGREEING):
             return []
         if sender != self.leader(now):
-            return [Reject(sender, "proposal from a syncer that is not the current leader")]
-        if not digests or list(digests) != sorted(set(digests)):
-            return [Reject(sender, "malformed input set (empty, unsorted or repeated)")]
+            text = "proposal from a syncer that is not the current leader"
+            return [Reject(sender, Reason.NOT_LEADER, text)]
+        if (
+            not digests
+            or len(digests) > self.params.max_inputs
+            or list(digests) != sorted(set(digests))
+        ):
+            text = "malformed input set (empty, too long, unsorted or repeated)"
+            return [Reject(sender, Reason.MALFORMED, text)]
+        gone = [d for d in digests if d in self.dropped]
+        if gone:
+            text = f"input set holds {gone[0][:12]}, which this syncer dropped after a failed merge"
+            return [Reject(sender, self.dropped[gone[0]], text)]
         self.closed_at = self.closed_at if self.closed_at is not None else now
         self.input_set = digests
         self.phase = Phase.AGREEING
@@ -188,92 +174,188 @@ class SyncerRound:
         if self.phase is not Phase.AGREEING or self.input_set is None:
             return []
         if sub.digest not in self.input_set:
-            return [Reject(sub.peer_id, "fetched submission is not in the agreed input set")]
-        reason = self._screen(sub, allow_after_close=True)
-        if reason is not None:
-            return [Reject(sub.peer_id, reason)]
-        self.accepted[sub.digest] = sub
+            text = "fetched submission is not in the agreed input set"
+            return [Reject(sub.peer_id, Reason.NOT_IN_INPUT_SET, text)]
+        refusal = self._screen(sub, allow_after_close=True)
+        if refusal is not None:
+            return [Reject(sub.peer_id, *refusal)]
+        actions = self._make_room(self.input_set)
+        self._accept(sub)
         if all(d in self.accepted for d in self.input_set):
-            return [self._aggregate()]
-        return []
+            actions.append(self._aggregate())
+        return actions
 
-    def on_aggregated(self, state_hash: str) -> list[Action]:
-        """The driver merged the input set and applied the outer step: sign the result."""
-        if self.phase is not Phase.AGGREGATING:
+    def on_aggregated(self, state_hash: str, attempt: int | None = None) -> list[Action]:
+        """The driver merged the input set of ``attempt`` (None: the current one) and applied
+        the outer step: sign the result, unless this syncer already signed another state for
+        this version (then it only waits for the quorum's signatures)."""
+        if self.phase is not Phase.AGGREGATING or attempt not in (None, self.attempt):
             return []
-        self.own_hash = state_hash
         self.phase = Phase.SIGNING
+        self.last_hash = state_hash
+        if self.own_hash is not None:
+            return []  # at most one signature per version, whatever later attempts compute
+        self.own_hash = state_hash
         actions: list[Action] = [Sign(self.params.version + 1, state_hash)]
         return actions + self.on_signature(self.me, state_hash)
 
+    def on_merge_failed(
+        self, now: float, attempt: int | None = None, screened_out: Collection[str] = ()
+    ) -> list[Action]:
+        """This syncer could not merge the input set of ``attempt`` (None: the current one).
+
+        Nothing is signed for that set. Its submissions are dropped (code SCREENED_OUT for the
+        digests in ``screened_out``, MERGE_FAILED for the rest): each sender gets a ``Reject``,
+        the driver a ``Dropped`` to forget the payloads, and the digests are refused if sent
+        again; their learners may send a different submission to the new attempt. Attempt n+1
+        opens at ``now`` in COLLECTING, led first by committee member n+1 (mod k); submissions
+        accepted but outside the failed set stay for it. Signatures already received stay
+        counted. Called in AGGREGATING (normally), in AGREEING once a set was
+        adopted (its missing submissions could not be fetched), or in SIGNING (the driver
+        abandons a state it signed: its signature stands, so this syncer will sign nothing else
+        for this version). Ignored in any other phase or for another attempt.
+        """
+        if (
+            self.phase not in (Phase.AGREEING, Phase.AGGREGATING, Phase.SIGNING)
+            or self.input_set is None
+            or attempt not in (None, self.attempt)
+        ):
+            return []
+        failed = self.input_set
+        actions: list[Action] = []
+        for d in failed:
+            code = Reason.SCREENED_OUT if d in screened_out else Reason.MERGE_FAILED
+            sub = self._remove(d)
+            self._remember_dropped(d, code)
+            if sub is not None:
+                text = f"dropped from version {self.params.version + 1}: merge failed ({code})"
+                actions.append(Reject(sub.peer_id, code, text))
+        actions.append(Dropped(failed))
+        self.attempt += 1
+        self.attempt_opened_at = now
+        self.phase = Phase.COLLECTING
+        self.closed_at = self.enough_at = self.input_set = self.last_hash = None
+        return actions + self._maybe_close(now)
+
     def on_signature(self, syncer: str, state_hash: str) -> list[Action]:
-        """A verified signature of a committee member over (run, v+1, state_hash)."""
+        """A verified signature of a committee member over (run, v+1, state_hash). Counted in
+        every phase but CERTIFIED, whatever attempt this syncer is in."""
         if syncer not in self.params.committee:
-            return [Reject(syncer, "signature from outside the committee")]
+            return [
+                Reject(syncer, Reason.OUTSIDE_COMMITTEE, "signature from outside the committee")
+            ]
         if self.phase is Phase.CERTIFIED:
             return []
         if syncer in self.signatures and self.signatures[syncer] != state_hash:
-            return [Reject(syncer, "signed two different states in one round (equivocation)")]
+            text = "signed two different states in one round (equivocation)"
+            return [Reject(syncer, Reason.EQUIVOCATION, text)]
         self.signatures[syncer] = state_hash
         signers = tuple(sorted(s for s, h in self.signatures.items() if h == state_hash))
         if len(signers) < self.params.quorum:
             return []
         self.phase = Phase.CERTIFIED
-        return [Done(self.params.version + 1, state_hash, signers, self.own_hash == state_hash)]
+        return [Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)]
 
     # -- views -----------------------------------------------------------------------------
 
     def leader(self, now: float) -> str:
-        """Committee member expected to propose at ``now``: the first, then the next one after
-        each ``agree_timeout`` without agreement."""
+        """Committee member expected to propose at ``now``: member ``attempt`` (mod k), then
+        the next one after each ``agree_timeout`` without agreement."""
         start = self.closed_at if self.closed_at is not None else now
         turn = max(0, int((now - start) // self.params.agree_timeout))
-        return self.params.committee[turn % len(self.params.committee)]
+        committee = self.params.committee
+        return committee[(self.attempt + turn) % len(committee)]
 
     def weights(self, digests: tuple[str, ...]) -> tuple[float, ...]:
-        """Merge weights: tokens, discounted by staleness, capped per learner."""
-        raw = {}
-        for d in digests:
-            sub = self.accepted[d]
-            lag = self.params.version - sub.base_version
-            raw[d] = sub.tokens / (1 + lag)
-        capped = capped_weights(raw, self.params.weight_cap)
-        return tuple(capped[d] for d in digests)
+        """Merge weights of accepted ``digests``, in their order (``merge_weights``: tokens
+        discounted by staleness, capped per learner; computed over the sorted digests)."""
+        v = self.params.version
+        entries = {
+            d: (self.accepted[d].tokens, v - self.accepted[d].base_version) for d in sorted(digests)
+        }
+        merged = merge_weights(entries, self.params.weight_cap)
+        return tuple(merged[d] for d in digests)
+
+    def status_of(self, digest: str) -> SubmissionStatus:
+        """Whether a submission is still held by this round, was dropped (with its code), or is
+        unknown here. After CERTIFIED the certificate, not this view, says what was merged."""
+        if digest in self.accepted:
+            return SubmissionStatus(Standing.PENDING)
+        if digest in self.dropped:
+            return SubmissionStatus(Standing.DROPPED, self.dropped[digest])
+        return SubmissionStatus(Standing.UNKNOWN)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _screen(self, sub: Submission, allow_after_close: bool = False) -> str | None:
+    def _screen(self, sub: Submission, allow_after_close: bool = False) -> _Refusal | None:
         p = self.params
         if sub.run_id != p.run_id:
-            return "submission for another run"
+            return Reason.WRONG_RUN, "submission for another run"
+        if sub.digest in self.dropped:
+            return self.dropped[sub.digest], "submission was dropped from this round earlier"
         if self.phase is not Phase.COLLECTING and not allow_after_close:
-            return f"round for version {p.version + 1} is already closed"
+            return Reason.ROUND_CLOSED, f"round for version {p.version + 1} is already closed"
         if sub.base_version > p.version:
-            return f"base version {sub.base_version} is newer than the certified {p.version}"
+            text = f"base version {sub.base_version} is newer than the certified {p.version}"
+            return Reason.BASE_TOO_NEW, text
         if sub.base_version < p.version - p.staleness:
-            return f"stale: base version {sub.base_version} is older than {p.version - p.staleness}"
+            text = f"stale: base version {sub.base_version} is older than {p.version - p.staleness}"
+            return Reason.STALE, text
         if sub.steps < 1 or sub.tokens < 1:
-            return "a submission must report at least one step and one token"
+            return Reason.BAD_CLAIM, "a submission must report at least one step and one token"
         if sub.tokens > sub.steps * p.max_tokens_per_step:
-            return (
+            text = (
                 f"token claim {sub.tokens} exceeds steps × batch × seq_len "
                 f"({sub.steps} × {p.max_tokens_per_step})"
             )
+            return Reason.BAD_CLAIM, text
         if sub.digest in self.accepted:
-            return "duplicate submission"
-        if not allow_after_close and any(s.peer_id == sub.peer_id for s in self.accepted.values()):
-            return "a second submission from the same learner in one round"
+            return Reason.DUPLICATE, "duplicate submission"
+        if allow_after_close:
+            return None
+        if sub.peer_id in self.by_peer:
+            return Reason.DUPLICATE, "a second submission from the same learner in one round"
+        if len(self.accepted) >= p.max_inputs:
+            return Reason.BUSY, f"round already holds {p.max_inputs} submissions"
         return None
+
+    def _accept(self, sub: Submission) -> None:
+        self.accepted[sub.digest] = sub
+        self.by_peer.setdefault(sub.peer_id, sub.digest)
+
+    def _remove(self, digest: str) -> Submission | None:
+        sub = self.accepted.pop(digest, None)
+        if sub is not None and self.by_peer.get(sub.peer_id) == digest:
+            del self.by_peer[sub.peer_id]
+        return sub
+
+    def _remember_dropped(self, digest: str, code: Reason) -> None:
+        self.dropped[digest] = code
+        while len(self.dropped) > self.params.max_dropped:
+            del self.dropped[next(iter(self.dropped))]  # forget the oldest first
+
+    def _make_room(self, keep: tuple[str, ...]) -> list[Action]:
+        """Before a fetched input-set member goes in: when full, evict the oldest accepted
+        submission outside the set (one exists: the set itself holds at most max_inputs)."""
+        if len(self.accepted) < self.params.max_inputs:
+            return []
+        wanted = set(keep)
+        victim = next(d for d in self.accepted if d not in wanted)
+        sub = self._remove(victim)
+        assert sub is not None
+        text = "evicted to make room for the agreed input set"
+        return [Reject(sub.peer_id, Reason.BUSY, text), Dropped((victim,))]
 
     def _maybe_close(self, now: float) -> list[Action]:
         p = self.params
-        enough = len(self.accepted) >= p.min_learners
+        n = len(self.accepted)
+        enough = n >= p.min_learners
         if enough and self.enough_at is None:
             self.enough_at = now
-        everyone = len(self.accepted) >= p.active_learners
+        everyone = n >= p.active_learners
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
-        deadline = now >= p.opened_at + p.grace and len(self.accepted) > 0
-        if self.phase is not Phase.COLLECTING or not (everyone or lingered or deadline):
+        deadline = now >= self.attempt_opened_at + p.grace
+        if self.phase is not Phase.COLLECTING or n == 0 or not (everyone or lingered or deadline):
             return []
         self.phase = Phase.AGREEING
         self.closed_at = now
@@ -283,9 +365,9 @@ class SyncerRound:
         """Leader: announce the input set and aggregate it ourselves."""
         digests = tuple(sorted(self.accepted))
         self.input_set = digests
-        return [Propose(digests), self._aggregate()]
+        return [Propose(digests, self.attempt), self._aggregate()]
 
     def _aggregate(self) -> Aggregate:
         assert self.input_set is not None
         self.phase = Phase.AGGREGATING
-        return Aggregate(self.input_set, self.weights(self.input_set))
+        return Aggregate(self.input_set, self.weights(self.input_set), self.attempt)

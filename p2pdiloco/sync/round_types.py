@@ -1,0 +1,151 @@
+"""The values a ``SyncerRound`` takes and returns: parameters, inputs, actions, status.
+
+Kept apart from the state machine (``sync/round.py``) so that drivers and the simulator can
+import the vocabulary without the logic; ``sync/round.py`` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from p2pdiloco.protocol.reasons import Reason
+
+
+class Phase(enum.Enum):
+    COLLECTING = "collecting"
+    AGREEING = "agreeing"
+    AGGREGATING = "aggregating"
+    SIGNING = "signing"
+    CERTIFIED = "certified"
+
+
+@dataclass(frozen=True)
+class RoundParams:
+    """Everything fixed for the round, from the run manifest and the last certificate.
+
+    The driver fills **every** field: the consensus ones from the signed manifest's ``rules``
+    (``grace``, ``linger``, ``agree_timeout``, ``weight_cap``, ``staleness``,
+    ``min_fraction`` ← ``rules.min_quorum_fraction``), the token bound from its inner config.
+    The defaults exist only so tests can name what they vary; a driver that leans on one runs
+    rules its peers may not share, and its signatures will not match theirs.
+    """
+
+    run_id: str
+    version: int  # v: the certified base; this round produces v + 1
+    committee: tuple[str, ...]  # elected syncers, leader first
+    quorum: int  # signatures that certify
+    active_learners: int  # learners alive at round start (heartbeats)
+    opened_at: float  # when the round started collecting
+    grace: float = 60.0  # seconds after an attempt opens at which it closes with what it has
+    min_fraction: float = 0.6  # share of active learners that closes the round early
+    staleness: int = 2  # oldest base version accepted: v − staleness
+    max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps
+    weight_cap: float = 0.25  # no learner weighs more than this share of the merge
+    agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
+    linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
+    # Memory bounds (local, not consensus): a full round refuses with BUSY and closes.
+    max_inputs: int = 4096  # accepted submissions held; also the proposal's digest bound
+    max_dropped: int = 16384  # dropped digests remembered (oldest forgotten first)
+
+    @property
+    def min_learners(self) -> int:
+        """Accepted submissions that close the round early (never more than fit in it)."""
+        wanted = max(1, math.ceil(self.min_fraction * self.active_learners))
+        return min(wanted, self.max_inputs)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A learner's signed header (signature already checked by the transport)."""
+
+    peer_id: str
+    run_id: str
+    base_version: int
+    steps: int
+    tokens: int
+    digest: str  # hash of the compressed payload, which the driver stores by digest
+
+
+class Standing(enum.StrEnum):
+    PENDING = "pending"  # held by the round: waiting for the close, or in the set being merged
+    DROPPED = "dropped"  # refused after acceptance (a failed merge); will not be taken again
+    UNKNOWN = "unknown"  # never accepted here, or forgotten (see RoundParams.max_dropped)
+
+
+@dataclass(frozen=True)
+class SubmissionStatus:
+    """Answer to ``SyncerRound.status_of``: a learner polls this to learn its delta's fate."""
+
+    standing: Standing
+    code: Reason | None = None  # why it was dropped; None unless DROPPED
+
+
+# -- actions returned to the driver ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Tell ``peer_id`` (a learner, or a syncer for committee messages) it was refused."""
+
+    peer_id: str
+    code: Reason  # what callers branch on
+    reason: str  # human text for logs and dashboards only
+
+
+@dataclass(frozen=True)
+class FastForward:
+    peer_id: str
+    to_version: int
+
+
+@dataclass(frozen=True)
+class Propose:
+    """Send the input set of ``attempt`` to the other committee members."""
+
+    digests: tuple[str, ...]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    digests: tuple[str, ...]
+    from_peer: str
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Merge exactly these submissions with these weights; report back with ``on_aggregated``
+    or ``on_merge_failed``, passing ``attempt`` so a late answer cannot land in a newer one."""
+
+    digests: tuple[str, ...]
+    weights: tuple[float, ...]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """These submissions left the round (a failed merge, or evicted from a full round): forget
+    their payloads. May name digests the driver never held (an adopted set not yet fetched)."""
+
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Sign:
+    version: int
+    state_hash: str
+
+
+@dataclass(frozen=True)
+class Done:
+    version: int
+    state_hash: str
+    signers: tuple[str, ...]
+    # True iff this syncer's latest successful merge produced the certified state (it holds
+    # it); False: its hash differed, or its merge failed or was abandoned (fetch the state).
+    agreed_with_quorum: bool
+
+
+Action = Reject | FastForward | Propose | Fetch | Aggregate | Dropped | Sign | Done
