@@ -1,8 +1,11 @@
-"""A node of the network: wires identity, DHT, gossip and membership together.
+"""A node of the network: identity, DHT, gossip and membership; the runtime's real ``Plane``.
 
-At this stage a node joins a run, checks its reachability, publishes signed heartbeats (DHT and
-gossip), keeps the run's manifest alive, and tracks the run's members through both paths until
-stopped. Training in the network builds on this loop.
+``start()`` (blocking, before the runtime runs) joins a run: DHT, run choice, gossip,
+reachability. From then on the runtime's loop calls ``tick(presence)`` every heartbeat
+interval: the DHT and gossip I/O runs in a worker thread, and the membership it returns is
+changed on the loop only, so the loop is the one owner of the node's state. Certificates heard
+on gossip are handed back to the runtime from ``tick``. ``view`` is an immutable snapshot for
+other threads (dashboard, log lines), replaced after each tick.
 
 Gossip only accelerates: every heartbeat is also stored in the DHT and the DHT is polled every
 interval, so with gossip off (``gossip=False``) or dead, membership still converges.
@@ -10,19 +13,17 @@ interval, so with gossip off (``gossip=False``) or dead, membership still conver
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import platform
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
-from p2pdiloco.net.cert_records import cert_topic
+from p2pdiloco.net.cert_records import cert_topic, publish_certificate, read_certificates
 from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.discovery import RunInfo, choose_run, read_bootstraps, read_peers, read_runs
 from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
@@ -30,9 +31,11 @@ from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import Reachability, ask_dialback, classify
+from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
 from p2pdiloco.protocol.signing import InvalidRecord, open_envelope, seal
+from p2pdiloco.runtime.plane import Presence
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +78,15 @@ class Node:
         self.bridge: P2PBridge | None = None
         self.run: RunInfo | None = None
         self.members: Membership | None = None
+        self.me = self.identity.peer_id
         self.reachability = Reachability("unknown", "not checked yet")
-        self.version = 0
-        self.throughput_tps = 0.0
         self.rejected = 0
         self._seq = 0
         self._gossip_dialed: set[str] = set()
         self._gossip_retry_at: dict[str, float] = {}  # failed dials wait before the next try
         self._ticks = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self.events: list[str] = []
-        self.roles: list[str] = ["learner"]
-        # Gossip messages of other topics (certificates) go to this callback, from the node thread.
-        self.on_gossip: Callable[[GossipMessage], None] | None = None
+        self.view: dict[str, object] = {}  # immutable snapshot for other threads (see snapshot)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -118,14 +115,9 @@ class Node:
         self._event(f"reachability: {self.reachability.status}: {self.reachability.detail}")
         if self.reachability.fix:
             log.warning("relayed: %s", self.reachability.fix)
-        self._tick()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="node")
-        self._thread.start()
+        self._apply(self._io(Presence(0, ("learner",), 0.0)))
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
         for part in (self.gossip, self.bridge, self.dht):
             if part is not None:
                 try:
@@ -198,16 +190,16 @@ class Node:
                 log.info("dial-back via %s failed: %s", v.peer_id, e)
         return classify(replies, ports)
 
-    def _heartbeat(self) -> bytes:
+    def _heartbeat(self, presence: Presence) -> bytes:
         assert self.dht is not None and self.run is not None
         self._seq += 1
         hb = Heartbeat(
             peer_id=self.identity.peer_id,
             island=self.island[:64],
-            roles=list(self.roles),  # type: ignore[arg-type]
+            roles=list(presence.roles),  # type: ignore[arg-type]
             hardware=_hardware(),
-            throughput_tps=self.throughput_tps,
-            version=self.version,
+            throughput_tps=max(0.0, presence.throughput_tps),
+            version=presence.version,
             addrs=self.dht.visible_maddrs()[:16],
             gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
             reachability=self.reachability.status,  # type: ignore[arg-type]
@@ -215,11 +207,23 @@ class Node:
         )
         return seal(self.identity, "heartbeat", self.run.run_id, hb.model_dump(mode="json"))
 
-    def _tick(self) -> None:
-        """One interval: publish, poll the DHT, drain gossip, expire, dial new gossip peers."""
-        assert self.dht is not None and self.run is not None and self.members is not None
+    # -- the plane (called on the runtime's loop) --------------------------------------------
+
+    async def tick(self, presence: Presence) -> list[bytes]:
+        """One interval: the DHT/gossip I/O in a worker thread, then membership on the loop;
+        returns certificate bytes heard on gossip."""
+        loop = asyncio.get_running_loop()
+        heard = self._apply(await loop.run_in_executor(None, self._io, presence))
+        targets = self._gossip_targets()
+        await loop.run_in_executor(None, self._dial_gossip_peers, targets)
+        return heard
+
+    def _io(self, presence: Presence) -> tuple[list[tuple[bytes, str, str]], list[GossipMessage]]:
+        """Publish our heartbeat; read the run's heartbeats and drain gossip (worker thread:
+        touches no membership state)."""
+        assert self.dht is not None and self.run is not None
         self.dht.rejoin(self.cfg.bootstrap)
-        raw = self._heartbeat()
+        raw = self._heartbeat(presence)
         self.dht.store(
             keys.run_peers_key(self.run.run_id), self.identity.peer_id, raw, self.cfg.heartbeat_ttl
         )
@@ -228,53 +232,52 @@ class Node:
                 self.gossip.publish(run_topic(self.run.run_id), raw)
             except GossipError as e:
                 log.warning("gossip publish failed: %s", e)
-        for rec in self.dht.read(
-            keys.run_peers_key(self.run.run_id), kind="heartbeat", run_id=self.run.run_id
-        ):
-            self._ingest(rec.envelope.raw, "dht", rec.subkey)
-        self._drain_gossip()
-        with self._lock:
-            for gone in self.members.expire(time.time()):
-                self._event(
-                    f"peer {gone[:16]} left (no heartbeat for {self.cfg.heartbeat_ttl:.0f}s)"
-                )
-        self._dial_gossip_peers()
+        records = [
+            (rec.envelope.raw, "dht", rec.subkey)
+            for rec in self.dht.read(
+                keys.run_peers_key(self.run.run_id), kind="heartbeat", run_id=self.run.run_id
+            )
+        ]
+        messages = []
+        while self.gossip is not None and (msg := self.gossip.get(timeout=0)) is not None:
+            messages.append(msg)
+        return records, messages
 
-    def _drain_gossip(self) -> None:
-        if self.gossip is None:
-            return
-        assert self.run is not None
-        while (msg := self.gossip.get(timeout=0)) is not None:
+    def _apply(
+        self, collected: tuple[list[tuple[bytes, str, str]], list[GossipMessage]]
+    ) -> list[bytes]:
+        assert self.run is not None and self.members is not None
+        records, messages = collected
+        heard = []
+        for raw, via, sender in records:
+            self._ingest(raw, via, sender)
+        for msg in messages:
             if msg.topic == run_topic(self.run.run_id):
                 self._ingest(msg.data, "gossip", msg.from_peer)
-            elif self.on_gossip is not None:
-                try:
-                    self.on_gossip(msg)
-                except Exception:
-                    log.exception("gossip message on %s failed", msg.topic)
+            elif msg.topic == cert_topic(self.run.run_id) and len(msg.data) < (1 << 20):
+                heard.append(bytes(msg.data))
+        for gone in self.members.expire(time.time()):
+            self._event(f"peer {gone[:16]} left (no heartbeat for {self.cfg.heartbeat_ttl:.0f}s)")
+        self.view = self._snapshot()
+        return heard
 
     def _ingest(self, raw: bytes, via: str, sender: str) -> None:
         assert self.members is not None and self.run is not None
         try:
             env = open_envelope(raw, kind="heartbeat", run_id=self.run.run_id)
-            with self._lock:
-                new_peer = env.signer not in self.members.peers
-                self.members.ingest(env, via=via)
+            new_peer = env.signer not in self.members.peers
+            self.members.ingest(env, via=via)
             if new_peer and env.signer != self.identity.peer_id:
                 self._event(f"peer {env.signer[:16]} joined (via {via})")
         except InvalidRecord as e:
             self.rejected += 1
             log.warning("dropped heartbeat from %s via %s: %s", e.signer or sender, via, e)
 
-    def _dial_gossip_peers(self) -> None:
+    def _gossip_targets(self) -> list[tuple[str, list[str]]]:
         if self.gossip is None or not self.gossip.alive or self.dht is None:
-            return
-        targets: list[tuple[str, list[str]]] = []
-        with self._lock:
-            assert self.members is not None
-            targets += [
-                (v.peer_id, list(v.heartbeat.gossip_addrs)) for v in self.members.peers.values()
-            ]
+            return []
+        assert self.members is not None
+        targets = [(v.peer_id, list(v.heartbeat.gossip_addrs)) for v in self.members.peers.values()]
         self._ticks += 1
         if self._ticks % 6 == 1:  # bootstrap servers change rarely: look them up every ~30 s
             targets += [
@@ -282,58 +285,76 @@ class Node:
                 for v in read_bootstraps(self.dht).peers.values()
             ]
         now = time.monotonic()
+        return [
+            (peer_id, addrs)
+            for peer_id, addrs in targets
+            if peer_id != self.identity.peer_id
+            and peer_id not in self._gossip_dialed
+            and addrs
+            and self._gossip_retry_at.get(peer_id, 0.0) <= now
+        ]
+
+    async def publish_certificate(self, cert: Certificate) -> None:
+        assert self.run is not None
+        await asyncio.get_running_loop().run_in_executor(
+            None, publish_certificate, self.identity, self.run.run_id, cert, self.dht, self.gossip
+        )
+
+    async def read_certificates(self) -> list[bytes]:
+        if self.dht is None or self.run is None:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(
+            None, read_certificates, self.dht, self.run.run_id
+        )
+
+    def _dial_gossip_peers(self, targets: list[tuple[str, list[str]]]) -> None:
+        """Dial new gossip peers (worker thread; the dial bookkeeping is touched only here)."""
+        if self.gossip is None or not self.gossip.alive:
+            return
+        now = time.monotonic()
         for peer_id, addrs in targets:
-            if peer_id == self.identity.peer_id or peer_id in self._gossip_dialed or not addrs:
-                continue
-            if self._gossip_retry_at.get(peer_id, 0.0) > now:
-                continue
             if any(self.gossip.connect(addr, timeout=5) for addr in addrs[:4]):
                 self._gossip_dialed.add(peer_id)
                 self._gossip_retry_at.pop(peer_id, None)
             else:  # unreachable for now (relayed, firewalled): DHT polling still covers it
                 self._gossip_retry_at[peer_id] = now + 60.0
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.cfg.heartbeat_interval):
-            try:
-                self._tick()
-            except Exception:  # a failing interval is logged and retried, never fatal
-                log.exception("heartbeat interval failed")
-
     def _event(self, text: str) -> None:
         log.info(text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
-    # -- views -------------------------------------------------------------------------------
+    # -- views (on the loop) ------------------------------------------------------------------
 
     def peer_addrs(self, peer_id: str) -> list[str]:
         """DHT-side multiaddrs of a live member (from its heartbeat); [] if unknown."""
-        with self._lock:
-            view = self.members.peers.get(peer_id) if self.members else None
-            return list(view.heartbeat.addrs) if view is not None else []
+        view = self.members.peers.get(peer_id) if self.members else None
+        return list(view.heartbeat.addrs) if view is not None else []
 
-    def peers_holding(self, version: int) -> list[tuple[str, list[str]]]:
-        """Live members that announce ``version`` or newer, with their addresses."""
-        now = time.time()
-        with self._lock:
-            live = self.members.live(now) if self.members else []
+    def peers_holding(self, version: int) -> list[str]:
+        """Live members that announce ``version`` or newer."""
+        live = self.members.live(time.time()) if self.members else []
         return [
-            (v.peer_id, list(v.heartbeat.addrs))
+            v.peer_id
             for v in live
             if v.peer_id != self.identity.peer_id and v.heartbeat.version >= version
         ]
 
-    def snapshot(self) -> dict[str, Any]:
-        """A plain-data view for status lines and the dashboard."""
-        now = time.time()
-        with self._lock:
-            live = self.members.live(now) if self.members else []
+    def active_learners(self) -> int:
+        live = self.members.live(time.time()) if self.members else []
+        others = [v for v in live if v.peer_id != self.me and "learner" in v.heartbeat.roles]
+        return len(others) + 1
+
+    def snapshot(self) -> dict[str, object]:
+        """The newest plain-data view (safe from any thread: replaced, never mutated)."""
+        return self.view
+
+    def _snapshot(self) -> dict[str, object]:
+        live = self.members.live(time.time()) if self.members else []
         return {
             "peer_id": self.identity.peer_id,
             "run_id": self.run.run_id if self.run else None,
             "run_name": self.run.manifest.name if self.run else None,
             "model": self.run.manifest.model if self.run else None,
-            "version": self.version,
             "reachability": self.reachability.status,
             "peers": [
                 {
@@ -346,6 +367,7 @@ class Node:
             ],
             "gossip": bool(self.gossip and self.gossip.alive),
             "rejected": self.rejected,
+            "events": tuple(self.events[-5:]),
         }
 
 

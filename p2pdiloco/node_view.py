@@ -1,8 +1,9 @@
 """Plain-data views of a running node for the dashboard, log lines and metrics.
 
 The dashboard renders a ``DashboardSnapshot`` (``dashboard/live.py``); this module is the only
-place that knows how to read one off a ``Node`` and its ``Participant``. Rates (tokens/s,
-bandwidth) are computed here between two calls, so the training loop only keeps counters.
+place that knows how to build one from the immutable views the node publishes (the plane's,
+the runtime's and the trainer's). It reads no live state, so it is safe from any thread. Rates
+(bandwidth) are computed here between two calls.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from typing import Any
 from p2pdiloco.dashboard.live import DashboardSnapshot
 from p2pdiloco.net import sync_rpc
 from p2pdiloco.node import Node
-from p2pdiloco.participant import Participant
+from p2pdiloco.runtime.launch import RunningNode
+
+# The learner's phases, spelled as the dashboard's states.
+_STATES = {"waiting (stretch done)": "waiting for certificate", "starting": "connecting"}
 
 
 class NodeView:
-    """Call ``snapshot()`` a few times a second; it is cheap and thread-safe enough to read."""
+    """Call ``snapshot()`` a few times a second; it only reads published views."""
 
-    def __init__(self, node: Node, participant: Participant | None) -> None:
+    def __init__(self, node: Node, running: RunningNode | None) -> None:
         self.node = node
-        self.participant = participant
+        self.running = running
         self._last = (time.monotonic(), 0, 0)
         self._rates = (0.0, 0.0)
 
@@ -35,9 +39,8 @@ class NodeView:
         return up, down, *self._rates
 
     def snapshot(self) -> DashboardSnapshot:
-        node, p = self.node, self.participant
-        ns = node.snapshot()
-        peers = [x for x in ns["peers"] if x["peer_id"] != ns["peer_id"]]
+        ns: dict[str, Any] = dict(self.node.snapshot())
+        peers = [x for x in ns.get("peers", []) if x["peer_id"] != ns["peer_id"]]
         relayed = sum(1 for x in peers if x["reachability"] == "relayed")
         up, down, up_rate, down_rate = self._bandwidth()
         snap = DashboardSnapshot(
@@ -45,8 +48,7 @@ class NodeView:
             run_id=ns["run_id"],
             run_name=ns["run_name"],
             model=ns["model"],
-            state="connecting" if p is None else "idle",
-            version=ns["version"],
+            state="connecting" if self.running is None else "idle",
             peers_direct=len(peers) - relayed,
             peers_relayed=relayed,
             islands=len({x.get("island", x["peer_id"]) for x in peers}) + 1,
@@ -55,54 +57,51 @@ class NodeView:
             bytes_down=down,
             up_rate=up_rate,
             down_rate=down_rate,
-            events=list(node.events[-5:]),
+            events=list(ns.get("events", ())),
         )
-        if p is None:
+        if self.running is None:
             return snap
-        s = p.stats
-        phase = p.phase
-        # The participant's phases are the dashboard's states, but for these two spellings.
-        snap.state = (
-            "connecting" if phase == "starting" else "idle" if phase.startswith("idle") else phase
-        )
-        snap.paused_reason = s.paused_reason
-        snap.version = p.state.version if hasattr(p, "state") else 0
-        H = p.manifest.inner_steps
-        snap.inner_step = min(s.inner_step, H)
+        rv, tv = self.running.views()
+        snap.version = rv.version
+        snap.paused_reason = rv.paused_reason
+        phase = "paused" if rv.paused_reason else tv.phase if tv is not None else rv.phase
+        snap.state = _STATES.get(phase, "idle" if phase.startswith("idle") else phase)
+        H = self.running.manifest.inner_steps
+        if tv is not None:
+            snap.inner_step = min(tv.inner_step, H)
+            snap.eta_seconds = (
+                max(0, H - tv.inner_step) * tv.step_seconds if tv.step_seconds else None
+            )
+            snap.tokens_per_second = tv.tokens_per_second
+            snap.loss_local = list(tv.losses)
+            snap.rejected = tv.lost
         snap.inner_steps = H
-        snap.eta_seconds = max(0, H - s.inner_step) * s.step_seconds if s.step_seconds else None
-        snap.tokens_per_second = s.tokens_per_second
-        snap.loss_local = list(s.losses)
-        snap.loss_global = list(s.eval_losses)
-        committee = p.service.committee if hasattr(p, "service") else None
-        if committee is not None and p.me in committee.members:
-            role = "leader" if committee.members[0] == p.me else "member"
-            snap.committee_duty = f"syncer ({role}) for version {committee.version}"
-        elif committee is not None:
-            snap.committee_duty = f"none for version {committee.version}"
-        snap.accepted, snap.rejected = s.accepted, s.rejected
-        snap.tokens_contributed = s.tokens_accepted
-        total = sum(s.tokens_by_peer.values())
-        snap.share = s.tokens_accepted / total if total else 0.0
-        ranked = sorted(s.tokens_by_peer.items(), key=lambda kv: (-kv[1], kv[0]))
-        snap.ranked_peers = len(ranked)
-        snap.rank = next((i for i, (peer, _) in enumerate(ranked, 1) if peer == p.me), None)
-        snap.events = list(s.events)[-5:] or snap.events
+        snap.loss_global = list(rv.eval_losses)
+        if rv.on_committee:
+            role = "leader" if rv.committee[0] == ns["peer_id"] else "member"
+            snap.committee_duty = f"syncer ({role}) for version {rv.committee_version}"
+        elif rv.committee:
+            snap.committee_duty = f"none for version {rv.committee_version}"
+        snap.accepted = rv.accepted
+        snap.tokens_contributed = rv.tokens_accepted
+        snap.share, snap.rank, snap.ranked_peers = rv.share, rv.rank, rv.ranked_peers
+        events = sorted([*rv.events, *(tv.events if tv is not None else ())])
+        snap.events = events[-5:] or snap.events
         return snap
 
     def metrics(self) -> dict[str, Any]:
         """Flat numbers for ``node_metrics`` (Prometheus) and ``/api/v1/state``."""
         snap = self.snapshot()
-        p = self.participant
+        tv = self.running.views()[1] if self.running is not None else None
         return {
             "peer_id": snap.peer_id,
             "run_id": snap.run_id,
             "state": snap.state,
             "version": snap.version,
             "tokens_per_second": snap.tokens_per_second,
-            "tokens_trained": p.stats.tokens_trained if p else 0,
+            "tokens_trained": tv.tokens_trained if tv is not None else 0,
             "tokens_accepted": snap.tokens_contributed,
-            "sent": p.stats.sent if p else 0,
+            "sent": tv.sent if tv is not None else 0,
             "accepted": snap.accepted,
             "rejected": snap.rejected,
             "rounds": snap.version,
@@ -110,5 +109,5 @@ class NodeView:
             "bytes_down": snap.bytes_down,
             "peers_direct": snap.peers_direct,
             "peers_relayed": snap.peers_relayed,
-            "on_committee": snap.committee_duty.startswith("syncer"),
+            "on_committee": self.running is not None and self.running.views()[0].on_committee,
         }

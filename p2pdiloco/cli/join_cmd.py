@@ -22,7 +22,6 @@ from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
 from p2pdiloco.protocol.identity import default_identity_path
 from p2pdiloco.sync.attacks import ATTACKS
-from p2pdiloco.sync.service import SyncSettings
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.memory import check_fits
 
@@ -117,12 +116,6 @@ def join(
         str | None,
         typer.Option(help="Play an attacker (sign-flip, scale, ...): demos only.", hidden=True),
     ] = None,
-    round_grace: Annotated[
-        float, typer.Option(help="Seconds a syncer round collects at most.", hidden=True)
-    ] = 60.0,
-    agree_timeout: Annotated[
-        float, typer.Option(help="Seconds before the next leader proposes.", hidden=True)
-    ] = 20.0,
     no_train: Annotated[
         bool, typer.Option("--no-train", help="Membership only (no training).", hidden=True)
     ] = False,
@@ -180,11 +173,11 @@ def join(
             heartbeat_ttl=heartbeat_ttl,
         )
     )
-    participant = None
+    running = None
     metrics_api = None
     try:
         node.start()
-        snap = node.snapshot()
+        snap: dict[str, Any] = dict(node.snapshot())
         print(
             f"joined run {snap['run_name']} ({snap['run_id'][:12]}) as {snap['peer_id']}",
             flush=True,
@@ -193,31 +186,30 @@ def join(
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
         _network_findings(node)
-        if not no_train:
-            participant = _start_training(
-                node, dev_name, micro, max_mem, state, threads, until_version, adversary,
-                round_grace, agree_timeout,
-            )  # fmt: skip
+        running = _start_node(
+            node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train
+        )
         from p2pdiloco.node_view import NodeView
 
-        view = NodeView(node, participant)
+        view = NodeView(node, running if not no_train else None)
         if mport is not None:
             from p2pdiloco.node_metrics import serve_metrics
 
             metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)
             print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
         tui = sys.stdout.isatty() and not no_tui and not json_logs
-        _serve(view, participant, stop, tui, json_logs, heartbeat_interval)
-        if participant is not None:
-            kept = participant.stop()
-            print(f"stopped cleanly; kept {kept}", flush=True)
-            if participant.error:
-                raise UserError(f"training stopped: {participant.error}")
-        else:
+        _serve(view, running if not no_train else None, stop, tui, json_logs, heartbeat_interval)
+        kept = running.stop()
+        error, running = running.error, None
+        if no_train:
             print("stopped", flush=True)
+        else:
+            print(f"stopped cleanly; kept {kept}", flush=True)
+        if error:
+            raise UserError(f"training stopped: {error}")
     finally:
-        if participant is not None and participant.alive:
-            participant.stop()
+        if running is not None:
+            running.stop()
         if metrics_api is not None:
             metrics_api.close()
         node.close()
@@ -281,7 +273,7 @@ def _network_findings(node: Node) -> None:
     print(line, flush=True)
 
 
-def _start_training(
+def _start_node(
     node: Node,
     device: str,
     micro: int | None,
@@ -290,13 +282,16 @@ def _start_training(
     threads: int | None,
     until_version: int | None,
     adversary: str | None,
-    grace: float,
-    agree_timeout: float,
+    no_train: bool,
 ) -> Any:
-    from p2pdiloco.participant import Participant, TrainConfig
     from p2pdiloco.preflight import auto_batch_size
+    from p2pdiloco.runtime.launch import RunningNode, TrainConfig
 
     assert node.run is not None
+    if no_train:
+        running = RunningNode(node, TrainConfig(state_dir=Path("."), train=False))
+        running.start()
+        return running
     if adversary is not None and adversary not in ATTACKS:
         raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
     manifest = node.run.manifest
@@ -316,7 +311,7 @@ def _start_training(
         f"steps per inner step of {step_batch} × {manifest.inner.seq_len} tokens",
         flush=True,
     )
-    participant = Participant(
+    running = RunningNode(
         node,
         TrainConfig(
             state_dir=state or default_state_dir(node.run.run_id),
@@ -325,28 +320,25 @@ def _start_training(
             until_version=until_version,
             attack=adversary,
             micro_batch=micro,
-            sync=SyncSettings(grace=grace, agree_timeout=agree_timeout),
         ),
     )
-    participant.start()
-    print(f"training from version {participant.state.version}", flush=True)
-    return participant
+    version = running.start()
+    print(f"training from version {version}", flush=True)
+    return running
 
 
-def _serve(
-    view: Any, participant: Any, stop: Any, tui: bool, json_logs: bool, interval: float
-) -> None:
+def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, interval: float) -> None:
     """Until Ctrl-C (or a fatal training error): the dashboard at 4 Hz, or a log line per
     interval (plain or JSON)."""
     from p2pdiloco.dashboard.live import json_line, plain_line, render
 
     def failed() -> bool:
-        return participant is not None and participant.error is not None
+        return running is not None and running.error is not None
 
     if tui:
         from rich.live import Live
 
-        log_file = (participant.cfg.state_dir if participant else Path(".")) / "join.log"
+        log_file = (running.cfg.state_dir if running else Path(".")) / "join.log"
         _log_to_file(log_file)
         with Live(render(view.snapshot()), refresh_per_second=4, screen=False) as live:
             while not stop.wait(0.25) and not failed():
@@ -367,7 +359,7 @@ def _serve(
                     "on" if ns["gossip"] else "off",
                     ns["rejected"],
                 )
-                if participant is not None:
+                if running is not None:
                     log.info(plain_line(snap))
             next_line = time.monotonic() + interval
 

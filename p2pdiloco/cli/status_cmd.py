@@ -78,6 +78,7 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
     from p2pdiloco.net.cert_records import cert_version, read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge
+    from p2pdiloco.runtime.transport import P2PTransport
     from p2pdiloco.sync.fetch import fetch_cert
 
     with dht_client(bootstrap) as dht:
@@ -90,17 +91,18 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
         info = max(runs, key=lambda r: len(r.peers.peers) if r.peers else 0)
         raws = read_certificates(dht, info.run_id)
         newest = max((cert_version(r) for r in raws), default=0)
-        peers = (
-            [(v.peer_id, list(v.heartbeat.addrs)) for v in info.peers.peers.values()]
+        addrs = (
+            {v.peer_id: list(v.heartbeat.addrs) for v in info.peers.peers.values()}
             if info.peers
-            else []
+            else {}
         )
         bridge = P2PBridge(dht.dht)
+        transport = P2PTransport(bridge.p2p, dht.peer_id, lambda p: addrs.get(p, []))
         try:
             for version in range(1, newest):
-                for peer, addrs in peers:
+                for peer in addrs:
                     try:
-                        raws.append(bridge.run(fetch_cert(bridge.p2p, peer, version, addrs), 20))
+                        raws.append(bridge.run(fetch_cert(transport, peer, version), 20))
                         break
                     except Exception:
                         continue

@@ -1,8 +1,8 @@
-"""A private asyncio loop in a thread, holding a replica of the DHT's hivemind P2P client.
+"""The node's asyncio loop in a thread, holding a replica of the DHT's hivemind P2P client.
 
-hivemind's P2P API is asyncio; the node's control loop is plain threads and blocking calls. The
-bridge runs coroutines on its own loop and waits for them with a timeout, so P2P streams (dial
-back today, bulk transfers later) can be used from anywhere.
+This loop is the node runtime's loop (``runtime.node_runtime``): everything network-facing
+lives on it. The main thread starts and stops things through ``run``, which waits for a
+coroutine with a timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class P2PBridge:
 
     def __init__(self, dht: hivemind.DHT, timeout: float = 30.0) -> None:
         self._loop = asyncio.new_event_loop()
+        self.loop = self._loop  # the node runtime's loop: every network-facing state lives on it
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="p2p")
         self._thread.start()
         self.p2p: P2P = self.run(dht.replicate_p2p(), timeout)

@@ -8,7 +8,7 @@ server nothing. Ops and their frames are listed in ``docs/protocol.md`` (Sync tr
 
 The server side only frames and dispatches; what a request means is decided by the
 ``handler`` (the node's sync service), which returns ``(control, frames)`` or raises
-``RpcRefused`` with a reason that is sent back to the caller.
+``RpcRefused`` with a ``Reason`` code and text that are sent back to the caller.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from multiaddr import Multiaddr
 
 from p2pdiloco.net.framing import FrameError, read_control, read_frame, write_control, write_frame
+from p2pdiloco.protocol.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,41 @@ Handler = Callable[[str, str, dict[str, Any], Frames], Awaitable[tuple[dict[str,
 
 
 class RpcRefused(Exception):
-    """Raised by a handler: the request is answered ``ok: false`` with this reason."""
+    """Raised by a handler: the request is answered ``ok: false`` with this code and text."""
+
+    def __init__(self, code: Reason, text: str) -> None:
+        super().__init__(text)
+        self.code = code
 
 
 class RpcError(Exception):
-    """The call failed: peer unreachable, stream broken, or the peer refused (``refused``)."""
+    """The call failed: peer unreachable or stream broken (code UNREACHABLE, ``refused`` False),
+    a malformed reply (MALFORMED), or the peer refused (``refused`` True, the peer's code)."""
 
-    def __init__(self, reason: str, refused: bool = False) -> None:
+    def __init__(self, reason: str, refused: bool = False, code: Reason = Reason.UNREACHABLE):
         super().__init__(reason)
         self.refused = refused
+        self.code = code
+
+
+def check_request(
+    frame_limits: Mapping[str, Sequence[int]], control: dict[str, Any]
+) -> tuple[str, Sequence[int]]:
+    """The op of a request and its per-frame limits; RpcRefused if unknown or too many frames."""
+    op = control.get("op")
+    limits = frame_limits.get(op) if isinstance(op, str) else None
+    count = control.get("frames", 0)
+    if limits is None or not isinstance(op, str):
+        raise RpcRefused(Reason.UNKNOWN_OP, f"unknown op {str(op)[:32]!r}")
+    if not isinstance(count, int) or not 0 <= count <= len(limits):
+        raise RpcRefused(Reason.MALFORMED, f"op {op} takes at most {len(limits)} frames")
+    return op, limits[:count]
+
+
+def refusal(reply: dict[str, Any]) -> RpcError:
+    """The error for an ``ok: false`` reply."""
+    text = str(reply.get("error", "refused"))[:500]
+    return RpcError(text, refused=True, code=Reason.parse(reply.get("code")))
 
 
 async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
@@ -57,14 +84,8 @@ async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[
         peer = str(info.peer_id)
         try:
             control = await read_control(reader, REQUEST_TIMEOUT)
-            op = control.get("op")
-            limits = frame_limits.get(op) if isinstance(op, str) else None
-            count = control.get("frames", 0)
-            if limits is None or not isinstance(op, str):
-                raise RpcRefused(f"unknown op {str(op)[:32]!r}")
-            if not isinstance(count, int) or not 0 <= count <= len(limits):
-                raise RpcRefused(f"op {op} takes at most {len(limits)} frames")
-            frames = [await read_frame(reader, limits[i], REQUEST_TIMEOUT) for i in range(count)]
+            op, limits = check_request(frame_limits, control)
+            frames = [await read_frame(reader, limit, REQUEST_TIMEOUT) for limit in limits]
             TRAFFIC["down"] += sum(len(f) for f in frames)
             reply, out = await handler(op, peer, control, frames)
             TRAFFIC["up"] += sum(len(f) for f in out)
@@ -72,12 +93,17 @@ async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[
             for f in out:
                 write_frame(writer, f)
         except RpcRefused as e:
-            write_control(writer, {"ok": False, "error": str(e)[:500], "frames": 0})
+            write_control(
+                writer, {"ok": False, "code": e.code.value, "error": str(e)[:500], "frames": 0}
+            )
         except FrameError as e:
             log.warning("dropped sync request from %s: %s", peer, e)
         except Exception:  # a bug in a handler must not kill the node's P2P loop
             log.exception("sync request from %s failed", peer)
-            write_control(writer, {"ok": False, "error": "internal error", "frames": 0})
+            write_control(
+                writer, {"ok": False, "code": Reason.INTERNAL.value, "error": "internal error",
+                         "frames": 0},
+            )  # fmt: skip
         with contextlib.suppress(Exception):  # the caller went away: nothing to do
             await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
         writer.close()
@@ -124,15 +150,15 @@ async def call(
         reply = await read_control(reader, timeout)
         count = reply.get("frames", 0)
         if not isinstance(count, int) or not 0 <= count <= 64:
-            raise RpcError(f"{peer_id} sent a malformed reply")
+            raise RpcError(f"{peer_id} sent a malformed reply", code=Reason.MALFORMED)
         out = [await read_frame(reader, reply_limit, timeout) for _ in range(count)]
         TRAFFIC["down"] += sum(len(f) for f in out)
     except FrameError as e:
-        raise RpcError(f"{op} to {peer_id}: {e}") from None
+        raise RpcError(f"{op} to {peer_id}: {e}", code=Reason.MALFORMED) from None
     except (ConnectionError, OSError, TimeoutError) as e:
         raise RpcError(f"{op} to {peer_id}: {e or type(e).__name__}") from None
     finally:
         writer.close()
     if not reply.get("ok"):
-        raise RpcError(str(reply.get("error", "refused"))[:500], refused=True)
+        raise refusal(reply)
     return reply, out

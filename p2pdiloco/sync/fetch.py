@@ -15,17 +15,19 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from hivemind.p2p import P2P
-
-from p2pdiloco.net import sync_rpc
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import verify_successor
 from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
+
+if TYPE_CHECKING:
+    from p2pdiloco.runtime.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -52,23 +54,21 @@ def verify_next(
     return cert
 
 
-async def fetch_cert(p2p: P2P, peer: str, version: int, addrs: Sequence[str] = ()) -> bytes:
+async def fetch_cert(transport: Transport, peer: str, version: int) -> bytes:
     """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
-    _, frames = await sync_rpc.call(
-        p2p, peer, "cert", args={"version": version}, addrs=addrs, timeout=15.0
-    )
+    _, frames = await transport.call(peer, "cert", args={"version": version}, timeout=15.0)
     if len(frames) != 1:
-        raise RpcError(f"{peer} answered a certificate request without one")
+        raise RpcError(f"{peer} answered a certificate request without one", code=Reason.MALFORMED)
     return frames[0]
 
 
 async def catch_up(
-    p2p: P2P,
+    transport: Transport,
     run_id: str,
     manifest: RunManifest,
     known: Certificate | None,
     target: Certificate,
-    peers: Sequence[tuple[str, Sequence[str]]],
+    peers: Sequence[str],
 ) -> list[Certificate]:
     """Verified certificates after ``known`` up to ``target`` (inclusive), fetched from peers."""
     chain: list[Certificate] = []
@@ -77,9 +77,9 @@ async def catch_up(
     for version in range(start + 1, target.body.version + 1):
         raw = target.raw if version == target.body.version else None
         errors = []
-        for peer, addrs in [("", ())] if raw is not None else peers:
+        for peer in [""] if raw is not None else peers:
             try:
-                data = raw if raw is not None else await fetch_cert(p2p, peer, version, addrs)
+                data = raw if raw is not None else await fetch_cert(transport, peer, version)
                 cert = verify_next(run_id, manifest, prev, data)
                 break
             except (RpcError, InvalidRecord) as e:
@@ -93,16 +93,14 @@ async def catch_up(
     return chain
 
 
-async def download_state(
-    p2p: P2P, cert: Certificate, peers: Sequence[tuple[str, Sequence[str]]]
-) -> Download:
+async def download_state(transport: Transport, cert: Certificate, peers: Sequence[str]) -> Download:
     """The state certified by ``cert``, chunks spread over ``peers`` and verified one by one."""
     version, state_hash = cert.body.version, cert.body.state_hash
     index = None
-    for peer, addrs in peers:
+    for peer in peers:
         try:
-            _, frames = await sync_rpc.call(
-                p2p, peer, "index", args={"version": version}, addrs=addrs, reply_limit=16 << 20
+            _, frames = await transport.call(
+                peer, "index", args={"version": version}, reply_limit=16 << 20
             )
             index = parse_index(frames[0], state_hash)
             break
@@ -113,22 +111,20 @@ async def download_state(
     holders = list(peers)
     chunks: list[bytes | None] = [None] * len(index.chunk_hashes)
     by_peer: Counter[str] = Counter()
-    limits = {peer: asyncio.Semaphore(PER_PEER_PARALLEL) for peer, _ in holders}
+    limits = {peer: asyncio.Semaphore(PER_PEER_PARALLEL) for peer in holders}
     failed: set[str] = set()
 
     async def get(i: int) -> None:
         order = holders[i % len(holders) :] + holders[: i % len(holders)]
-        for peer, addrs in order:
+        for peer in order:
             if peer in failed and len(failed) < len(holders):
                 continue
             async with limits[peer]:
                 try:
-                    _, frames = await sync_rpc.call(
-                        p2p,
+                    _, frames = await transport.call(
                         peer,
                         "chunk",
                         args={"version": version, "i": i},
-                        addrs=addrs,
                         reply_limit=index.chunk_bytes,
                     )
                     verify_chunk(index, i, frames[0])

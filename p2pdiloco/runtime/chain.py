@@ -1,0 +1,113 @@
+"""The certified chain a node holds: certificates, the current and previous states, the disk.
+
+Owned by the runtime's loop. On disk, under ``state_dir``: ``certified/`` (the newest certified
+states, atomic checkpoints with their certificate), ``certs/<version>.json`` (every certificate
+applied: this node's receipts, verified again from genesis by the ledger) and
+``manifest.json``. A restart resumes from the newest checkpoint whose hash matches its
+certificate. The chain also answers peers' ``cert``, ``index`` and ``chunk`` requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+
+class ChainStore:
+    def __init__(self, state_dir: Path, run_id: str, keep: int = 2) -> None:
+        self.dir = state_dir
+        self.run_id = run_id
+        (state_dir / "certs").mkdir(parents=True, exist_ok=True)
+        self.store = CheckpointStore(state_dir / "certified", keep=keep)
+        self.certs: dict[int, bytes] = {}  # version → certificate bytes held
+        self.current: CertifiedState | None = None
+        self.previous: CertifiedState | None = None  # still served while peers catch up
+        for path in sorted((state_dir / "certs").glob("*.json")):
+            if path.stem.isdigit():
+                self.certs[int(path.stem)] = path.read_bytes()
+
+    @property
+    def version(self) -> int:
+        return self.current.version if self.current is not None else 0
+
+    @property
+    def cert(self) -> Certificate | None:
+        return self.current.cert if self.current is not None else None
+
+    def install(self, state: CertifiedState) -> bool:
+        """Make ``state`` current if it is newer; False otherwise."""
+        if self.current is not None and state.version <= self.current.version:
+            return False
+        if state.cert is not None:
+            self.certs[state.version] = state.cert.raw
+        self.previous, self.current = self.current, state
+        return True
+
+    def add_certs(self, chain: list[Certificate]) -> None:
+        for c in chain:
+            self.certs[c.body.version] = c.raw
+
+    # -- disk (call from a worker thread: it writes and fsyncs) --------------------------------
+
+    def persist(self, chain: list[Certificate], state: CertifiedState) -> None:
+        """Write the chain's certificates, then the state with its certificate, atomically."""
+        for c in chain:
+            atomic_write_bytes(self.dir / "certs" / f"{c.body.version:08d}.json", c.raw)
+        assert state.cert is not None
+        self.store.save(
+            state.tensors(),
+            {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
+        )
+
+    def restore(self) -> CertifiedState | None:
+        """The newest saved certified state whose hash matches its certificate, or None."""
+        try:
+            ckpt = self.store.load_latest(verify=True)
+        except CheckpointError as e:
+            log.warning("ignoring the saved state: %s", e)
+            return None
+        if ckpt is None or ckpt.meta.get("run_id") != self.run_id:
+            return None
+        try:
+            cert = parse_certificate(str(ckpt.meta["cert"]).encode(), run_id=self.run_id)
+            state = CertifiedState.from_tensors(cert.body.version, cert, ckpt.tensors)
+        except (InvalidRecord, KeyError, ValueError) as e:
+            log.warning("ignoring the saved state: %s", e)
+            return None
+        if state.state_hash != cert.body.state_hash:
+            log.warning("ignoring the saved state: it does not match its certificate")
+            return None
+        return state
+
+    # -- serving peers -------------------------------------------------------------------------
+
+    def serve(self, op: str, control: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+        """``cert`` (version, -1 for the newest), ``index`` and ``chunk`` of a held state."""
+        version = control.get("version")
+        if op == "cert":
+            if version == -1 and self.certs:
+                version = max(self.certs)
+            raw = self.certs.get(version) if isinstance(version, int) else None
+            if raw is None:
+                raise RpcRefused(Reason.NOT_FOUND, f"no certificate for version {version!r} here")
+            return {"version": version}, [raw]
+        held = [s for s in (self.current, self.previous) if s is not None and s.version == version]
+        if not held:
+            raise RpcRefused(Reason.NOT_FOUND, f"state of version {version!r} is not held here")
+        blob = held[0].blob()
+        if op == "index":
+            return {"state_hash": blob.state_hash}, [blob.index_bytes]
+        i = control.get("i")
+        if not isinstance(i, int) or not 0 <= i < len(blob.chunks):
+            raise RpcRefused(Reason.OUT_OF_RANGE, "chunk index out of range")
+        return {}, [bytes(blob.chunks[i])]

@@ -1,0 +1,489 @@
+"""The node runtime: one asyncio loop owns everything network-facing of a node.
+
+    main thread ──start/stop──▶ NodeRuntime (one asyncio loop, thread "p2p")
+                                  ├─ ChainStore    certificates, current/previous state, disk
+                                  ├─ SyncService   syncer duty: the SyncerRound of v+1
+                                  ├─ Plane         membership, heartbeats, DHT and gossip
+                                  ├─ Transport     requests to peers, the handler for theirs
+                                  └─ tasks: ticker, certificate applier, submission sender, poller
+    trainer thread ──submit()──▶ outbox          certified states, replies ──deliver()──▶ trainer
+
+The current certified version lives in one place (``chain``). The trainer only learns of it by
+message (``Certified``); the dashboard reads immutable views (``view``), never live state.
+Blocking work (hashing, merging, checkpoint writes, eval, DHT I/O) runs in the loop's
+executor, never on the loop or on the training thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pdiloco.ledger import build_ledger
+from p2pdiloco.net.cert_records import cert_version
+from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.runtime.chain import ChainStore
+from p2pdiloco.runtime.plane import Plane, Presence
+from p2pdiloco.runtime.status import RuntimeView, Tally
+from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
+from p2pdiloco.runtime.transport import Transport
+from p2pdiloco.sync.certified import CertifiedState, genesis_state
+from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert
+from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.service import SyncService, request_limits
+from p2pdiloco.train.data import PackedCorpus, eval_batches
+from p2pdiloco.train.inner import evaluate
+from p2pdiloco.train.models import build_model, param_state
+
+log = logging.getLogger(__name__)
+
+MAX_RETRIES = 5  # attempts to apply a certificate whose state no peer could serve yet
+
+
+@dataclass
+class RuntimeConfig:
+    """Local pace of the runtime (none of it changes a certified byte)."""
+
+    state_dir: Path
+    tick: float = 0.5  # seconds between syncer-round ticks
+    heartbeat: float = 5.0  # seconds between plane ticks (heartbeats, membership)
+    poll: float = 2.0  # seconds between certificate polls while a delta is in flight
+    evaluate: bool = True  # eval loss of each certified version (small models only)
+    max_eval_params: int = 50_000_000
+
+
+@dataclass
+class _Pending:
+    sub: Submission
+    statuses: dict[str, str] = field(default_factory=dict)
+
+
+class NodeRuntime:
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        manifest: RunManifest,
+        plane: Plane,
+        transport: Transport,
+        cfg: RuntimeConfig,
+        *,
+        corpus: PackedCorpus | None = None,
+    ) -> None:
+        self.identity = identity
+        self.me = identity.peer_id
+        self.run_id = run_id
+        self.manifest = manifest
+        self.plane = plane
+        self.transport = transport
+        self.cfg = cfg
+        self.corpus = corpus
+        self.chain = ChainStore(cfg.state_dir, run_id)
+        self.service: SyncService | None = None
+        self.tally = Tally()
+        self.view = RuntimeView()
+        self.deliver: Callable[[TrainerEvent], None] | None = None  # set by attach()
+        self.trainer_view: Callable[[], Any] = lambda: None
+        self._certs_in: asyncio.Queue[tuple[bytes, CertifiedState | None]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Submission] = asyncio.Queue()
+        self._pending: _Pending | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._eval_model: torch.nn.Module | None = None
+        self._eval_rows: list[torch.Tensor] = []
+        self._eval_busy = False
+        self._apply_lock = asyncio.Lock()
+        self._retries: dict[tuple[int, int], int] = {}  # cleared whenever a version applies
+
+    # -- lifecycle (on the loop) -------------------------------------------------------------
+
+    async def start(self) -> CertifiedState:
+        """Restore or build the certified state, serve peers, start the loop's tasks; the state
+        the trainer starts from."""
+        self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        restored = await loop.run_in_executor(None, self.chain.restore)
+        if restored is not None:
+            self.tally.event(f"resuming from certified version {restored.version} (saved on disk)")
+        state = restored
+        if state is None:
+            state = await loop.run_in_executor(None, genesis_state, self.manifest)
+        await loop.run_in_executor(None, state.blob)  # hash off the loop
+        raws = list(self.chain.certs.values())
+        ledger = await loop.run_in_executor(None, build_ledger, self.run_id, self.manifest, raws)
+        self.tally.load_ledger(ledger, self.me)
+        self.service = SyncService(
+            self.identity,
+            self.run_id,
+            self.manifest,
+            {n: tuple(t.shape) for n, t in state.params.items()},
+            self.transport,
+            active_learners=self.plane.active_learners,
+            on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
+        )
+        await self.transport.serve(self._handle, request_limits(self.service.max_payload))
+        self.chain.install(state)
+        await self.service.install(state)
+        for coro in (self._ticker(), self._applier(), self._sender(), self._poller()):
+            self._tasks.append(asyncio.create_task(coro))
+        self.tally.phase = "syncing state"
+        newest = await self._newest_from_network()
+        if newest is not None:
+            try:
+                await self._apply(newest, None)
+            except (InvalidRecord, SyncError, RpcError, TimeoutError) as e:
+                log.warning("could not catch up at start: %s", e)
+        self.tally.phase = "serving"
+        self._publish_view()
+        assert self.chain.current is not None
+        return self.chain.current
+
+    async def attach(
+        self, deliver: Callable[[TrainerEvent], None], view: Callable[[], Any], version: int
+    ) -> None:
+        """Where certified states and replies go (the trainer's inbox) and the trainer's view;
+        ``version``: the one it trains from (a newer one is delivered at once)."""
+        self.deliver, self.trainer_view = deliver, view
+        self.tally.phase = "training"
+        current = self.chain.current
+        if current is not None and current.version > version:
+            deliver(Certified(current, frozenset()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.service is not None:
+            await self.service.close()
+
+    # -- thread-safe entries (from the trainer thread) ---------------------------------------
+
+    def submit(self, sub: Submission) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, sub)
+
+    def request_version(self, version: int) -> None:
+        """A fast-forward hint: look for the certificate of ``version`` now."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._poll_certificate(version), self._loop)
+
+    # -- requests from peers -----------------------------------------------------------------
+
+    async def _handle(
+        self, op: str, peer: str, control: dict[str, Any], frames: list[bytes]
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        if op in ("cert", "index", "chunk"):
+            return self.chain.serve(op, control)
+        if self.service is None:
+            raise RpcRefused(Reason.NO_STATE, "starting")
+        return await self.service.handle(op, peer, control, frames)
+
+    # -- tasks ---------------------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        next_beat = 0.0
+        while True:
+            assert self.service is not None
+            try:
+                self.service.tick()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.cfg.heartbeat
+                    for raw in await self.plane.tick(self._presence()):
+                        self._certs_in.put_nowait((raw, None))
+                    await self._write_status()
+                self._publish_view()
+            except Exception:  # a failing interval is logged and retried, never fatal
+                log.exception("runtime tick failed")
+            await asyncio.sleep(self.cfg.tick)
+
+    def _presence(self) -> Presence:
+        tv = self.trainer_view()
+        tps = float(getattr(tv, "tokens_per_second", 0.0) or 0.0)
+        return Presence(self.chain.version, self._roles(), tps)
+
+    def _roles(self) -> tuple[str, ...]:
+        svc = self.service
+        on = svc is not None and svc.committee is not None and self.me in svc.committee.members
+        learner = ("learner",) if self.deliver is not None else ()
+        return (*learner, "syncer") if on else learner or ("learner",)
+
+    async def _applier(self) -> None:
+        """Apply certificates one at a time, newest of each batch first."""
+        while True:
+            items = [await self._certs_in.get()]
+            while not self._certs_in.empty():
+                items.append(self._certs_in.get_nowait())
+            for raw, computed in sorted(items, key=lambda it: -cert_version(it[0])):
+                if cert_version(raw) <= self.chain.version:
+                    continue
+                try:
+                    await self._apply(raw, computed)
+                except (InvalidRecord, SyncError, RpcError, TimeoutError) as e:
+                    log.warning("could not apply a certificate: %s", e)
+                    if isinstance(e, SyncError):  # holders may still be installing it
+                        self._retry_later(raw)
+                except Exception:
+                    log.exception("applying a certificate failed")
+
+    async def _apply(self, raw: bytes, computed: CertifiedState | None) -> None:
+        async with self._apply_lock:
+            if cert_version(raw) > self.chain.version:
+                await self._apply_locked(raw, computed)
+
+    async def _apply_locked(self, raw: bytes, computed: CertifiedState | None) -> None:
+        cert = parse_certificate(raw, run_id=self.run_id)
+        peers = self._holders(cert)
+        chain = await catch_up(
+            self.transport, self.run_id, self.manifest, self.chain.cert, cert, peers
+        )
+        cert = chain[-1]
+        if computed is not None and computed.state_hash == cert.body.state_hash:
+            new, computed.cert = computed, cert
+        else:
+            self.tally.phase = "downloading"
+            dl = await download_state(self.transport, cert, peers)
+            new = dl.state
+            self.tally.record_download(cert.body.version, dict(dl.chunks_by_peer))
+        # Serve it at once (peers download from the signers), then make it durable.
+        self.chain.add_certs(chain)
+        self.chain.install(new)
+        assert self.service is not None
+        await self.service.install(new)
+        await asyncio.get_running_loop().run_in_executor(None, self.chain.persist, chain, new)
+        self._retries.clear()
+        merged = self.tally.record_chain(chain, self.me)
+        self._settle_pending(new.version)
+        if self.deliver is not None:
+            self.deliver(Certified(new, frozenset(merged)))
+        await self.plane.publish_certificate(cert)
+        self.tally.phase = "training" if self.deliver is not None else "serving"
+        self.tally.event(
+            f"applied version {new.version} (committee "
+            f"{', '.join(m[-8:] for m in cert.body.committee)}; {len(cert.body.accepted)} deltas "
+            f"merged{', ours among them' if any(a.peer_id == self.me for a in cert.body.accepted) else ''})"
+        )
+        self._spawn_eval(new)
+        self._publish_view()
+        await self._write_status()
+
+    def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:
+        """Try a certificate again shortly, at most ``MAX_RETRIES`` times (a forged one that
+        no chain reaches must not be retried forever)."""
+        key = (cert_version(raw), hash(raw))
+        tries = self._retries.get(key, 0)
+        if tries >= MAX_RETRIES or len(self._retries) >= 64:
+            return
+        self._retries[key] = tries + 1
+        assert self._loop is not None
+        self._loop.call_later(delay * (tries + 1), self._certs_in.put_nowait, (raw, None))
+
+    def _settle_pending(self, version: int) -> None:
+        if self._pending is not None and self._pending.sub.base_version < version:
+            self._pending = None
+
+    def _holders(self, cert: Certificate) -> list[str]:
+        """Peers likely to hold the state of ``cert``: its signers, then anyone announcing it."""
+        out = [s for s in cert.signers if s != self.me]
+        return out + [p for p in self.plane.peers_holding(cert.body.version) if p not in out]
+
+    async def _sender(self) -> None:
+        """Deliver each sealed submission to the committee of its base version + 1."""
+        while True:
+            sub = await self._outbox.get()
+            self._pending = _Pending(sub)
+            try:
+                await self._deliver_submission(self._pending)
+            except Exception:
+                log.exception("sending a submission failed")
+
+    async def _deliver_submission(self, pending: _Pending) -> None:
+        """Send to every committee member, again to those that say "later" (retryable codes),
+        until each has answered or the version moved on. Reports one summary to the trainer:
+        accepted by at least one syncer, or refused by every one that answered."""
+        sub = pending.sub
+        committee = committee_for(self.run_id, self.manifest, self.chain.cert).members
+        todo, backoff = list(committee), 1.0
+        codes: list[Reason] = []
+        ff: int | None = None
+        self.tally.sent += 1
+        for _ in range(20):
+            targets = todo
+            replies = await asyncio.gather(*(self._submit_to(p, sub) for p in targets))
+            todo = []
+            for peer, (status, code, hint) in zip(targets, replies, strict=True):
+                pending.statuses[peer] = status
+                if status != "accepted" and (code in RETRYABLE or status == "error"):
+                    todo.append(peer)
+                elif status == "rejected":
+                    codes.append(code or Reason.MALFORMED)
+                    ff = max(ff or 0, hint) if hint is not None else ff
+                    self.tally.event(f"delta refused by {peer[-8:]}: {code}")
+            unreachable = bool(replies) and all(s == "error" for s, _, _ in replies)
+            self.tally.paused_reason = (
+                f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
+            )
+            if not todo or self.chain.version > sub.base_version or self._pending is not pending:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0) if unreachable else 1.0
+        self.tally.paused_reason = None
+        accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
+        log.info(
+            "submitted delta on version %d to %d syncers: %d accepted for merging",
+            sub.base_version, len(committee), accepted,
+        )  # fmt: skip
+        if self.deliver is not None and (accepted or codes):
+            self.deliver(Reply(sub.digest, accepted > 0, None if accepted else codes[0], ff))
+
+    async def _submit_to(self, peer: str, sub: Submission) -> tuple[str, Reason | None, int | None]:
+        """(status, code, fast-forward hint) of one syncer's answer; status "error" when it
+        could not be reached."""
+        frames = [sub.header, sub.payload]
+        try:
+            if peer == self.me:
+                assert self.service is not None
+                reply, _ = await self.service.handle("submit", self.me, {}, frames)
+            else:
+                reply, _ = await self.transport.call(peer, "submit", frames=frames, timeout=120)
+        except RpcRefused as e:
+            return "rejected", e.code, None
+        except RpcError as e:
+            return ("rejected" if e.refused else "error"), e.code, None
+        status = str(reply.get("status", "error"))
+        hint = reply.get("fast_forward")
+        code = Reason.parse(reply["code"]) if "code" in reply else None
+        return status, code, hint if isinstance(hint, int) else None
+
+    async def _poller(self) -> None:
+        """While a delta is in flight: ask the committee for the next certificate and whether
+        our submission is still pending (a dropped one is reported to the trainer)."""
+        while True:
+            await asyncio.sleep(self.cfg.poll)
+            pending = self._pending
+            if pending is None or self.chain.version > pending.sub.base_version:
+                continue
+            try:
+                await self._poll_certificate(pending.sub.base_version + 1)
+                await self._poll_receipt(pending)
+            except Exception:
+                log.exception("polling failed")
+
+    async def _poll_certificate(self, version: int) -> None:
+        committee = committee_for(self.run_id, self.manifest, self.chain.cert)
+        peers = [m for m in committee.members if m != self.me]
+        peers += [p for p in self.plane.peers_holding(version) if p not in peers]
+        for peer in peers[:6]:
+            try:
+                raw = await fetch_cert(self.transport, peer, version)
+            except RpcError:
+                continue
+            self._certs_in.put_nowait((raw, None))
+            return
+
+    async def _poll_receipt(self, pending: _Pending) -> None:
+        holders = [p for p, s in pending.statuses.items() if s == "accepted"]
+        if not holders:
+            return
+        dropped: list[Reason] = []
+        for peer in holders:
+            try:
+                if peer == self.me:
+                    assert self.service is not None
+                    reply, _ = await self.service.handle(
+                        "receipt", self.me, {"digest": pending.sub.digest}, []
+                    )
+                else:
+                    args = {"digest": pending.sub.digest}
+                    reply, _ = await self.transport.call(peer, "receipt", args=args, timeout=10)
+            except (RpcError, RpcRefused):
+                return  # cannot tell: assume still pending
+            if reply.get("status") != "dropped":
+                return
+            dropped.append(Reason.parse(reply.get("code")))
+        if self.deliver is not None and self._pending is pending:
+            self._pending = None
+            self.tally.event(f"delta on version {pending.sub.base_version} dropped: {dropped[0]}")
+            self.deliver(Dropped(pending.sub.digest, dropped[0]))
+
+    async def _newest_from_network(self) -> bytes | None:
+        """At start: the newest certificate in the DHT or held by live peers, if newer."""
+        found = await self.plane.read_certificates()
+        for peer in self.plane.peers_holding(self.chain.version + 1)[:3]:
+            with contextlib.suppress(RpcError):
+                found.append(await fetch_cert(self.transport, peer, -1))
+        newest = max(found, key=cert_version, default=None)
+        if newest is None or cert_version(newest) <= self.chain.version:
+            return None
+        log.info("catching up from version %d to %d", self.chain.version, cert_version(newest))
+        return newest
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def _spawn_eval(self, state: CertifiedState) -> None:
+        """Eval loss of a certified version for the dashboard, when the model is small enough
+        for it to be cheap (a few batches on a separate copy, in a worker thread)."""
+        if not self.cfg.evaluate or self.corpus is None or self._eval_busy:
+            return
+        if sum(t.numel() for t in state.params.values()) > self.cfg.max_eval_params:
+            return
+        self._eval_busy = True
+
+        def run() -> float | None:
+            if self._eval_model is None:
+                self._eval_model = build_model(self.manifest.model, seed=self.manifest.seed)
+                assert self.corpus is not None
+                self._eval_rows = eval_batches(
+                    self.corpus, batch_size=self.manifest.inner.batch_size, max_batches=2
+                )
+            if not self._eval_rows:
+                return None
+            with torch.no_grad():
+                for n, p in param_state(self._eval_model).items():
+                    p.copy_(state.params[n])
+            return evaluate(self._eval_model, self._eval_rows)
+
+        def done(fut: asyncio.Future[float | None]) -> None:
+            self._eval_busy = False
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                self.tally.eval_losses.append(float(fut.result()))  # type: ignore[arg-type]
+
+        assert self._loop is not None
+        self._loop.run_in_executor(None, run).add_done_callback(done)
+
+    def _publish_view(self) -> None:
+        svc = self.service
+        committee = svc.committee if svc is not None else None
+        self.view = self.tally.view(
+            version=self.chain.version,
+            committee=committee.members if committee is not None else (),
+            committee_version=committee.version if committee is not None else 0,
+            me=self.me,
+            rejections=tuple(svc.rejections) if svc is not None else (),
+        )
+
+    async def _write_status(self) -> None:
+        data = self.view.status_json(self.me, self.run_id, self.trainer_view())
+        path = self.cfg.state_dir / "status.json"
+        await asyncio.get_running_loop().run_in_executor(None, _write_quietly, path, data)
+
+
+def _write_quietly(path: Path, data: bytes) -> None:
+    from p2pdiloco.train.checkpoint import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(path, data, durable=False)
+    except OSError as e:
+        log.debug("status write failed: %s", e)

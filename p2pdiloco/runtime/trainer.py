@@ -1,0 +1,287 @@
+"""The training thread: a ``Learner`` driven by the sans-IO ``LearnerMachine``.
+
+It owns the model, the inner optimizer, the error-feedback buffer and the machine, and nothing
+network-facing: sealed submissions go out through ``submit`` (the runtime's thread-safe entry)
+and everything the runtime learns comes back through ``inbox`` (certified states, replies,
+dropped deltas). It never blocks on the network: between chunks of inner steps it only looks
+at the inbox. What it shows (counters, losses, phase) is republished as an immutable
+``TrainerView`` after each chunk, for the dashboard and the status file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.submissions import (
+    FragmentRef,
+    SubmissionHeader,
+    payload_digest,
+    seal_submission,
+)
+from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.learner_machine import (
+    CatchUp,
+    Drop,
+    LearnerAction,
+    LearnerMachine,
+    Rebase,
+    Send,
+    Train,
+    Wait,
+)
+from p2pdiloco.train.learner import Learner, Outgoing
+
+log = logging.getLogger(__name__)
+
+
+# -- messages from the runtime ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Certified:
+    state: CertifiedState
+    merged_digests: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Reply:
+    digest: str
+    accepted: bool
+    code: Reason | None
+    fast_forward: int | None
+
+
+@dataclass(frozen=True)
+class Dropped:
+    digest: str
+    code: Reason
+
+
+TrainerEvent = Certified | Reply | Dropped
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A sealed submission for the runtime to deliver to the committee of ``base_version + 1``."""
+
+    digest: str
+    header: bytes
+    payload: bytes
+    base_version: int
+
+
+@dataclass(frozen=True)
+class TrainerView:
+    phase: str = "starting"
+    version: int = 0
+    inner_step: int = 0
+    sent: int = 0
+    lost: int = 0
+    tokens_trained: int = 0
+    last_loss: float | None = None
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    losses: tuple[float, ...] = ()
+    events: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class _Counters:
+    tokens_trained: int = 0
+    tokens_since_send: int = 0
+    last_loss: float | None = None
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
+    events: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+
+class Trainer:
+    def __init__(
+        self,
+        learner: Learner,
+        machine: LearnerMachine,
+        state: CertifiedState,
+        *,
+        identity: Identity,
+        run_id: str,
+        manifest: RunManifest,
+        submit: Callable[[Submission], None],
+        catch_up: Callable[[int], None],
+        replay: bool = False,
+    ) -> None:
+        self.learner = learner
+        self.machine = machine
+        self.state = state  # the certified version the learner trains from (this thread's copy)
+        self.identity = identity
+        self.run_id = run_id
+        self.manifest = manifest
+        self.submit = submit
+        self.catch_up = catch_up
+        self.replay = replay  # attacker: re-send the first signed submission byte for byte
+        self.inbox: queue.Queue[TrainerEvent] = queue.Queue()
+        self.view = TrainerView(version=state.version)
+        self._c = _Counters()
+        self._sent: Outgoing | None = None
+        self._first: Submission | None = None
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (called from the main thread) ---------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, daemon=True, name="trainer")
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop after the current chunk of steps; the delta in flight is abandoned."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def deliver(self, event: TrainerEvent) -> None:
+        """Thread-safe: the runtime hands an event to the training thread."""
+        self.inbox.put(event)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                for action in self.machine.next_action(time.monotonic()):
+                    self._do(action)
+                self._publish()
+        except Exception as e:  # reported on the dashboard and in the status file
+            log.exception("training loop stopped")
+            self._error = f"{type(e).__name__}: {e}"
+            self._publish("failed")
+
+    def _drain(self, wait: float = 0.0) -> None:
+        """Apply every event that arrived; wait up to ``wait`` seconds for a first one."""
+        try:
+            events = [self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()]
+        except queue.Empty:
+            return
+        with contextlib.suppress(queue.Empty):
+            while True:
+                events.append(self.inbox.get_nowait())
+        for ev in events:
+            if isinstance(ev, Certified):
+                actions = self.machine.on_certified(ev.state.version, ev.merged_digests)
+                if actions:
+                    self._new_state = ev.state
+            elif isinstance(ev, Reply):
+                actions = self.machine.on_reply(ev.digest, ev.accepted, ev.code, ev.fast_forward)
+            else:
+                actions = self.machine.on_dropped(ev.digest, ev.code)
+            for a in actions:
+                self._do(a)
+
+    def _do(self, action: LearnerAction) -> None:
+        if isinstance(action, Train):
+            self._train(action.steps)
+        elif isinstance(action, Send):
+            self._send()
+        elif isinstance(action, Wait):
+            self._publish()
+            self._drain(wait=action.seconds)
+        elif isinstance(action, Rebase):
+            new = self._new_state
+            self.learner.rebase(
+                new.params, self.state.params, self._sent if action.anchor_sent else None
+            )
+            if action.seek_step is not None:  # skipped versions: follow the run's lr schedule
+                self.learner.seek(action.seek_step)
+            self.state, self._sent = new, None
+            self._event(f"rebased onto version {new.version}")
+        elif isinstance(action, Drop):
+            if self._sent is not None:  # the sent part is dropped, later progress kept
+                self.learner.rebase(self.state.params, self.state.params, self._sent)
+                self._sent = None
+            self._event(f"delta on version {self.state.version} not merged ({action.code})")
+        elif isinstance(action, CatchUp):
+            self.catch_up(action.version)
+
+    _new_state: CertifiedState
+
+    def _train(self, steps: int) -> None:
+        st = self.learner.train(steps)
+        self.machine.on_trained(st.steps)
+        c = self._c
+        c.tokens_trained += st.tokens
+        c.tokens_since_send += st.tokens
+        c.last_loss = st.loss_last
+        c.losses.append(st.loss_last)
+        per_step = st.seconds / max(1, st.steps)
+        c.step_seconds = per_step if c.step_seconds == 0 else 0.7 * c.step_seconds + 0.3 * per_step
+        c.tokens_per_second = st.tokens / st.seconds if st.seconds > 0 else 0.0
+
+    def _send(self) -> None:
+        c = self._c
+        loss = c.last_loss if c.last_loss is not None else 0.0
+        inner = self.manifest.inner
+        tokens = c.tokens_since_send or self.learner.steps_since_send * inner.batch_size * (
+            inner.seq_len
+        )
+        out = self.learner.outgoing(self.state.version, self.state.params, tokens, loss)
+        sub = self._seal(out)
+        if self.replay and self._first is not None:
+            sub = self._first
+        self._first = self._first or sub
+        self._sent, c.tokens_since_send = out, 0
+        self.machine.on_sent(sub.digest)
+        self.submit(sub)
+
+    def _seal(self, out: Outgoing) -> Submission:
+        header = SubmissionHeader(
+            peer_id=self.identity.peer_id,
+            base_version=out.base_version,
+            steps=max(1, out.steps),
+            tokens=max(1, out.tokens),
+            loss=min(max(out.loss, 0.0), 1e4),
+            codec=self.manifest.compression,
+            fragments=[
+                FragmentRef(index=0, digest=payload_digest(out.payload), nbytes=len(out.payload))
+            ],
+        )
+        raw = seal_submission(self.identity, self.run_id, header)
+        return Submission(hashlib.sha256(raw).hexdigest(), raw, out.payload, out.base_version)
+
+    def _event(self, text: str) -> None:
+        log.info(text)
+        self._c.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+    def _publish(self, phase: str | None = None) -> None:
+        c, m = self._c, self.machine
+        self.view = TrainerView(
+            phase=phase or m.phase.value,
+            version=self.state.version,
+            inner_step=m.trained,
+            sent=m.sent,
+            lost=m.lost,
+            tokens_trained=c.tokens_trained,
+            last_loss=c.last_loss,
+            step_seconds=c.step_seconds,
+            tokens_per_second=c.tokens_per_second,
+            losses=tuple(c.losses),
+            events=tuple(c.events),
+            error=self._error,
+        )

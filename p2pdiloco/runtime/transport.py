@@ -1,0 +1,169 @@
+"""Request/reply between nodes, behind one small interface.
+
+The runtime, the syncer service and the state download speak to peers only through a
+``Transport``: ``call(peer, op, ...)`` and ``serve(handler, limits)``. ``P2PTransport`` is the
+real one (hivemind P2P streams, ``net.sync_rpc``); ``MemoryTransport`` connects nodes of one
+process through a ``MemoryHub`` for fast driver tests and simulations. Both enforce the same
+per-op frame limits, answer refusals with a ``Reason`` code, and count bytes, so a driver
+tested in memory behaves as it does on the wire. A hub can take a peer down or slow it down,
+which is how the tests inject faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hivemind.p2p import P2P
+
+from p2pdiloco.net import sync_rpc
+from p2pdiloco.net.sync_rpc import (
+    REQUEST_TIMEOUT,
+    Frames,
+    Handler,
+    RpcError,
+    RpcRefused,
+    check_request,
+)
+from p2pdiloco.protocol.reasons import Reason
+
+
+class Transport(Protocol):
+    me: str
+
+    async def call(
+        self,
+        peer: str,
+        op: str,
+        *,
+        args: dict[str, Any] | None = None,
+        frames: Sequence[bytes] = (),
+        reply_limit: int = 1 << 20,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> tuple[dict[str, Any], Frames]:
+        """One request; raises RpcError (``code`` says why, ``refused`` if the peer said no)."""
+        ...
+
+    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
+        """Answer requests with ``handler``; ``frame_limits[op]`` bounds each request frame."""
+        ...
+
+
+class P2PTransport:
+    """hivemind P2P streams; ``addrs_of(peer)`` gives the multiaddrs to dial (heartbeats)."""
+
+    def __init__(self, p2p: P2P, me: str, addrs_of: Callable[[str], list[str]]) -> None:
+        self.p2p = p2p
+        self.me = me
+        self.addrs_of = addrs_of
+
+    async def call(
+        self,
+        peer: str,
+        op: str,
+        *,
+        args: dict[str, Any] | None = None,
+        frames: Sequence[bytes] = (),
+        reply_limit: int = 1 << 20,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> tuple[dict[str, Any], Frames]:
+        return await sync_rpc.call(
+            self.p2p,
+            peer,
+            op,
+            args=args,
+            frames=frames,
+            reply_limit=reply_limit,
+            addrs=self.addrs_of(peer),
+            timeout=timeout,
+        )
+
+    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
+        await sync_rpc.serve(self.p2p, handler, frame_limits)
+
+
+@dataclass
+class MemoryHub:
+    """Nodes of one process. ``down`` peers neither answer nor reach anyone; ``delay[peer]``
+    seconds are added to every request that peer sends or answers."""
+
+    handlers: dict[str, tuple[Handler, Mapping[str, Sequence[int]]]] = field(default_factory=dict)
+    down: set[str] = field(default_factory=set)
+    delay: dict[str, float] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)  # request + reply bytes sent, by peer
+    received: dict[str, int] = field(default_factory=dict)
+
+    def transport(self, me: str) -> MemoryTransport:
+        return MemoryTransport(self, me)
+
+    def _count(self, src: str, dst: str, frames: Sequence[bytes]) -> None:
+        n = sum(len(f) for f in frames)
+        self.sent[src] = self.sent.get(src, 0) + n
+        self.received[dst] = self.received.get(dst, 0) + n
+
+
+class MemoryTransport:
+    def __init__(self, hub: MemoryHub, me: str) -> None:
+        self.hub = hub
+        self.me = me
+
+    async def call(
+        self,
+        peer: str,
+        op: str,
+        *,
+        args: dict[str, Any] | None = None,
+        frames: Sequence[bytes] = (),
+        reply_limit: int = 1 << 20,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> tuple[dict[str, Any], Frames]:
+        hub = self.hub
+        target = hub.handlers.get(peer)
+        if target is None or peer in hub.down or self.me in hub.down:
+            raise RpcError(f"cannot open a stream to {peer}: unreachable")
+        try:
+            return await asyncio.wait_for(
+                self._exchange(peer, target, op, args, frames, reply_limit), timeout
+            )
+        except TimeoutError:
+            raise RpcError(f"{op} to {peer}: timed out") from None
+
+    async def _exchange(
+        self,
+        peer: str,
+        target: tuple[Handler, Mapping[str, Sequence[int]]],
+        op: str,
+        args: dict[str, Any] | None,
+        frames: Sequence[bytes],
+        reply_limit: int,
+    ) -> tuple[dict[str, Any], Frames]:
+        hub = self.hub
+        handler, limits = target
+        pause = hub.delay.get(self.me, 0.0) + hub.delay.get(peer, 0.0)
+        if pause:
+            await asyncio.sleep(pause)
+        if peer in hub.down:
+            raise RpcError(f"{op} to {peer}: connection lost")
+        control = {**(args or {}), "op": op, "frames": len(frames)}
+        try:
+            _, frame_limits = check_request(limits, control)
+        except RpcRefused as e:
+            raise RpcError(str(e), refused=True, code=e.code) from None
+        if any(len(f) > lim for f, lim in zip(frames, frame_limits, strict=True)):
+            raise RpcError(f"{op} to {peer}: request frame over its limit (dropped)")
+        hub._count(self.me, peer, frames)
+        try:
+            reply, out = await handler(op, self.me, control, [bytes(f) for f in frames])
+        except RpcRefused as e:
+            raise RpcError(str(e)[:500], refused=True, code=e.code) from None
+        except Exception:  # as on the wire: a handler bug is an internal error for the caller
+            raise RpcError("internal error", refused=True, code=Reason.INTERNAL) from None
+        if any(len(f) > reply_limit for f in out):
+            raise RpcError(f"{op} to {peer}: reply frame over {reply_limit} bytes")
+        hub._count(peer, self.me, out)
+        return {**reply, "ok": True, "frames": len(out)}, [bytes(f) for f in out]
+
+    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
+        self.hub.handlers[self.me] = (handler, frame_limits)

@@ -1,0 +1,125 @@
+"""The committee's own messages and the certificate body a merge produces; pure functions.
+
+A proposal is an envelope of kind ``proposal`` {version, attempt, digests}; a signature message
+is canonical JSON {signer, body, sig} over a ``CertificateBody``. Both are parsed here with
+size and shape checks before anything is kept, and refused with a ``Reason`` code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from p2pdiloco.protocol.certificates import (
+    Accepted,
+    CertificateBody,
+    Rejected,
+    verify_body_signature,
+)
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envelope, seal
+from p2pdiloco.protocol.submissions import SubmissionHeader
+from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.roster import CommitteeInfo, next_roster, roster_of
+
+PROPOSAL_KIND = "proposal"
+MAX_PROPOSAL_DIGESTS = 4096
+
+
+class BadMessage(Exception):
+    """A committee message that fails its checks; ``code`` says which, ``signer`` who sent it."""
+
+    def __init__(self, code: Reason, text: str, signer: str | None = None) -> None:
+        super().__init__(text)
+        self.code = code
+        self.signer = signer
+
+
+@dataclass(frozen=True)
+class Proposal:
+    signer: str
+    version: int
+    attempt: int
+    digests: tuple[str, ...]
+
+
+def seal_proposal(
+    identity: Identity, run_id: str, version: int, attempt: int, digests: tuple[str, ...]
+) -> bytes:
+    body = {"version": version, "attempt": attempt, "digests": list(digests)}
+    return seal(identity, PROPOSAL_KIND, run_id, body)
+
+
+def open_proposal(raw: bytes, run_id: str) -> Proposal:
+    try:
+        env = open_envelope(raw, kind=PROPOSAL_KIND, run_id=run_id)
+    except InvalidRecord as e:
+        raise BadMessage(Reason.INVALID_SIGNATURE, f"invalid proposal: {e}", e.signer) from None
+    b = env.body
+    version, attempt, digests = b.get("version"), b.get("attempt"), b.get("digests")
+    if not (
+        isinstance(version, int)
+        and isinstance(attempt, int)
+        and 0 <= attempt < 2**31
+        and isinstance(digests, list)
+        and len(digests) <= MAX_PROPOSAL_DIGESTS
+        and all(isinstance(d, str) and len(d) == 64 for d in digests)
+    ):
+        raise BadMessage(Reason.MALFORMED, "proposal body malformed", env.signer)
+    return Proposal(env.signer, version, attempt, tuple(digests))
+
+
+def signature_message(me: str, body: CertificateBody, sig: str) -> bytes:
+    return canonical_json({"signer": me, "body": body.model_dump(mode="json"), "sig": sig})
+
+
+def open_signature(raw: bytes) -> tuple[str, CertificateBody, str]:
+    """(signer, body, sig) of a verified signature message; BadMessage otherwise."""
+    try:
+        msg = json.loads(raw.decode())
+        if not isinstance(msg, dict) or set(msg) != {"signer", "body", "sig"}:
+            raise ValueError("signature message needs signer, body and sig")
+        body = CertificateBody.model_validate(msg["body"])
+        signer, sig = msg["signer"], msg["sig"]
+    except Exception as e:
+        raise BadMessage(Reason.MALFORMED, f"invalid signature message: {str(e)[:200]}") from None
+    if not isinstance(signer, str) or not verify_body_signature(signer, body, sig):
+        raise BadMessage(Reason.INVALID_SIGNATURE, "certificate signature does not verify")
+    return signer, body, sig
+
+
+def certificate_body(
+    run_id: str,
+    manifest: RunManifest,
+    base: CertifiedState,
+    committee: CommitteeInfo,
+    new_state_hash: str,
+    headers: dict[str, SubmissionHeader],
+    accepted_digests: list[str],
+    rejected: dict[str, str],
+) -> CertificateBody:
+    """The body every honest syncer builds from the same merge: sorted, bounded, with roster."""
+    accepted = [
+        Accepted(peer_id=headers[d].peer_id, digest=d, steps=headers[d].steps,
+                 tokens=headers[d].tokens)
+        for d in sorted(accepted_digests)
+    ]  # fmt: skip
+    refused = [
+        Rejected(peer_id=headers[d].peer_id, digest=d, reason=r[:200])
+        for d, r in sorted(rejected.items())
+    ]
+    return CertificateBody(
+        run=run_id,
+        version=base.version + 1,
+        base_version=base.version,
+        state_hash=new_state_hash,
+        committee=list(committee.members),
+        quorum=committee.quorum,
+        accepted=accepted,
+        rejected=refused,
+        roster=next_roster(
+            roster_of(manifest, base.cert), new_version=base.version + 1, accepted=accepted
+        ),
+    )

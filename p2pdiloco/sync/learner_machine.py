@@ -1,0 +1,189 @@
+"""The learner side of the outer loop, as a sans-IO state machine beside ``SyncerRound``.
+
+It never touches tensors, the network or the clock: the training thread feeds it events (steps
+trained, a delta sealed, the committee's reply, a certified version, a dropped delta, the time)
+and carries out what it returns. The same class runs in ``join``, in the in-memory driver tests
+and in the simulator.
+
+    train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training up to H more steps
+       ▲                                              │
+       │           certificate of v' > v ◀────────────┤ (ours merged or not: rebase onto v',
+       │                                              │  anchored at the sent parameters)
+       └──────── refused / dropped / given up ◀───────┘ (rebase onto v itself: the sent part
+                                                         is dropped, later progress kept)
+
+A certificate that lands while no delta is in flight rebases the stretch under way onto it
+(all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
+wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
+``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+
+
+class LearnerPhase(enum.Enum):
+    TRAINING = "training"  # no delta in flight
+    IN_FLIGHT = "waiting for certificate"  # a delta sent; training on
+    WAITING = "waiting (stretch done)"  # a delta in flight and H steps trained since
+    IDLE = "idle"  # the target version is reached
+
+
+@dataclass(frozen=True)
+class Train:
+    steps: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Take Δ = θ_base − θ_local now, seal it and hand it to the runtime; then ``on_sent``."""
+
+    base_version: int
+    steps: int  # inner steps the delta covers
+
+
+@dataclass(frozen=True)
+class Wait:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Rebase:
+    """Move onto certified ``version`` (the driver holds its state). ``anchor_sent``: the delta
+    in flight is settled by it, so rebase from the parameters as sent; else from the old base.
+    ``seek_step``: versions were skipped, put the lr schedule at this global step."""
+
+    version: int
+    anchor_sent: bool
+    merged: bool  # our delta in flight is among the certified version's inputs
+    seek_step: int | None
+
+
+@dataclass(frozen=True)
+class Drop:
+    """The delta in flight will not be merged: rebase onto the same base from the parameters as
+    sent (the sent part is dropped, the progress since kept)."""
+
+    code: Reason
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A syncer said a newer version exists (fast-forward hint): ask the runtime for it."""
+
+    version: int
+
+
+LearnerAction = Train | Send | Wait | Rebase | Drop | CatchUp
+
+
+@dataclass
+class InFlight:
+    base_version: int
+    sent_at: float
+    digest: str | None = None  # set by ``on_sent``
+    accepted_by_some: bool = False
+
+
+@dataclass
+class LearnerMachine:
+    inner_steps: int  # H: steps per delta
+    chunk: int  # steps per Train action (how often events are looked at)
+    version: int  # the certified version the learner trains from
+    give_up_after: float = 300.0  # seconds a delta may stay undecided
+    stop_at: int | None = None  # stop training once this version is applied
+    trained: int = 0  # steps since the last send
+    in_flight: InFlight | None = None
+    sent: int = field(default=0)
+    merged: int = field(default=0)
+    lost: int = field(default=0)  # refused, dropped, given up, or missing from the certificate
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1 or self.chunk < 1:
+            raise ValueError("inner_steps and chunk must be at least 1")
+
+    @property
+    def phase(self) -> LearnerPhase:
+        if self.stop_at is not None and self.version >= self.stop_at:
+            return LearnerPhase.IDLE
+        if self.in_flight is None:
+            return LearnerPhase.TRAINING
+        if self.trained >= self.inner_steps:
+            return LearnerPhase.WAITING
+        return LearnerPhase.IN_FLIGHT
+
+    # -- what to do now ------------------------------------------------------------------------
+
+    def next_action(self, now: float) -> list[LearnerAction]:
+        phase = self.phase
+        if phase is LearnerPhase.IDLE:
+            return [Wait(1.0)]
+        if phase is LearnerPhase.WAITING:
+            assert self.in_flight is not None
+            if now - self.in_flight.sent_at < self.give_up_after:
+                return [Wait(0.2)]
+            return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
+        if self.in_flight is None and self.trained >= self.inner_steps:
+            self.in_flight = InFlight(self.version, now)
+            self.sent += 1
+            steps, self.trained = self.trained, 0
+            return [Send(self.version, steps)]
+        return [Train(min(self.chunk, self.inner_steps - self.trained))]
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on_trained(self, steps: int) -> None:
+        self.trained += steps
+
+    def on_sent(self, digest: str) -> None:
+        """The delta of the last ``Send`` was sealed as submission ``digest``."""
+        if self.in_flight is not None and self.in_flight.digest is None:
+            self.in_flight.digest = digest
+
+    def on_reply(
+        self, digest: str, accepted: bool, code: Reason | None, fast_forward: int | None
+    ) -> list[LearnerAction]:
+        """The committee's answer to our submission (summed up by the runtime: accepted by at
+        least one syncer, or refused by every one that answered)."""
+        fly = self.in_flight
+        if fly is None or fly.digest != digest:
+            return []
+        if accepted:
+            fly.accepted_by_some = True
+            return []
+        if code in RETRYABLE:
+            return []  # the runtime sends it again
+        actions = self._lose(code or Reason.MALFORMED)
+        if fast_forward is not None and fast_forward > self.version:
+            actions.append(CatchUp(fast_forward))
+        return actions
+
+    def on_dropped(self, digest: str, code: Reason) -> list[LearnerAction]:
+        """A syncer dropped our accepted delta (its round's merge failed, or it was screened out
+        before a certificate): it will not be merged."""
+        if self.in_flight is None or self.in_flight.digest != digest:
+            return []
+        return self._lose(code)
+
+    def on_certified(self, version: int, merged_digests: frozenset[str]) -> list[LearnerAction]:
+        """Certified ``version`` (the newest of a verified chain) is ready to apply.
+        ``merged_digests``: every submission the chain's certificates merged."""
+        if version <= self.version:
+            return []
+        fly = self.in_flight
+        merged = fly is not None and fly.digest is not None and fly.digest in merged_digests
+        if fly is not None:
+            self.merged += merged
+            self.lost += not merged
+        seek = version * self.inner_steps if version > self.version + 1 else None
+        self.version, self.in_flight = version, None
+        return [Rebase(version, anchor_sent=fly is not None, merged=merged, seek_step=seek)]
+
+    def _lose(self, code: Reason) -> list[LearnerAction]:
+        self.in_flight = None
+        self.lost += 1
+        return [Drop(code)]

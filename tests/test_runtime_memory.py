@@ -1,0 +1,193 @@
+"""Whole committee rounds in one process: real runtimes, syncers, trainers, signatures and
+tensors of gemma-tiny, over the in-memory transport and plane (``runtime.memnet``).
+
+Each test asserts the protocol's guarantees (every certificate verifies from genesis, honest
+syncers never sign two states for one version, nodes converge), never one schedule's timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from p2pdiloco.protocol.certificates import parse_certificate
+from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
+from p2pdiloco.sync.fetch import verify_next
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def check_chains(net: MemoryNetwork) -> dict[int, str]:
+    """Every live node's certificates verify from genesis, and all nodes agree on each
+    version's state: the certified hash per version."""
+    assert net.manifest is not None
+    hashes: dict[int, str] = {}
+    for node in net.live():
+        prev = None
+        for version in sorted(node.runtime.chain.certs):
+            cert = verify_next(net.run_id, net.manifest, prev, node.runtime.chain.certs[version])
+            assert hashes.setdefault(version, cert.body.state_hash) == cert.body.state_hash
+            prev = cert
+        current = node.runtime.chain.current
+        assert current is not None
+        if current.version:
+            assert current.state_hash == hashes[current.version]
+    return hashes
+
+
+def signed_states(net: MemoryNetwork) -> dict[tuple[str, int], set[str]]:
+    """(syncer, version) → state hashes it signed, from every certificate any node holds."""
+    out: dict[tuple[str, int], set[str]] = {}
+    for node in net.live():
+        for raw in node.runtime.chain.certs.values():
+            cert = parse_certificate(raw, run_id=net.run_id)
+            for s in cert.signers:
+                out.setdefault((s, cert.body.version), set()).add(cert.body.state_hash)
+    return out
+
+
+def test_four_nodes_certify_versions_and_every_learner_rebases(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4) as net:
+            await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 everywhere")
+            check_chains(net)
+            assert all(len(h) == 1 for h in signed_states(net).values())
+            for node in net.nodes:
+                assert node.trainer is not None
+                await net.wait_for(lambda n=node: n.trainer.state.version >= 2, 30, "rebase")
+                assert node.trainer.view.tokens_trained > 0
+            merged = {
+                a.peer_id
+                for n in net.nodes
+                for raw in n.runtime.chain.certs.values()
+                for a in parse_certificate(raw, run_id=net.run_id).body.accepted
+            }
+            assert merged  # learners' deltas make it into certified versions
+
+    run(main())
+
+
+def test_a_syncer_gone_the_quorum_carries_on(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4) as net:  # k = 4, q = 3
+            await net.wait_for(lambda: net.min_version() >= 1, 60, "version 1")
+            gone = net.nodes[1]
+            await net.stop(gone)
+            start = net.min_version()
+            await net.wait_for(lambda: net.min_version() >= start + 2, 90, "two more versions")
+            check_chains(net)
+            for raw in net.nodes[0].runtime.chain.certs.values():
+                cert = parse_certificate(raw, run_id=net.run_id)
+                if cert.body.version > start + 1:
+                    assert gone.peer_id not in cert.signers
+
+    run(main())
+
+
+def test_a_learner_gone_costs_only_its_own_work(tmp_path: Path) -> None:
+    async def main() -> None:
+        # Five nodes, a committee of the first four; the fifth is a learner only.
+        async with MemoryNetwork(tmp_path, nodes=5, committee_size=4) as net:
+            await net.wait_for(lambda: net.min_version() >= 1, 60, "version 1")
+            await net.stop(net.nodes[4])
+            start = net.min_version()
+            await net.wait_for(lambda: net.min_version() >= start + 2, 90, "two more versions")
+            check_chains(net)
+
+    run(main())
+
+
+def test_a_slow_leader_is_replaced_by_the_next(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4, rules={"agree_timeout": 1.0}) as net:
+            await net.wait_for(lambda: net.min_version() >= 1, 60, "version 1")
+            committee = net.nodes[0].runtime.service.committee  # type: ignore[union-attr]
+            assert committee is not None
+            leader = next(n for n in net.nodes if n.peer_id == committee.members[0])
+            net.hub.delay[leader.peer_id] = 4.0  # its proposal lands after the next leader's turn
+            start = net.min_version()
+            others = [n for n in net.nodes if n is not leader]
+            await net.wait_for(
+                lambda: min(n.version for n in others) >= start + 1, 90, "next version"
+            )
+            del net.hub.delay[leader.peer_id]  # back to speed: it catches up
+            await net.wait_for(lambda: net.min_version() >= start + 2, 90, "everyone converges")
+            check_chains(net)
+            assert all(len(h) == 1 for h in signed_states(net).values())
+
+    run(main())
+
+
+def _fail_merges(node: MemNode, times: int) -> list[int]:
+    """Make ``node``'s next ``times`` merges raise; the list counts the failures."""
+    svc = node.runtime.service
+    assert svc is not None
+    real, failures = svc._merge, []
+
+    def failing(*args: Any) -> Any:
+        if len(failures) < times:
+            failures.append(1)
+            raise RuntimeError("injected merge failure")
+        return real(*args)
+
+    svc._merge = failing  # type: ignore[method-assign]
+    return failures
+
+
+def test_a_merge_that_fails_on_one_syncer_still_certifies(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4) as net:
+            failures = _fail_merges(net.nodes[2], times=1)
+            await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 everywhere")
+            assert failures == [1]
+            check_chains(net)
+            first = parse_certificate(net.nodes[0].runtime.chain.certs[1], run_id=net.run_id)
+            assert net.nodes[2].peer_id not in first.signers  # it never signs a failed merge
+
+    run(main())
+
+
+def test_a_merge_that_fails_on_every_syncer_starts_the_next_attempt(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4, rules={"grace": 3.0}) as net:
+            failures = [_fail_merges(n, times=1) for n in net.nodes]
+            await net.wait_for(lambda: net.min_version() >= 2, 120, "version 2 everywhere")
+            assert all(f == [1] for f in failures)
+            check_chains(net)
+            assert all(len(h) == 1 for h in signed_states(net).values())
+
+    run(main())
+
+
+def test_local_settings_cannot_change_what_is_certified(tmp_path: Path) -> None:
+    """Nodes with different local paces (ticks, polls, heartbeats) still sign the very same
+    states: nothing outside the signed manifest feeds the merge or the round."""
+
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4) as net:
+            for i, node in enumerate(net.nodes):
+                node.runtime.cfg.tick = 0.02 + 0.05 * i
+                node.runtime.cfg.poll = 0.1 + 0.3 * i
+            await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 everywhere")
+            hashes = check_chains(net)
+            for raw in net.nodes[0].runtime.chain.certs.values():
+                cert = parse_certificate(raw, run_id=net.run_id)
+                assert len(cert.signers) >= cert.body.quorum  # a quorum computed one hash
+            assert set(hashes) >= {1, 2}
+
+    run(main())
