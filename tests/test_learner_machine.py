@@ -1,0 +1,464 @@
+"""LearnerMachine: the learner's outer loop as a pure state machine, driven event by event."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.sync.learner_machine import (
+    CatchUp,
+    Drop,
+    LearnerAction,
+    LearnerMachine,
+    LearnerPhase,
+    Rebase,
+    Send,
+    Train,
+    Wait,
+)
+
+H = 10
+CHUNK = 4
+NON_RETRYABLE = sorted(set(Reason) - RETRYABLE)
+
+
+def machine(**over: Any) -> LearnerMachine:
+    kw: dict[str, Any] = {"inner_steps": H, "chunk": CHUNK, "version": 3}
+    kw.update(over)
+    return LearnerMachine(**kw)
+
+
+def train_stretch(m: LearnerMachine, now: float = 0.0) -> list[int]:
+    """Carry out the Train actions asked for until H steps are trained; the chunk sizes."""
+    chunks = []
+    while m.trained < m.inner_steps:
+        [action] = m.next_action(now)
+        assert isinstance(action, Train)
+        chunks.append(action.steps)
+        m.on_trained(action.steps)
+    return chunks
+
+
+def sent(m: LearnerMachine, digest: str = "d1", now: float = 0.0) -> Send:
+    """Train the stretch, take the Send and report it sealed as ``digest``."""
+    train_stretch(m, now)
+    [action] = m.next_action(now)
+    assert isinstance(action, Send)
+    m.on_sent(digest)
+    return action
+
+
+def counters(m: LearnerMachine) -> tuple[int, int, int]:
+    return m.sent, m.merged, m.lost
+
+
+# -- construction ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "over", [{"inner_steps": 0}, {"inner_steps": -1}, {"chunk": 0}, {"chunk": -5}]
+)
+def test_invalid_construction_raises(over: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        machine(**over)
+
+
+def test_fresh_machine_is_training_with_zero_counters() -> None:
+    m = machine()
+    assert m.phase is LearnerPhase.TRAINING
+    assert m.in_flight is None
+    assert counters(m) == (0, 0, 0)
+
+
+# -- the cycle ---------------------------------------------------------------------------------
+
+
+def test_trains_in_chunks_capped_at_h_then_sends_with_the_steps_covered() -> None:
+    m = machine()
+    assert train_stretch(m) == [4, 4, 2]
+    assert m.phase is LearnerPhase.TRAINING  # H trained, nothing sent yet
+
+    actions = m.next_action(5.0)
+    assert actions == [Send(base_version=3, steps=H)]
+    assert m.in_flight is not None
+    assert m.in_flight.base_version == 3
+    assert m.in_flight.sent_at == 5.0
+    assert m.in_flight.digest is None
+    assert m.trained == 0
+    assert counters(m) == (1, 0, 0)
+    assert m.phase is LearnerPhase.IN_FLIGHT
+
+
+def test_chunk_larger_than_h_trains_h_at_once() -> None:
+    m = machine(chunk=100)
+    assert train_stretch(m) == [H]
+
+
+def test_keeps_training_up_to_h_more_steps_while_in_flight_then_waits() -> None:
+    m = machine()
+    sent(m)
+    assert train_stretch(m, now=1.0) == [4, 4, 2]
+    assert m.trained == H
+    assert m.phase is LearnerPhase.WAITING
+    for now in (1.0, 2.0, 100.0):
+        [action] = m.next_action(now)
+        assert isinstance(action, Wait) and action.seconds > 0
+    assert counters(m) == (1, 0, 0)  # waiting neither sends again nor gives up early
+
+
+def test_on_sent_fills_the_digest_once() -> None:
+    m = machine()
+    sent(m, "first")
+    assert m.in_flight is not None and m.in_flight.digest == "first"
+    m.on_sent("second")
+    assert m.in_flight.digest == "first"
+
+
+def test_on_sent_with_nothing_in_flight_is_ignored() -> None:
+    m = machine()
+    m.on_sent("stray")
+    assert m.in_flight is None
+    assert counters(m) == (0, 0, 0)
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+def test_accepted_reply_keeps_the_delta_in_flight() -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=True, code=None, fast_forward=None) == []
+    assert m.in_flight is not None and m.in_flight.accepted_by_some
+    assert m.phase is LearnerPhase.IN_FLIGHT
+    assert counters(m) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("code", NON_RETRYABLE)
+def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=False, code=code, fast_forward=None) == [Drop(code)]
+    assert m.in_flight is None
+    assert counters(m) == (1, 0, 1)
+    assert m.version == 3  # a refusal never moves the base
+    assert m.phase is LearnerPhase.TRAINING
+
+
+def test_refusal_without_a_code_drops_as_malformed() -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=False, code=None, fast_forward=None) == [
+        Drop(Reason.MALFORMED)
+    ]
+    assert counters(m) == (1, 0, 1)
+
+
+def test_refusal_with_a_newer_fast_forward_hint_asks_to_catch_up() -> None:
+    m = machine()
+    sent(m)
+    actions = m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=7)
+    assert actions == [Drop(Reason.STALE), CatchUp(7)]
+    assert m.version == 3  # only a certificate moves the version
+    assert counters(m) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("hint", [3, 2, 0])
+def test_fast_forward_hint_not_newer_than_the_version_is_ignored(hint: int) -> None:
+    m = machine()
+    sent(m)
+    actions = m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=hint)
+    assert actions == [Drop(Reason.STALE)]
+
+
+@pytest.mark.parametrize("code", sorted(RETRYABLE))
+def test_retryable_refusal_changes_nothing(code: Reason) -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=False, code=code, fast_forward=9) == []
+    assert m.in_flight is not None and m.in_flight.digest == "d1"
+    assert counters(m) == (1, 0, 0)
+    assert m.phase is LearnerPhase.IN_FLIGHT
+
+
+def test_reply_or_drop_for_another_digest_is_ignored() -> None:
+    m = machine()
+    sent(m, "mine")
+    assert m.on_reply("other", accepted=False, code=Reason.STALE, fast_forward=9) == []
+    assert m.on_reply("other", accepted=True, code=None, fast_forward=None) == []
+    assert m.on_dropped("other", Reason.MERGE_FAILED) == []
+    assert m.in_flight is not None and not m.in_flight.accepted_by_some
+    assert counters(m) == (1, 0, 0)
+
+
+def test_reply_before_on_sent_is_ignored() -> None:
+    m = machine()
+    assert train_stretch(m)
+    [send] = m.next_action(0.0)
+    assert isinstance(send, Send)
+    assert m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=None) == []
+    assert m.on_dropped("d1", Reason.MERGE_FAILED) == []
+    assert counters(m) == (1, 0, 0)
+
+
+def test_reply_and_drop_with_nothing_in_flight_are_ignored() -> None:
+    m = machine()
+    assert m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=9) == []
+    assert m.on_dropped("d1", Reason.SCREENED_OUT) == []
+    assert counters(m) == (0, 0, 0)
+
+
+def test_dropped_delta_is_lost_and_progress_since_is_kept() -> None:
+    m = machine()
+    sent(m)
+    m.on_trained(3)
+    assert m.on_dropped("d1", Reason.MERGE_FAILED) == [Drop(Reason.MERGE_FAILED)]
+    assert m.in_flight is None
+    assert m.trained == 3
+    assert counters(m) == (1, 0, 1)
+    assert m.on_dropped("d1", Reason.MERGE_FAILED) == []  # settled once only
+    assert counters(m) == (1, 0, 1)
+
+
+def test_drop_while_waiting_sends_the_next_stretch_at_once() -> None:
+    m = machine()
+    sent(m)
+    train_stretch(m)
+    assert m.phase is LearnerPhase.WAITING
+    assert m.on_reply("d1", accepted=False, code=Reason.DUPLICATE, fast_forward=None) == [
+        Drop(Reason.DUPLICATE)
+    ]
+    assert m.next_action(2.0) == [Send(3, H)]
+    assert counters(m) == (2, 0, 1)
+
+
+# -- certificates ------------------------------------------------------------------------------
+
+
+def test_certificate_merging_our_delta_rebases_from_the_sent_parameters() -> None:
+    m = machine()
+    sent(m)
+    m.on_trained(4)
+    actions = m.on_certified(4, frozenset({"x", "d1"}))
+    assert actions == [Rebase(4, anchor_sent=True, merged=True, seek_step=None)]
+    assert m.version == 4
+    assert m.in_flight is None
+    assert m.trained == 4  # progress since the send is carried
+    assert counters(m) == (1, 1, 0)
+    assert m.phase is LearnerPhase.TRAINING
+
+
+def test_certificate_without_our_delta_counts_it_lost() -> None:
+    m = machine()
+    sent(m)
+    actions = m.on_certified(4, frozenset({"x", "y"}))
+    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None)]
+    assert counters(m) == (1, 0, 1)
+
+
+def test_certificate_before_on_sent_settles_the_delta_as_lost() -> None:
+    m = machine()
+    train_stretch(m)
+    [send] = m.next_action(0.0)
+    assert isinstance(send, Send)
+    actions = m.on_certified(4, frozenset({"d1"}))
+    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None)]
+    assert counters(m) == (1, 0, 1)
+    m.on_sent("d1")  # late: the delta is already settled
+    assert m.in_flight is None
+
+
+@pytest.mark.parametrize("skip_to", [5, 6, 20])
+def test_certificate_skipping_versions_seeks_the_schedule(skip_to: int) -> None:
+    m = machine()
+    sent(m)
+    [rebase] = m.on_certified(skip_to, frozenset({"d1"}))
+    assert rebase == Rebase(skip_to, anchor_sent=True, merged=True, seek_step=skip_to * H)
+    assert m.version == skip_to
+
+
+@pytest.mark.parametrize("old", [3, 2, 0])
+def test_certificate_not_newer_than_the_version_is_ignored(old: int) -> None:
+    m = machine()
+    sent(m)
+    assert m.on_certified(old, frozenset({"d1"})) == []
+    assert m.version == 3
+    assert m.in_flight is not None
+    assert counters(m) == (1, 0, 0)
+
+
+def test_certificate_with_nothing_in_flight_rebases_the_stretch_under_way() -> None:
+    m = machine()
+    m.on_trained(CHUNK)
+    actions = m.on_certified(4, frozenset({"someone"}))
+    assert actions == [Rebase(4, anchor_sent=False, merged=False, seek_step=None)]
+    assert counters(m) == (0, 0, 0)
+    assert m.trained == CHUNK
+    assert train_stretch(m) == [4, 2]  # training goes on from where it was
+    assert m.next_action(0.0) == [Send(4, H)]
+
+
+def test_certificate_with_nothing_in_flight_skipping_versions_seeks() -> None:
+    m = machine()
+    assert m.on_certified(9, frozenset()) == [
+        Rebase(9, anchor_sent=False, merged=False, seek_step=9 * H)
+    ]
+
+
+def test_certificate_while_waiting_lets_the_next_delta_go_at_once() -> None:
+    m = machine()
+    sent(m)
+    train_stretch(m)
+    assert m.phase is LearnerPhase.WAITING
+    m.on_certified(4, frozenset({"d1"}))
+    assert m.next_action(1.0) == [Send(4, H)]
+    assert counters(m) == (2, 1, 0)
+
+
+# -- giving up ---------------------------------------------------------------------------------
+
+
+def test_waiting_longer_than_give_up_after_drops_and_sends_at_once() -> None:
+    m = machine(give_up_after=30.0)
+    sent(m, now=100.0)
+    train_stretch(m, now=101.0)
+    [wait] = m.next_action(129.9)
+    assert isinstance(wait, Wait)
+    assert counters(m) == (1, 0, 0)
+
+    actions = m.next_action(130.5)
+    assert actions == [Drop(Reason.ROUND_CLOSED), Send(3, H)]
+    assert m.in_flight is not None and m.in_flight.sent_at == 130.5
+    assert m.in_flight.digest is None
+    assert counters(m) == (2, 0, 1)
+    assert m.phase is LearnerPhase.IN_FLIGHT
+
+    m.on_sent("d2")
+    assert m.on_reply("d1", accepted=True, code=None, fast_forward=None) == []  # the old one
+    assert m.in_flight.digest == "d2" and not m.in_flight.accepted_by_some
+
+
+def test_no_give_up_while_still_training_the_next_stretch() -> None:
+    m = machine(give_up_after=1.0)
+    sent(m, now=0.0)
+    [action] = m.next_action(1000.0)
+    assert isinstance(action, Train)
+    assert counters(m) == (1, 0, 0)
+
+
+# -- stopping ----------------------------------------------------------------------------------
+
+
+def test_reaching_stop_at_goes_idle_and_waits() -> None:
+    m = machine(stop_at=4)
+    sent(m)
+    m.on_trained(2)
+    m.on_certified(4, frozenset({"d1"}))
+    assert m.phase is LearnerPhase.IDLE
+    for now in (0.0, 1e6):
+        [action] = m.next_action(now)
+        assert isinstance(action, Wait)
+    assert counters(m) == (1, 1, 0)
+
+
+def test_stop_at_beyond_the_version_keeps_training() -> None:
+    m = machine(stop_at=5)
+    m.on_certified(4, frozenset())
+    assert m.phase is LearnerPhase.TRAINING
+    [action] = m.next_action(0.0)
+    assert isinstance(action, Train)
+
+
+def test_machine_built_at_its_stop_version_is_idle() -> None:
+    m = machine(version=5, stop_at=5)
+    assert m.phase is LearnerPhase.IDLE
+    [action] = m.next_action(0.0)
+    assert isinstance(action, Wait)
+
+
+# -- invariants under random events ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_events_keep_the_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    m = LearnerMachine(
+        inner_steps=rng.randint(1, 6), chunk=rng.randint(1, 4), version=0, give_up_after=5.0
+    )
+    now = 0.0
+    digests: list[str] = []  # every digest sealed so far, newest last
+    outstanding = False  # a Send not yet settled by a Drop or an anchored Rebase
+    last_version = m.version
+    seen: set[type] = set()
+
+    def check(actions: list[LearnerAction]) -> None:
+        nonlocal outstanding, last_version
+        for a in actions:
+            seen.add(type(a))
+            if isinstance(a, Send):
+                assert not outstanding, "two Sends without a settle in between"
+                assert a.base_version == m.version
+                assert a.steps == m.inner_steps
+                outstanding = True
+            elif isinstance(a, Drop):
+                assert outstanding, "Drop with nothing in flight"
+                outstanding = False
+            elif isinstance(a, Rebase):
+                assert a.anchor_sent == outstanding
+                assert not a.merged or a.anchor_sent
+                assert a.version > last_version
+                skipped = a.version > last_version + 1
+                assert a.seek_step == (a.version * m.inner_steps if skipped else None)
+                last_version = a.version
+                outstanding = False
+            elif isinstance(a, Train):
+                assert 1 <= a.steps <= m.chunk
+                assert m.trained + a.steps <= m.inner_steps
+            elif isinstance(a, CatchUp):
+                assert a.version > m.version
+        assert min(m.sent, m.merged, m.lost, m.trained) >= 0
+        assert m.sent == m.merged + m.lost + (m.in_flight is not None)
+        assert outstanding == (m.in_flight is not None)
+        assert m.version == last_version
+
+    for _ in range(2000):
+        now += rng.choice([0.0, 0.1, 1.0, 6.0])
+        event = rng.random()
+        codes = [rng.choice(sorted(Reason)), None]
+        roll = rng.random()
+        if digests and roll < 0.6:
+            pick = digests[-1]  # most often about the delta in flight, if sealed
+        elif digests and roll < 0.8:
+            pick = rng.choice(digests)
+        else:
+            pick = "stray"
+        if event < 0.45:
+            actions = m.next_action(now)
+            check(actions)
+            for a in actions:
+                if isinstance(a, Train):
+                    m.on_trained(a.steps)
+                elif isinstance(a, Send) and rng.random() < 0.9:
+                    digests.append(f"d{len(digests)}")
+                    m.on_sent(digests[-1])
+            continue
+        if event < 0.65:
+            actions = m.on_reply(
+                pick,
+                accepted=rng.random() < 0.5,
+                code=rng.choice(codes),
+                fast_forward=rng.choice([None, m.version + rng.randint(-2, 3)]),
+            )
+        elif event < 0.75:
+            actions = m.on_dropped(pick, rng.choice(sorted(Reason)))
+        else:
+            version = m.version + rng.choice([-1, 0, 1, 1, 1, 2, 4])
+            merged = frozenset(rng.sample(digests, min(len(digests), 2)) + [pick])
+            if rng.random() < 0.5:
+                merged = frozenset()
+            actions = m.on_certified(version, merged)
+        check(actions)
+    assert seen == {Train, Send, Wait, Drop, Rebase, CatchUp}  # the walk exercised every path
+    assert m.merged > 0 and m.lost > 0
