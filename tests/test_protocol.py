@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.protocol import records
 from p2pdiloco.protocol.identity import (
     Identity,
     IdentityError,
@@ -30,12 +31,14 @@ from p2pdiloco.protocol.identity import (
 from p2pdiloco.protocol.records import (
     IncompatibleProtocol,
     RunManifest,
+    SyncRules,
     default_quorum,
     parse_heartbeat,
     parse_manifest,
     run_id_of,
 )
 from p2pdiloco.protocol.signing import (
+    PROTOCOL_VERSION,
     Envelope,
     InvalidRecord,
     ReplayGuard,
@@ -79,7 +82,7 @@ def _heartbeat_body(ident: Identity, **over: Any) -> dict[str, Any]:
 
 def _manifest_body(ident: Identity, **over: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,
         "name": "tiny-run.v1",
         "model": "gpt-tiny",
         "data": "embedded",
@@ -439,8 +442,7 @@ def test_manifest_parse_and_defaults(alice: Identity) -> None:
     run_id, manifest = parse_manifest(env)
     assert len(run_id) == 64 and int(run_id, 16) >= 0
     assert manifest.quorum == default_quorum(4) == 3
-    assert (manifest.compression, manifest.aggregation) == ("none", "mean")
-    assert (manifest.min_quorum_fraction, manifest.staleness) == (0.6, 2)
+    assert manifest.compression == "none" and manifest.rules == SyncRules()  # test_sync_rules
     assert manifest.inner.beta2 == 0.95 and manifest.outer.nesterov is True
     assert [default_quorum(k) for k in (1, 2, 3, 4, 7, 64)] == [1, 2, 3, 3, 5, 43]
 
@@ -462,7 +464,7 @@ def test_run_id_stable_across_key_order_and_sensitive_to_fields(alice: Identity)
         "inner": {"lr": 3e-4},
         "outer": {"fragments": 2},
         "compression": "int4",
-        "staleness": 3,
+        "rules": {"staleness": 3},
     }
     ids = {run_id_of(RunManifest.model_validate({**body, k: v})) for k, v in changes.items()}
     assert base not in ids and len(ids) == len(changes)
@@ -485,11 +487,25 @@ def test_manifest_rejections(alice: Identity, bob: Identity) -> None:
 
 
 def test_incompatible_protocol_version(alice: Identity) -> None:
-    newer = _manifest_body(alice, protocol_version=2, future_field={"x": 1})
+    newer = _manifest_body(alice, protocol_version=PROTOCOL_VERSION + 1, future_field={"x": 1})
     env = open_envelope(seal(alice, "manifest", "", newer, ts=NOW), now=NOW)
     with pytest.raises(IncompatibleProtocol) as info:
         parse_manifest(env)
     msg = str(info.value)
-    assert "run 'tiny-run.v1' uses protocol version 2" in msg
-    assert "speaks version 1" in msg and "pip install -U p2pdiloco" in msg
+    assert f"run 'tiny-run.v1' uses protocol version {PROTOCOL_VERSION + 1}" in msg
+    assert f"speaks version {PROTOCOL_VERSION}" in msg and "pip install -U p2pdiloco" in msg
     assert isinstance(info.value, UserError)
+
+
+def test_a_protocol_1_node_is_told_to_upgrade(
+    alice: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The envelope format did not change with the protocol, so a node of protocol 1 still
+    opens a current manifest envelope and reaches the upgrade message."""
+    raw = seal(alice, "manifest", "", _manifest_body(alice, rules={"staleness": 1}), ts=NOW)
+    monkeypatch.setattr(records, "PROTOCOL_VERSION", 1)
+    with pytest.raises(IncompatibleProtocol, match="pip install -U p2pdiloco") as info:
+        parse_manifest(open_envelope(raw, now=NOW))
+    assert f"uses protocol version {PROTOCOL_VERSION} but this p2pdiloco speaks version 1" in str(
+        info.value
+    )

@@ -143,6 +143,32 @@ class OuterParams(_Strict):
     fragments: int = Field(default=1, ge=1, le=1024)
 
 
+class SyncRules(_Strict):
+    """How a round turns submissions into the next certified state: every rule here changes the
+    certified bytes (or which submissions make them), so every syncer must apply the same."""
+
+    # Robust merge rule, one of ``p2pdiloco.aggregate.RULES`` (``sync.rules.check_supported``).
+    aggregation: RuleName = "mean"
+    # The rule's hyperparameters, e.g. {"f": 1} for trimmed_mean; get_rule validates them.
+    aggregation_params: dict[RuleName, Annotated[float, Field(ge=-1e9, le=1e9)]] = Field(
+        default_factory=dict, max_length=8
+    )
+    # Screening drops a delta whose L2 norm exceeds this × the median norm; None disables it.
+    screen_norm_factor: float | None = Field(default=3.0, ge=1, le=1e6)
+    # Largest share of the total merge weight one submission may hold (water-filling cap).
+    weight_cap: float = Field(default=0.25, gt=0, le=1)
+    # Oldest base version a round accepts: certified version − staleness.
+    staleness: int = Field(default=2, ge=0, le=10_000)
+    # A round closes once this fraction of the active learners has submitted (then lingers).
+    min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
+    # Seconds a round collects before closing with what it has (at least one submission).
+    grace: float = Field(default=60.0, gt=0, le=86_400)
+    # Seconds a round keeps collecting after reaching min_quorum_fraction.
+    linger: float = Field(default=3.0, ge=0, le=3_600)
+    # Seconds without a proposal before the next committee member takes the lead.
+    agree_timeout: float = Field(default=20.0, gt=0, le=3_600)
+
+
 class RunManifest(_Strict):
     """Body of a ``manifest`` record: everything that defines a training run.
 
@@ -162,10 +188,8 @@ class RunManifest(_Strict):
     inner_steps: int = Field(ge=1, le=10**7)
     inner: InnerParams = Field(default_factory=InnerParams)
     outer: OuterParams = Field(default_factory=OuterParams)
-    compression: RuleName = "none"
-    aggregation: RuleName = "mean"
-    min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
-    staleness: int = Field(default=2, ge=0, le=10_000)
+    compression: RuleName = "none"  # delta codec, one of ``p2pdiloco.compress.CODECS``
+    rules: SyncRules = Field(default_factory=SyncRules)
     # The committee of round 1, when no certificate exists yet to draw one from; empty means
     # the creator alone. Also the fallback if a certified roster ever empties.
     genesis_committee: list[PeerIdStr] = Field(default_factory=list, max_length=64)

@@ -29,7 +29,12 @@ from p2pdiloco.protocol.identity import (
     verify,
 )
 
-PROTOCOL_VERSION = 1
+# The run protocol (manifest fields and their meaning): a manifest of another version is
+# refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``.
+PROTOCOL_VERSION = 2
+# The envelope format ("v"), versioned apart so an old node still opens a newer run's
+# manifest envelope and can say which protocol it speaks.
+ENVELOPE_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024
 _DOMAIN = b"p2pdiloco/v1\x00"
 _MAX_KIND_LEN = 64
@@ -144,7 +149,7 @@ def seal(
     if not math.isfinite(stamp) or stamp < 0:
         raise ValueError("ts must be a finite, non-negative unix time")
     unsigned = {
-        "v": PROTOCOL_VERSION,
+        "v": ENVELOPE_VERSION,
         "kind": kind,
         "run": run_id,
         "signer": identity.peer_id,

@@ -1,0 +1,52 @@
+"""Can this build follow a run's manifest? Checked before signing one and before joining one.
+
+A manifest names rules that change the certified bytes (``RunManifest.rules``, the codec, the
+outer step). A node that lacks one of them would merge differently from the committee and
+never get a signature to match, so it must refuse the run up front with one clear line.
+"""
+
+from __future__ import annotations
+
+from p2pdiloco.aggregate import RULES, get_rule
+from p2pdiloco.compress import CODECS
+from p2pdiloco.errors import UserError
+from p2pdiloco.protocol.records import RunManifest
+
+
+class UnsupportedManifest(UserError):
+    """The run needs a rule, parameter, codec or layout this p2pdiloco does not implement."""
+
+
+def check_supported(manifest: RunManifest) -> None:
+    """Raise UnsupportedManifest (one line: what this build lacks and what it has) unless this
+    build can merge, decode and sync exactly as the manifest says.
+
+    Checks: the aggregation rule is in ``p2pdiloco.aggregate.RULES`` and accepts the manifest's
+    parameters; the codec is in ``p2pdiloco.compress.CODECS``; the outer step syncs one
+    fragment (``outer.fragments == 1``; Streaming DiLoCo fragments exist in ``simulate`` only).
+    """
+    rules = manifest.rules
+    if rules.aggregation not in RULES:
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} merges with aggregation rule {rules.aggregation!r}, which "
+            f"this p2pdiloco lacks; it has {', '.join(RULES)}"
+        )
+    try:
+        get_rule(rules.aggregation, **rules.aggregation_params)
+    except ValueError as e:
+        detail = " ".join(str(e).split())
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} sets {rules.aggregation} parameters "
+            f"{rules.aggregation_params} that this p2pdiloco refuses: {detail}"
+        ) from None
+    if manifest.compression not in CODECS:
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} compresses deltas with codec {manifest.compression!r}, "
+            f"which this p2pdiloco lacks; it has {', '.join(CODECS)}"
+        )
+    if manifest.outer.fragments != 1:
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} syncs {manifest.outer.fragments} fragments, but this "
+            "p2pdiloco's network syncs one fragment (the whole model) per round; "
+            "use fragments=1 (fragments are simulated only: p2pdiloco simulate --fragments)"
+        )
