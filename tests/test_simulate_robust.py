@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
 from p2pdiloco.train.simulate import SimulateConfig, run_simulation
@@ -45,9 +46,12 @@ def test_sign_flip_hurts_mean_but_trimmed_mean_neutralises_it(
     corpus_dir: Path, clean: dict
 ) -> None:
     base = clean["diloco"]["eval_loss_final"]
-    attacked = sim(corpus_dir, adversaries=1, attack="sign-flip", screen_norm_factor=None)
-    robust = sim(corpus_dir, adversaries=1, attack="sign-flip", aggregation="trimmed_mean",
-                 aggregation_params={"f": 1}, screen_norm_factor=None)  # fmt: skip
+    plain = SyncRules(screen_norm_factor=None)
+    trimmed = SyncRules(
+        aggregation="trimmed_mean", aggregation_params={"f": 1}, screen_norm_factor=None
+    )
+    attacked = sim(corpus_dir, adversaries=1, attack="sign-flip", rules=plain)
+    robust = sim(corpus_dir, adversaries=1, attack="sign-flip", rules=trimmed)
     assert attacked["diloco"]["eval_loss_final"] > base * 1.03
     assert robust["diloco"]["eval_loss_final"] < base * 1.03
     assert robust["adversaries"] == [3] and robust["attack"] == "sign-flip"
@@ -62,7 +66,9 @@ def test_scaled_deltas_are_rejected_by_screening_every_round(corpus_dir: Path, c
 
 def test_bad_rule_or_attack_is_a_config_error(corpus_dir: Path) -> None:
     with pytest.raises(ConfigError, match="unknown"):
-        sim(corpus_dir, aggregation="nope")
+        sim(corpus_dir, rules=SyncRules(aggregation="nope"))
+    with pytest.raises(ConfigError, match="trimmed_mean"):
+        sim(corpus_dir, rules=SyncRules(aggregation="trimmed_mean", aggregation_params={"g": 1}))
     with pytest.raises(ConfigError, match="attack"):
         sim(corpus_dir, adversaries=1, attack="nope")
     with pytest.raises(ConfigError, match="adversaries"):

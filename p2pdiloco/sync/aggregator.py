@@ -1,11 +1,12 @@
-"""A syncer's merge: agreed submissions → screened → robust rule → outer step → new state.
+"""The merge: agreed deltas → screened → robust rule → outer step → new state. The only one.
 
-Pure tensor work, no IO: the network driver calls it in a worker thread, tests call it directly.
-Every honest syncer that merges the same agreed input set from the same certified state gets a
-bit-identical result (the rules and the outer step are element-wise or fixed-order; ADR 0005),
-which is what lets their signatures over the state hash match.
+The syncer service runs it on a round's agreed submissions (in a worker thread), the simulator
+on each fragment's deltas, the tests directly. Pure tensor work, no IO. Every honest syncer that
+merges the same inputs (same deltas, same weights, same order) from the same certified state
+gets a bit-identical result (the rules and the outer step are element-wise or fixed-order;
+ADR 0005), which is what lets their signatures over the state hash match.
 
-Shapes: M submissions, D parameters (all tensors, flattened in sorted-name order).
+Shapes: M inputs, D parameters (the tensors named in ``params``, flattened in sorted-name order).
 """
 
 from __future__ import annotations
@@ -16,26 +17,43 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.aggregate import get_rule, screen
+from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
 
 
 @dataclass(frozen=True)
 class MergeInput:
-    """One agreed submission, decoded: its id, its sender, its delta per tensor, its weight."""
+    """One agreed submission, decoded: its id, its sender, its delta per tensor, its weight.
+
+    ``weight`` comes from ``sync.weights.merge_weights`` (tokens / (1 + lag), capped at
+    ``SyncRules.weight_cap``), computed over the whole input set in sorted-id order.
+    """
 
     digest: str
     peer_id: str
-    delta: Mapping[str, torch.Tensor]
+    delta: Mapping[str, torch.Tensor]  # at least the names being merged; others are ignored
     weight: float
 
 
 @dataclass
 class MergeResult:
-    params: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]  # outer Nesterov buffers, keyed by parameter name
-    accepted: list[str]  # digests merged
+    params: dict[str, torch.Tensor]  # the merged names, float32, on the device of ``params``
+    momentum: dict[str, torch.Tensor]  # outer Nesterov buffers of the merged names
+    accepted: list[str]  # digests merged, in input order
     rejected: dict[str, str] = field(default_factory=dict)  # digest → screening reason
     rule: str = ""  # the rule actually applied (a fallback is named here)
+
+
+class MergeError(ValueError):
+    """No merge this round: screening rejected every delta (or there were none).
+
+    ``rejected`` maps each input's digest to its reason. The round certifies nothing; the
+    certified state stays as it was.
+    """
+
+    def __init__(self, message: str, rejected: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.rejected = dict(rejected or {})
 
 
 def merge_round(
@@ -43,46 +61,75 @@ def merge_round(
     momentum: Mapping[str, torch.Tensor],
     inputs: Sequence[MergeInput],
     *,
-    rule: str,
-    rule_params: Mapping[str, float] | None = None,
+    rules: SyncRules,
     outer: OuterConfig,
-    screen_norm_factor: float | None = 3.0,
 ) -> MergeResult:
-    """The next certified state from the certified ``params``/``momentum`` (left untouched).
+    """The next state of the tensors named in ``params`` (left untouched, as is ``momentum``).
 
-    Screening (finite, size, norm ≤ factor × median) drops poisoned or malformed deltas; the
-    rule merges the rest with their weights. If screening leaves fewer deltas than the rule
-    needs, the coordinate median is used instead (recorded in ``rule``), so a round that closed
-    with few learners still produces a state. Raises ValueError if every delta is rejected.
+    Merges only the names in ``params``, so a caller may pass one fragment. Each input's delta
+    must hold every such name; a missing tensor or a wrong shape rejects that input, like
+    screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × median). The rule
+    ``rules.aggregation`` merges the rest with the inputs' weights. If fewer remain than the
+    rule needs, the coordinate median is used instead (named in ``MergeResult.rule``), so a
+    round that closed with few learners still produces a state. A name without a momentum
+    buffer starts from zero.
+
+    Raises MergeError if no input survives screening, and ValueError from ``get_rule`` for rule
+    parameters the rule refuses (``sync.rules.check_supported`` catches those up front).
     """
     names = sorted(params)
+    chosen = get_rule(rules.aggregation, **rules.aggregation_params)
+    rejected: dict[str, str] = {}
+    rows: list[int] = []
+    for i, inp in enumerate(inputs):
+        reason = _shape_mismatch(inp.delta, params, names)
+        if reason:
+            rejected[inp.digest] = reason
+        else:
+            rows.append(i)
+    if not rows:
+        raise MergeError("no delta of the round has the model's tensors", rejected)
     delta_MD = torch.stack(
-        [torch.cat([inp.delta[n].float().reshape(-1) for n in names]) for inp in inputs]
+        [torch.cat([inputs[i].delta[n].float().reshape(-1) for n in names]) for i in rows]
     )
-    verdict = screen(delta_MD, expected_numel=delta_MD.shape[1], norm_factor=screen_norm_factor)
-    rejected = {inputs[i].digest: reason for i, reason in verdict.rejected.items()}
+    verdict = screen(
+        delta_MD, expected_numel=delta_MD.shape[1], norm_factor=rules.screen_norm_factor
+    )
+    rejected.update({inputs[rows[j]].digest: reason for j, reason in verdict.rejected.items()})
     if not verdict.accepted:
-        raise ValueError("screening rejected every delta of the round")
-    chosen = get_rule(rule, **dict(rule_params or {}))
-    applied = rule
+        raise MergeError("screening rejected every delta of the round", rejected)
+    applied = rules.aggregation
     if len(verdict.accepted) < chosen.min_learners:
-        chosen, applied = get_rule("median"), f"median (fallback from {rule})"
-    weights = [inputs[i].weight for i in verdict.accepted]
+        chosen, applied = get_rule("median"), f"median (fallback from {rules.aggregation})"
+    weights = [inputs[rows[j]].weight for j in verdict.accepted]
     merged_D = chosen(delta_MD[verdict.accepted].contiguous(), weights)
 
-    new_params = {n: params[n].detach().to("cpu", torch.float32).clone() for n in names}
+    new_params = {n: params[n].detach().float().clone() for n in names}
     opt = OuterOptimizer(outer)
-    opt.momentum = {n: momentum[n].detach().float().clone() for n in momentum}
+    opt.momentum = {n: momentum[n].detach().float().clone() for n in names if n in momentum}
     merged, offset = {}, 0
     for n in names:
         size = new_params[n].numel()
         merged[n] = merged_D[offset : offset + size].reshape(new_params[n].shape)
         offset += size
     opt.step(new_params, merged)
+    order = {inp.digest: k for k, inp in enumerate(inputs)}
     return MergeResult(
         params=new_params,
         momentum=opt.momentum,
-        accepted=[inputs[i].digest for i in verdict.accepted],
-        rejected=rejected,
+        accepted=[inputs[rows[j]].digest for j in verdict.accepted],
+        rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
     )
+
+
+def _shape_mismatch(
+    delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], names: list[str]
+) -> str:
+    for n in names:
+        t = delta.get(n)
+        if t is None:
+            return f"missing tensor {n!r}"
+        if tuple(t.shape) != tuple(params[n].shape):
+            return f"tensor {n!r} has shape {tuple(t.shape)}, not {tuple(params[n].shape)}"
+    return ""

@@ -1,8 +1,11 @@
 """Poisoned outer deltas, for tests, the simulator, benchmarks and the demo's ``--adversary``.
 
 Each attack turns what an attacker could know (its own honest delta, and for the omniscient
-attacks the honest deltas of the round) into the delta it sends. Shapes: M learners, D
-parameters; ``honest_MD`` holds the honest learners' deltas of the round.
+attacks the honest deltas of the round) into the delta it sends. An attack is a transform of
+the attacker's own delta *before* it is compressed and sent (``Attacker.transform``), the same
+object in a network learner (``train/learner.py``) and in the simulator; the syncers' merge
+never knows who attacks. Shapes: M learners, D parameters (a delta's tensors flattened in
+sorted-name order); ``honest_MD`` holds the honest learners' deltas of the round.
 
 | name      | sends                                                                  | source |
 |-----------|------------------------------------------------------------------------|--------|
@@ -17,6 +20,7 @@ parameters; ``honest_MD`` holds the honest learners' deltas of the round.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -75,3 +79,62 @@ def poison(
     # replay: the attacker re-sends an old delta; in the network its stale base version gets it
     # rejected, in a version-blind simulation it is simply an outdated update.
     return (previous_D if previous_D is not None else own).float().clone()
+
+
+class Attacker:
+    """One attacking learner: turns its own delta into the one it sends, round after round.
+
+    ``num_learners`` and ``num_attackers`` are what ALIE's shift is computed for (the attacker's
+    belief about the round). ``transform`` takes the attacker's own honest delta and, for an
+    omniscient attacker (the simulator), the honest learners' deltas of the round; a lone network
+    attacker passes None and the honest spread is estimated from its own current and previous
+    delta (half of the current one in its first round). ``replay`` sends its previous delta of
+    the same tensors (its own in the first round). State: the previous delta per set of tensor
+    names, so the simulator's fragments are kept apart. Raises ValueError for an empty delta or
+    ``honest`` deltas without the attacker's tensors.
+    """
+
+    def __init__(self, cfg: AttackConfig, *, num_learners: int, num_attackers: int = 1) -> None:
+        if not 1 <= num_attackers <= num_learners:
+            raise ValueError("an attack needs 1 ≤ num_attackers ≤ num_learners")
+        self.cfg = cfg
+        self.num_learners = num_learners
+        self.num_attackers = num_attackers
+        self._previous: dict[tuple[str, ...], torch.Tensor] = {}
+
+    @torch.no_grad()
+    def transform(
+        self,
+        own: Mapping[str, torch.Tensor],
+        honest: Sequence[Mapping[str, torch.Tensor]] | None,
+        round_index: int,
+    ) -> dict[str, torch.Tensor]:
+        """The delta to send this round instead of ``own`` (float32, same names and shapes)."""
+        names = tuple(sorted(own))
+        if not names:
+            raise ValueError("an attacker needs a non-empty delta")
+        own_D = torch.cat([own[n].float().reshape(-1) for n in names])
+        previous_D = self._previous.get(names)
+        if honest:
+            honest_MD = torch.stack(
+                [torch.cat([h[n].float().reshape(-1) for n in names]) for h in honest]
+            )
+        else:
+            estimate = previous_D if previous_D is not None else own_D * 0.5
+            honest_MD = torch.stack([own_D, estimate])
+        bad_D = poison(
+            self.cfg,
+            own_D,
+            honest_MD,
+            num_learners=self.num_learners,
+            num_attackers=self.num_attackers,
+            previous_D=previous_D,
+            round_index=round_index,
+        )
+        self._previous[names] = own_D
+        out, offset = {}, 0
+        for n in names:
+            size = own[n].numel()
+            out[n] = bad_D[offset : offset + size].reshape(own[n].shape)
+            offset += size
+        return out

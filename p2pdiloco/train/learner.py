@@ -28,7 +28,7 @@ import torch
 from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.sync.attacks import AttackConfig, poison
+from p2pdiloco.sync.attacks import AttackConfig, Attacker
 from p2pdiloco.train.data import PackedCorpus, learner_batches
 from p2pdiloco.train.inner import InnerConfig, InnerStats, make_inner_optimizer, train_steps
 from p2pdiloco.train.models import build_model, param_state
@@ -72,7 +72,10 @@ class Learner:
         rounds_done: int = 0,
         base_version: int = 0,
         micro_batch: int | None = None,
+        num_learners: int = 4,
     ) -> None:
+        """``attack`` makes this node an attacker (tests, demo); ``num_learners`` is the round
+        size its attack assumes (ALIE's shift). ``micro_batch`` splits the run's step batch."""
         self.manifest = manifest
         self.cfg = inner_config(manifest)
         if micro_batch is not None and self.cfg.batch_size % micro_batch == 0:
@@ -88,9 +91,15 @@ class Learner:
         self.codec = get_codec(manifest.compression)
         self.feedback = ErrorFeedback(self.codec)
         self.attack = attack
+        # A lone attacker: it knows only its own deltas. Replay is done at the submission level
+        # (re-sending an old signed submission), so it does not transform deltas here.
+        self.attacker = (
+            Attacker(attack, num_learners=max(1, num_learners), num_attackers=1)
+            if attack is not None and attack.kind != "replay"
+            else None
+        )
         self.rounds_done = rounds_done  # stretches of H steps trained: the data position
         self.steps_since_send = 0
-        self._previous_delta: torch.Tensor | None = None  # for the attacks that need one
 
     def seek(self, global_step: int) -> None:
         """Put the inner lr schedule at ``global_step`` (after joining or catching up)."""
@@ -135,12 +144,12 @@ class Learner:
     def outgoing(
         self, base_version: int, base: Mapping[str, torch.Tensor], tokens: int, loss: float
     ) -> Outgoing:
-        """Δ = θ_base − θ_local, (poisoned if this node plays an attacker), compressed."""
+        """Δ = θ_base − θ_local, (transformed if this node plays an attacker), compressed."""
         local = {n: p.detach().float().cpu() for n, p in self.params().items()}
         names = sorted(local)
         delta = {n: base[n].float() - local[n] for n in names}
-        if self.attack is not None and self.attack.kind != "replay":
-            delta = self._poison(delta, names, base_version)
+        if self.attacker is not None:
+            delta = self.attacker.transform(delta, None, base_version)
         encoded = {n: self.feedback.compress(n, delta[n]) for n in names}
         out = Outgoing(
             base_version=base_version,
@@ -165,27 +174,3 @@ class Learner:
         for n, p in self.params().items():
             progress = p.detach().float().cpu() - anchor[n].float()
             p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))
-
-    def _poison(
-        self, delta: dict[str, torch.Tensor], names: list[str], version: int
-    ) -> dict[str, torch.Tensor]:
-        assert self.attack is not None
-        own_D = torch.cat([delta[n].reshape(-1) for n in names])
-        # A lone attacker estimates the honest spread from its own last two deltas.
-        prev = self._previous_delta if self._previous_delta is not None else own_D * 0.5
-        bad_D = poison(
-            self.attack,
-            own_D,
-            torch.stack([own_D, prev]),
-            num_learners=4,
-            num_attackers=1,
-            previous_D=prev,
-            round_index=version,
-        )
-        self._previous_delta = own_D
-        out, offset = {}, 0
-        for n in names:
-            size = delta[n].numel()
-            out[n] = bad_D[offset : offset + size].reshape(delta[n].shape)
-            offset += size
-        return out

@@ -7,6 +7,11 @@ Wire bytes use parameter-server accounting for both methods: at each sync a lear
 fp32 update (a gradient for data-parallel, a pseudo-gradient for DiLoCo) and downloads the new
 fp32 values. Data-parallel syncs every inner step; DiLoCo syncs each fragment once per H steps,
 so before compression DiLoCo sends H times fewer bytes.
+
+The outer sync is the network's: attackers transform their own delta (``sync.attacks.Attacker``,
+omniscient here: they see the honest deltas of the round), then ``sync.aggregator.merge_round``
+screens, merges with token weights (``sync.weights.merge_weights``, lag 0) and applies the outer
+Nesterov step, one fragment at a time.
 """
 
 from __future__ import annotations
@@ -14,15 +19,18 @@ from __future__ import annotations
 import copy
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
+from p2pdiloco.aggregate import get_rule
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.sync.attacks import AttackConfig
-from p2pdiloco.sync.merge import RobustMerger
+from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.attacks import AttackConfig, Attacker
+from p2pdiloco.sync.weights import merge_weights
 from p2pdiloco.train.data import (
     PackedCorpus,
     build_corpus,
@@ -34,12 +42,7 @@ from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.inner import InnerConfig, evaluate, make_inner_optimizer, train_steps
 from p2pdiloco.train.memory import check_fits
 from p2pdiloco.train.models import build_model, get_spec, param_state
-from p2pdiloco.train.outer import (
-    OuterConfig,
-    OuterOptimizer,
-    partition_fragments,
-    pseudo_gradient,
-)
+from p2pdiloco.train.outer import OuterConfig, partition_fragments, pseudo_gradient
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 # (description, completed work units, total work units); one unit = one learner inner step.
@@ -62,9 +65,9 @@ class SimulateConfig:
     max_data_bytes: int = 16 * 2**20  # cap on text read from the source
     init_from: str | None = None  # local Hugging Face checkpoint instead of random init
     baseline: bool = True  # also train the data-parallel baseline
-    aggregation: str = "mean"  # robust rule (p2pdiloco.aggregate.RULES)
-    aggregation_params: dict[str, float] = field(default_factory=dict)
-    screen_norm_factor: float | None = 3.0  # robust path: reject norm > factor × median
+    # The merge rules of a run manifest: rule and its params, screening, weight cap (the
+    # round-timing fields do not apply in one process).
+    rules: SyncRules = field(default_factory=SyncRules)
     adversaries: int = 0  # the last N learners poison their deltas
     attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -187,8 +190,9 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     initial = build_model(cfg.model, seed=cfg.seed, init_from=cfg.init_from, device=device)
     n_params = sum(p.numel() for p in param_state(initial).values())
 
-    merger = _merger(cfg)  # before any training: a bad rule or attack fails fast
-    diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick, merger)
+    attackers = build_attackers(cfg)  # before any training: a bad rule or attack fails fast
+    counts = _Verdicts(accepted=[0] * cfg.learners, rejected=[0] * cfg.learners)
+    diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick, attackers, counts)
     baseline = (
         _run_data_parallel(cfg, inner, corpus, evals, initial, tick) if cfg.baseline else None
     )
@@ -212,29 +216,83 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         diloco=diloco,
         baseline=baseline,
         peak_memory_bytes=_peak_memory(device),
-        aggregation=cfg.aggregation,
-        adversaries=merger.adversaries,
+        aggregation=cfg.rules.aggregation,
+        adversaries=sorted(attackers),
         attack=cfg.attack if cfg.adversaries else None,
-        accepted_deltas=merger.accepted,
-        rejected_deltas=merger.rejected,
+        accepted_deltas=counts.accepted,
+        rejected_deltas=counts.rejected,
     )
 
 
-def _merger(cfg: SimulateConfig) -> RobustMerger:
-    """The same screening and merge a syncer runs (plain DiLoCo is the ``mean`` rule)."""
+@dataclass
+class _Verdicts:
+    accepted: list[int]  # per learner: deltas merged
+    rejected: list[int]  # per learner: deltas screened out
+
+
+def build_attackers(cfg: SimulateConfig) -> dict[int, Attacker]:
+    """The last ``cfg.adversaries`` learners' attackers, by learner index; checks the rule too.
+
+    Raises ConfigError for an unknown rule or attack, bad rule parameters, or too many attackers.
+    """
     if not 0 <= cfg.adversaries < cfg.learners:
         raise ConfigError("--adversaries must be at least 0 and fewer than --learners")
     try:
-        return RobustMerger(
-            cfg.aggregation,
-            cfg.aggregation_params,
-            num_learners=cfg.learners,
-            screen_norm_factor=cfg.screen_norm_factor,
-            adversaries=range(cfg.learners - cfg.adversaries, cfg.learners),
-            attack=AttackConfig(cfg.attack, seed=cfg.seed) if cfg.adversaries else None,
-        )
+        get_rule(cfg.rules.aggregation, **cfg.rules.aggregation_params)
+        if not cfg.adversaries:
+            return {}
+        attack = AttackConfig(cfg.attack, seed=cfg.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    first = cfg.learners - cfg.adversaries
+    return {
+        i: Attacker(attack, num_learners=cfg.learners, num_attackers=cfg.adversaries)
+        for i in range(first, cfg.learners)
+    }
+
+
+def learner_id(i: int) -> str:
+    """The merge-input id of simulated learner ``i`` (sorts in learner order)."""
+    return f"learner-{i:06d}"
+
+
+def merge_fragment(
+    theta: Mapping[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor],
+    deltas: Sequence[Mapping[str, torch.Tensor]],
+    tokens: Sequence[int],
+    names: Sequence[str],
+    *,
+    rules: SyncRules,
+    outer: OuterConfig,
+) -> MergeResult:
+    """The outer step of fragment ``names``, as a syncer makes it, applied to the live model.
+
+    ``deltas`` and ``tokens`` are per learner (in learner order), as sent. Learner i's input is
+    ``learner_id(i)`` with weight ``merge_weights`` of its tokens at lag 0. Copies the merged
+    values into ``theta`` (in place, the global model) and the buffers into ``momentum``.
+    Raises MergeError (nothing changed) when screening rejects every delta.
+    """
+    ids = [learner_id(i) for i in range(len(deltas))]
+    weights = merge_weights(
+        {k: (t, 0) for k, t in zip(ids, tokens, strict=True)}, cap_fraction=rules.weight_cap
+    )
+    inputs = [
+        MergeInput(digest=k, peer_id=k, delta=d, weight=weights[k])
+        for k, d in zip(ids, deltas, strict=True)
+    ]
+    result = merge_round(
+        {n: theta[n] for n in names},
+        {n: momentum[n] for n in names if n in momentum},
+        inputs,
+        rules=rules,
+        outer=outer,
+    )
+    with torch.no_grad():
+        for n in names:
+            theta[n].copy_(result.params[n])
+    momentum.update(result.momentum)
+    return result
 
 
 def _run_diloco(
@@ -244,12 +302,13 @@ def _run_diloco(
     evals: list[torch.Tensor],
     global_model: torch.nn.Module,
     tick: Callable[[str, int], None],
-    merger: RobustMerger,
+    attackers: Mapping[int, Attacker],
+    counts: _Verdicts,
 ) -> MethodResult:
     t0 = time.perf_counter()
     theta = param_state(global_model)  # the global parameters, updated in place
     fragments = partition_fragments({n: t.numel() for n, t in theta.items()}, cfg.outer.fragments)
-    outer = OuterOptimizer(cfg.outer)
+    momentum: dict[str, torch.Tensor] = {}  # outer Nesterov buffers, as certified state holds
     learners = []
     for _ in range(cfg.learners):
         model = copy.deepcopy(global_model)
@@ -261,6 +320,7 @@ def _run_diloco(
     for rnd in range(cfg.rounds):
         for f, names in enumerate(fragments):
             sub_round = rnd * len(fragments) + f
+            sent_tokens = []
             for i, (model, opt, sched) in enumerate(learners):
                 batches = learner_batches(
                     corpus,
@@ -280,13 +340,27 @@ def _run_diloco(
                     grad_clip=inner.grad_clip,
                 )
                 tokens += stats.tokens
+                sent_tokens.append(stats.tokens)
                 last_train = stats.loss_last
                 tick(f"DiLoCo round {rnd + 1}/{cfg.rounds} learner {i + 1}", stats.steps)
 
-            # Outer step on fragment f: merge the learners' pseudo-gradients, apply Nesterov,
-            # then every learner continues from the new global values of that fragment.
+            # Outer step on fragment f: attackers transform their own delta, the syncer's merge
+            # screens, merges and applies Nesterov, then every learner continues from the new
+            # global values of that fragment (or the old ones, if nothing could be merged).
             deltas = [pseudo_gradient(theta, param_state(m), names) for m, _, _ in learners]
-            outer.step(theta, merger.merge(deltas, names, sub_round))
+            honest = [d for i, d in enumerate(deltas) if i not in attackers]
+            for i, attacker in attackers.items():
+                deltas[i] = attacker.transform(deltas[i], honest, sub_round)
+            try:
+                result = merge_fragment(
+                    theta, momentum, deltas, sent_tokens, names, rules=cfg.rules, outer=cfg.outer
+                )
+                verdict_accepted, verdict_rejected = result.accepted, result.rejected
+            except MergeError as e:
+                verdict_accepted, verdict_rejected = [], e.rejected
+            for i in range(cfg.learners):
+                counts.accepted[i] += learner_id(i) in verdict_accepted
+                counts.rejected[i] += learner_id(i) in verdict_rejected
             for model, _, _ in learners:
                 local = param_state(model)
                 with torch.no_grad():
