@@ -30,9 +30,11 @@ from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.fetch import verify_next
+from p2pdiloco.sync.rules import check_supported
 from p2pdiloco.train.checkpoint import CheckpointStore
 from p2pdiloco.train.data import build_corpus, eval_batches
 from p2pdiloco.train.inner import evaluate
@@ -55,8 +57,9 @@ class DemoConfig:
     inner_lr: float = 4e-4
     batch_size: int = 8
     seq_len: int = 128
+    # Round timing, written into the manifest's rules (every syncer follows the run's).
     grace: float = 60.0  # a round closes at 60 % of learners, or after this many seconds
-    agree_timeout: float = 15.0
+    agree_timeout: float = 15.0  # seconds without a proposal before the next syncer leads
     timeout: float = 900.0  # whole demo
     workdir: Path | None = None  # keep logs and states here (default: a temporary directory)
     eval_batches: int = 8
@@ -202,7 +205,11 @@ class LocalNetwork:
         return self.boot_addr
 
     def publish_run(self, keys: list[Identity], **overrides: Any) -> str:
-        """Sign and publish the run manifest; the first k keys form the genesis committee."""
+        """Sign and publish the run manifest; the first k keys form the genesis committee.
+
+        ``overrides`` replace manifest fields; a ``SyncRules`` field name (``staleness=0``)
+        replaces that rule inside ``rules``.
+        """
         cfg = self.cfg
         k = min(cfg.committee_size, len(keys))
         total = cfg.rounds * cfg.inner_steps * 2
@@ -216,7 +223,6 @@ class LocalNetwork:
             quorum=(2 * k) // 3 + 1,
             genesis_committee=[key.peer_id for key in keys[:k]],
             compression=cfg.compression,
-            aggregation=cfg.aggregation,
             inner={
                 "lr": cfg.inner_lr,
                 "batch_size": cfg.batch_size,
@@ -226,8 +232,14 @@ class LocalNetwork:
             },
             outer={"lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
         )
-        fields.update(overrides)
+        rules: dict[str, Any] = dict(
+            aggregation=cfg.aggregation, grace=cfg.grace, agree_timeout=cfg.agree_timeout
+        )
+        for key, value in overrides.items():
+            (rules if key in SyncRules.model_fields else fields)[key] = value
+        fields["rules"] = rules | dict(fields.get("rules", {}))
         run_id, manifest, raw = create_manifest(keys[0], **fields)
+        check_supported(manifest)
         with DHTPlane(Identity.generate(), initial_peers=[self.boot_addr], client_mode=True) as dht:
             publish_manifest(dht, run_id, manifest, raw)
         self.run_id, self.manifest = run_id, manifest
@@ -258,8 +270,6 @@ class LocalNetwork:
             "--threads", "1",
             "--until-version", str(until_version),
             "--heartbeat-interval", "2",
-            "--round-grace", str(self.cfg.grace),
-            "--agree-timeout", str(self.cfg.agree_timeout),
             *extra,
         ]  # fmt: skip
         if adversary:

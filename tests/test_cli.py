@@ -122,3 +122,38 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
     assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
     out = run_cli("simulate", "--inner-steps", "5", "--fragments", "2")
     assert out.returncode == 2 and "multiple of --fragments" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--fragments", "2"], "syncs one fragment"),
+        (["--aggregation", "nope"], "aggregation rule 'nope'"),
+        (["--aggregation", "trimmed_mean", "--agg-param", "g=1"], "takes ['f']"),
+        (["--compression", "int2"], "codec 'int2'"),
+        (["--weight-cap", "2"], "invalid sync rule weight_cap"),
+        (["--grace", "0"], "invalid sync rule grace"),
+    ],
+)
+def test_run_create_refuses_rules_before_signing_or_network(
+    tmp_path: Path, flags: list[str], needle: str
+) -> None:
+    out = run_cli(
+        "run", "create", "--name", "x", "--model", "gemma-tiny",
+        "--identity", str(tmp_path / "key"),
+        "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAsa7ZiGkhWgeGvQnAU2A1sdCFVMWXxihKGxzhJE1nYbe",
+        *flags,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], out.stderr
+
+
+def test_run_create_and_simulate_help_list_the_sync_rules() -> None:
+    for cmd in (["run", "create"], ["simulate"]):
+        out = run_cli(*cmd, "--help").stdout
+        for flag in ("--aggregation", "--agg-param", "--screen-norm-factor", "--weight-cap"):
+            assert flag in out, (cmd, flag)
+    out = run_cli("run", "create", "--help").stdout
+    for flag in ("--staleness", "--grace", "--linger", "--agree-timeout", "--compression"):
+        assert flag in out, flag

@@ -9,17 +9,21 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from p2pdiloco.aggregate import RULES
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.net_common import dht_client
+from p2pdiloco.cli.simulate_cmd import parse_agg_params, sync_rules
+from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.identity import Identity, default_identity_path
-from p2pdiloco.protocol.records import default_quorum
+from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
+from p2pdiloco.sync.rules import check_supported
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
-_i, _o = InnerConfig(), OuterConfig()
+_i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
 
 
 @app.command("create")
@@ -40,6 +44,33 @@ def create(
     quorum: Annotated[
         int | None, typer.Option(help="Signatures to certify [floor(2k/3)+1].")
     ] = None,
+    compression: Annotated[
+        str, typer.Option(help=f"Delta codec: {', '.join(CODECS)}.")
+    ] = RunManifest.model_fields["compression"].default,
+    aggregation: Annotated[
+        str, typer.Option(help=f"Merge rule: {', '.join(RULES)}.")
+    ] = _r.aggregation,
+    agg_param: Annotated[
+        list[str] | None, typer.Option(help="Rule parameter KEY=VALUE, e.g. f=1 (repeatable).")
+    ] = None,
+    screen_norm_factor: Annotated[
+        float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
+    ] = _r.screen_norm_factor or 0.0,
+    weight_cap: Annotated[
+        float, typer.Option(help="Largest share of a round's merge weight one learner may hold.")
+    ] = _r.weight_cap,
+    staleness: Annotated[
+        int, typer.Option(help="Oldest base version a round accepts: current − staleness.")
+    ] = _r.staleness,
+    grace: Annotated[
+        float, typer.Option(help="Seconds a round collects before closing with what it has.")
+    ] = _r.grace,
+    linger: Annotated[
+        float, typer.Option(help="Seconds a round keeps collecting once enough learners sent.")
+    ] = _r.linger,
+    agree_timeout: Annotated[
+        float, typer.Option(help="Seconds without a proposal before the next syncer leads.")
+    ] = _r.agree_timeout,
     genesis_committee: Annotated[
         list[str] | None,
         typer.Option(
@@ -54,22 +85,42 @@ def create(
     identity: Annotated[Path | None, typer.Option(help="Creator key file.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Sign a manifest with this node's key; its hash is the run id; publish it to the DHT."""
+    """Sign a manifest with this node's key; its hash is the run id; publish it to the DHT.
+
+    Refuses (exit 2, one line) settings out of range and rules this p2pdiloco cannot follow.
+    """
+    rules = sync_rules(
+        aggregation=aggregation,
+        aggregation_params=parse_agg_params(agg_param or []),
+        screen_norm_factor=screen_norm_factor or None,
+        weight_cap=weight_cap,
+        staleness=staleness,
+        grace=grace,
+        linger=linger,
+        agree_timeout=agree_timeout,
+    )
     creator = Identity.load_or_create(identity or default_identity_path())
+    fields = dict(
+        name=name,
+        model=model,
+        data=data,
+        seed=seed,
+        inner_steps=inner_steps,
+        committee_size=committee_size,
+        quorum=quorum if quorum is not None else default_quorum(committee_size),
+        inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},
+        outer={"lr": outer_lr, "momentum": outer_momentum, "fragments": fragments},
+        compression=compression,
+        rules=rules.model_dump(),
+        genesis_committee=genesis_committee or [],
+    )
     try:
-        run_id, manifest, raw = create_manifest(
-            creator,
-            name=name,
-            model=model,
-            data=data,
-            seed=seed,
-            inner_steps=inner_steps,
-            committee_size=committee_size,
-            quorum=quorum if quorum is not None else default_quorum(committee_size),
-            inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},
-            outer={"lr": outer_lr, "momentum": outer_momentum, "fragments": fragments},
-            genesis_committee=genesis_committee or [],
+        draft = RunManifest.model_validate(
+            {"protocol_version": PROTOCOL_VERSION, "creator": creator.peer_id, "created_at": 0.0}
+            | fields
         )
+        check_supported(draft)  # before signing: never publish a run this build cannot follow
+        run_id, manifest, raw = create_manifest(creator, **fields)
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(

@@ -7,6 +7,7 @@ import sys
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from p2pdiloco.aggregate import RULES
@@ -14,6 +15,7 @@ from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.progress import progress_bar
 from p2pdiloco.dashboard.tables import simulation_summary
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
@@ -22,7 +24,8 @@ from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 _d = SimulateConfig()
 
 
-def _parse_params(items: list[str]) -> dict[str, float]:
+def parse_agg_params(items: list[str]) -> dict[str, float]:
+    """``--agg-param KEY=NUMBER`` values as a dict; ConfigError for any other shape."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -33,6 +36,16 @@ def _parse_params(items: list[str]) -> dict[str, float]:
         except ValueError:
             raise ConfigError(f"--agg-param must look like KEY=NUMBER, not '{item}'") from None
     return out
+
+
+def sync_rules(**fields: object) -> SyncRules:
+    """Validated ``SyncRules`` from CLI values; ConfigError naming the first bad one."""
+    try:
+        return SyncRules.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        where = ".".join(map(str, err["loc"]))
+        raise ConfigError(f"invalid sync rule {where}: {err['msg']}") from None
 
 
 _i = InnerConfig()
@@ -74,10 +87,16 @@ def simulate(
     baseline: Annotated[bool, typer.Option(help="Also train the data-parallel baseline.")] = True,
     aggregation: Annotated[
         str, typer.Option(help=f"Merge rule: {', '.join(RULES)}.")
-    ] = _d.aggregation,
+    ] = _d.rules.aggregation,
     agg_param: Annotated[
         list[str] | None, typer.Option(help="Rule parameter KEY=VALUE, e.g. f=1 (repeatable).")
     ] = None,
+    screen_norm_factor: Annotated[
+        float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
+    ] = _d.rules.screen_norm_factor or 0.0,
+    weight_cap: Annotated[
+        float, typer.Option(help="Largest share of the merge weight one learner may hold.")
+    ] = _d.rules.weight_cap,
     adversaries: Annotated[int, typer.Option(help="The last N learners attack.")] = 0,
     attack: Annotated[str, typer.Option(help=f"Attack: {', '.join(ATTACKS)}.")] = _d.attack,
 ) -> None:
@@ -103,8 +122,12 @@ def simulate(
             grad_accum=grad_accum,
         ),
         outer=OuterConfig(lr=outer_lr, momentum=outer_momentum, fragments=fragments),
-        aggregation=aggregation,
-        aggregation_params=_parse_params(agg_param or []),
+        rules=sync_rules(
+            aggregation=aggregation,
+            aggregation_params=parse_agg_params(agg_param or []),
+            screen_norm_factor=screen_norm_factor or None,
+            weight_cap=weight_cap,
+        ),
         adversaries=adversaries,
         attack=attack,
     )
