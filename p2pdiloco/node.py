@@ -14,12 +14,16 @@ interval, so with gossip off (``gossip=False``) or dead, membership still conver
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
@@ -38,6 +42,7 @@ from p2pdiloco.protocol.signing import InvalidRecord, open_envelope, seal
 from p2pdiloco.runtime.plane import Presence
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def run_topic(run_id: str) -> str:
@@ -212,10 +217,8 @@ class Node:
     async def tick(self, presence: Presence) -> list[bytes]:
         """One interval: the DHT/gossip I/O in a worker thread, then membership on the loop;
         returns certificate bytes heard on gossip."""
-        loop = asyncio.get_running_loop()
-        heard = self._apply(await loop.run_in_executor(None, self._io, presence))
-        targets = self._gossip_targets()
-        await loop.run_in_executor(None, self._dial_gossip_peers, targets)
+        heard = self._apply(await _off_loop(self._io, presence))
+        await _off_loop(self._dial_gossip_peers, self._gossip_targets())
         return heard
 
     def _io(self, presence: Presence) -> tuple[list[tuple[bytes, str, str]], list[GossipMessage]]:
@@ -296,16 +299,14 @@ class Node:
 
     async def publish_certificate(self, cert: Certificate) -> None:
         assert self.run is not None
-        await asyncio.get_running_loop().run_in_executor(
-            None, publish_certificate, self.identity, self.run.run_id, cert, self.dht, self.gossip
+        await _off_loop(
+            publish_certificate, self.identity, self.run.run_id, cert, self.dht, self.gossip
         )
 
     async def read_certificates(self) -> list[bytes]:
         if self.dht is None or self.run is None:
             return []
-        return await asyncio.get_running_loop().run_in_executor(
-            None, read_certificates, self.dht, self.run.run_id
-        )
+        return await _off_loop(read_certificates, self.dht, self.run.run_id)
 
     def _dial_gossip_peers(self, targets: list[tuple[str, list[str]]]) -> None:
         """Dial new gossip peers (worker thread; the dial bookkeeping is touched only here)."""
@@ -369,6 +370,34 @@ class Node:
             "rejected": self.rejected,
             "events": tuple(self.events[-5:]),
         }
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking DHT/gossip I/O in a daemon thread and await it. Not the loop's executor:
+    a call stuck on a DHT that is shutting down must not hold the process at exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, None, e)
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, daemon=True, name="dht-io").start()
+    return await fut
 
 
 def _hardware() -> Hardware:

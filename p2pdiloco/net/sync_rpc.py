@@ -64,7 +64,7 @@ def check_request(
     count = control.get("frames", 0)
     if limits is None or not isinstance(op, str):
         raise RpcRefused(Reason.UNKNOWN_OP, f"unknown op {str(op)[:32]!r}")
-    if not isinstance(count, int) or not 0 <= count <= len(limits):
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= len(limits):
         raise RpcRefused(Reason.MALFORMED, f"op {op} takes at most {len(limits)} frames")
     return op, limits[:count]
 

@@ -146,14 +146,20 @@ class RunningNode:
             if not trainer.alive:
                 save_local(self.cfg.state_dir, trainer.learner, self.run_id, trainer.state.version)
                 kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
-        if self._membership is not None and self.node.bridge is not None:
-            self.node.bridge.loop.call_soon_threadsafe(self._membership.cancel)
-        if runtime is not None and self.node.bridge is not None:
-            try:
-                self.node.bridge.run(runtime.close(), 10)
-                self.node.bridge.run(runtime._write_status(), 5)
-            except Exception as e:  # shutting down: say it, keep going
-                log.info("runtime close: %s", e)
+        bridge = self.node.bridge
+        if bridge is None:
+            return kept
+        if self._membership is not None:
+            bridge.loop.call_soon_threadsafe(self._membership.cancel)
+        try:
+            if runtime is not None:
+                bridge.run(runtime.close(), 10)
+                bridge.run(runtime.write_status(), 5)
+            # Let hashing, merging and checkpoint writes in the loop's workers finish (DHT I/O
+            # runs in daemon threads and cannot hold the exit).
+            bridge.run(bridge.loop.shutdown_default_executor(), 30)
+        except Exception as e:  # shutting down: say it, keep going
+            log.info("runtime close: %s", e)
         return kept
 
     @property

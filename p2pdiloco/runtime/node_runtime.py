@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +136,8 @@ class NodeRuntime:
         await self.transport.serve(self._handle, request_limits(self.service.max_payload))
         self.chain.install(state)
         await self.service.install(state)
-        for coro in (self._ticker(), self._applier(), self._sender(), self._poller()):
+        tasks = (self._ticker(), self._heartbeat(), self._applier(), self._sender(), self._poller())
+        for coro in tasks:
             self._tasks.append(asyncio.create_task(coro))
         self.tally.phase = "syncing state"
         newest = await self._newest_from_network()
@@ -194,20 +194,26 @@ class NodeRuntime:
     # -- tasks ---------------------------------------------------------------------------------
 
     async def _ticker(self) -> None:
-        next_beat = 0.0
+        """Syncer-round clock ticks; never waits on the plane."""
         while True:
             assert self.service is not None
             try:
                 self.service.tick()
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self.cfg.heartbeat
-                    for raw in await self.plane.tick(self._presence()):
-                        self._certs_in.put_nowait((raw, None))
-                    await self._write_status()
                 self._publish_view()
-            except Exception:  # a failing interval is logged and retried, never fatal
+            except Exception:  # a failing tick is logged and retried, never fatal
                 log.exception("runtime tick failed")
             await asyncio.sleep(self.cfg.tick)
+
+    async def _heartbeat(self) -> None:
+        """Plane ticks (heartbeats, membership, gossiped certificates) and the status file."""
+        while True:
+            try:
+                for raw in await self.plane.tick(self._presence()):
+                    self._certs_in.put_nowait((raw, None))
+                await self.write_status()
+            except Exception:  # a failing interval is logged and retried, never fatal
+                log.exception("heartbeat interval failed")
+            await asyncio.sleep(self.cfg.heartbeat)
 
     def _presence(self) -> Presence:
         tv = self.trainer_view()
@@ -277,7 +283,7 @@ class NodeRuntime:
         )
         self._spawn_eval(new)
         self._publish_view()
-        await self._write_status()
+        await self.write_status()
 
     def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:
         """Try a certificate again shortly, at most ``MAX_RETRIES`` times (a forged one that
@@ -474,7 +480,7 @@ class NodeRuntime:
             rejections=tuple(svc.rejections) if svc is not None else (),
         )
 
-    async def _write_status(self) -> None:
+    async def write_status(self) -> None:
         data = self.view.status_json(self.me, self.run_id, self.trainer_view())
         path = self.cfg.state_dir / "status.json"
         await asyncio.get_running_loop().run_in_executor(None, _write_quietly, path, data)

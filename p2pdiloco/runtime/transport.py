@@ -161,7 +161,9 @@ class MemoryTransport:
         except Exception:  # as on the wire: a handler bug is an internal error for the caller
             raise RpcError("internal error", refused=True, code=Reason.INTERNAL) from None
         if any(len(f) > reply_limit for f in out):
-            raise RpcError(f"{op} to {peer}: reply frame over {reply_limit} bytes")
+            raise RpcError(
+                f"{op} to {peer}: reply frame over {reply_limit} bytes", code=Reason.MALFORMED
+            )
         hub._count(peer, self.me, out)
         return {**reply, "ok": True, "frames": len(out)}, [bytes(f) for f in out]
 

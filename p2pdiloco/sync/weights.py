@@ -38,9 +38,7 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
     return {k: min(w, lo) for k, w in weights.items()}
 
 
-def merge_weights(
-    entries: Mapping[str, tuple[int, int]], cap_fraction: float
-) -> dict[str, float]:
+def merge_weights(entries: Mapping[str, tuple[int, int]], cap_fraction: float) -> dict[str, float]:
     """Merge weights of a round's submissions, the one rule every merge uses.
 
     ``entries`` maps a submission id to (tokens, lag), lag = certified version − base version.
