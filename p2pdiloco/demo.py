@@ -30,6 +30,7 @@ from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import TIMING, Reason
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
@@ -414,18 +415,18 @@ def summarize(
             tokens[a.peer_id] += a.tokens
         for r in c.body.rejected:
             rejected[r.peer_id] += 1
-    # Submissions refused before aggregation (replays, stale, malformed, ...), once per
-    # submission and round; a late arrival at one syncer of a delta the committee merged anyway
-    # is not a rejection, and screened-out deltas are already counted from the certificates.
-    merged = {a.digest for c in chain for a in c.body.accepted}
+    # Submissions refused before aggregation as bad input (forged, replayed, stale, malformed,
+    # ...), once per submission and round. A delta that only came late (its round had closed,
+    # or one syncer had moved on) is not a rejection: that is timing, not a verdict. Screened-out
+    # deltas are already counted from the certificates.
     screened = {r.digest for c in chain for r in c.body.rejected}
     refused: set[tuple[str, str, Any]] = set()
     for s in statuses:
         for r in s.get("rejections", []):
-            digest, reason = r.get("digest"), r.get("reason", "")
-            if digest in screened or (digest in merged and "already closed" in reason):
+            digest, code = r.get("digest"), Reason.parse(r.get("code"))
+            if digest in screened or code in TIMING:
                 continue
-            refused.add((r.get("peer_id", ""), digest or reason, r.get("round")))
+            refused.add((r.get("peer_id", ""), digest or r.get("reason", ""), r.get("round")))
     for peer, _, _ in refused:
         rejected[peer] += 1
     peers = {

@@ -56,3 +56,9 @@ class Reason(enum.StrEnum):
 
 # Codes after which a learner should send the same submission again later.
 RETRYABLE = frozenset({Reason.BASE_TOO_NEW, Reason.NO_OPEN_ROUND, Reason.BUSY, Reason.UNREACHABLE})
+
+# Codes that say a submission came at the wrong time, not that it was bad: an honest learner
+# gets them whenever its delta arrives after its round closed or at a syncer that moved on.
+TIMING = frozenset(
+    {Reason.ROUND_CLOSED, Reason.NOT_ON_COMMITTEE, Reason.BASE_TOO_NEW, Reason.NO_OPEN_ROUND}
+)

@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from p2pdiloco.compress import CodecError, get_codec
-from p2pdiloco.compress.wire import unpack_deltas
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import CertificateBody, assemble, body_digest, sign_body
 from p2pdiloco.protocol.certificates import parse_certificate as _parse_cert
@@ -32,7 +27,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission, payload_digest
+from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
@@ -45,6 +40,7 @@ from p2pdiloco.sync.committee_msgs import (
     seal_proposal,
     signature_message,
 )
+from p2pdiloco.sync.intake import Intake, Refusal
 from p2pdiloco.sync.roster import CommitteeInfo, committee_for, roster_of
 from p2pdiloco.sync.round import (
     Action,
@@ -111,13 +107,11 @@ class SyncService:
         self.run_id = run_id
         self.manifest = manifest
         self.rules = manifest.rules
-        self.shapes = dict(sorted(shapes.items()))
+        self.intake = Intake(manifest, shapes)
+        self.max_payload = self.intake.max_payload
         self.transport = transport
         self.active_learners = active_learners
         self.on_certified = on_certified
-        self.codec = get_codec(manifest.compression)
-        numel = sum(max(1, math.prod(s)) for s in self.shapes.values())
-        self.max_payload = numel * 4 + 4096 * len(self.shapes) + (1 << 20)
         self.outer = OuterConfig(
             lr=manifest.outer.lr, momentum=manifest.outer.momentum, nesterov=manifest.outer.nesterov
         )
@@ -233,7 +227,9 @@ class SyncService:
         except InvalidRecord as e:
             self._reject(e.signer or stream_peer, None, Reason.INVALID_SIGNATURE, str(e))
             raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
-        refusal = await self._check_submission(sub, rest[0] if rest else None)
+        if sub.digest in self.held:  # already here (fetched from a fellow syncer): fine
+            return {"status": "accepted", "version": sub.header.base_version + 1}, []
+        refusal = await self._check(sub, rest[0] if rest else None)
         if refusal is not None:
             code, text = refusal
             if code not in RETRYABLE:
@@ -266,43 +262,9 @@ class SyncService:
         h = sub.header
         return Submission(h.peer_id, self.run_id, h.base_version, h.steps, h.tokens, sub.digest)
 
-    async def _check_submission(
-        self, sub: ParsedSubmission, payload: bytes | None
-    ) -> tuple[Reason, str] | None:
-        """Everything about a submission that does not depend on the round; None if fine."""
-        h = sub.header
-        if payload is None:
-            return Reason.NO_PAYLOAD, "submission without a payload"
-        if self.current is None:
-            return Reason.NO_STATE, "this node has no certified state yet"
-        if h.base_version > self.current.version:  # not seen yet: the learner will re-send
-            return Reason.BASE_TOO_NEW, f"this syncer holds version {self.current.version}"
-        if (sub.digest, h.base_version) in self.seen:
-            return Reason.REPLAYED, "this exact signed submission was already received"
-        if h.codec != self.manifest.compression:
-            return (
-                Reason.WRONG_CODEC,
-                f"codec {h.codec} is not the run's {self.manifest.compression}",
-            )
-        if len(h.fragments) != 1 or h.fragments[0].index != 0:
-            return Reason.WRONG_FRAGMENT, "expected exactly one fragment (index 0)"
-        frag = h.fragments[0]
-        if frag.nbytes != len(payload) or frag.digest != payload_digest(payload):
-            return Reason.DIGEST_MISMATCH, "payload does not match the digest in the signed header"
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self._decode, payload)
-        except CodecError as e:
-            return Reason.MALFORMED, f"malformed payload: {e}"
-        return None
-
-    def _decode(self, payload: bytes) -> dict[str, torch.Tensor]:
-        enc = unpack_deltas(
-            payload,
-            expected=self.shapes,
-            codec=self.manifest.compression,
-            max_bytes=self.max_payload,
-        )
-        return {n: self.codec.decode(e) for n, e in enc.items()}
+    async def _check(self, sub: ParsedSubmission, payload: bytes | None) -> Refusal | None:
+        version = self.current.version if self.current is not None else None
+        return await self.intake.check(sub, payload, version, self.seen)
 
     def _on_proposal(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         try:
@@ -421,7 +383,7 @@ class SyncService:
                 sub = open_submission(frames[0], run_id=self.run_id)
                 if sub.digest != d:
                     raise InvalidRecord("fetched submission has another digest", signer=from_peer)
-                refusal = await self._check_submission(sub, frames[1] if len(frames) > 1 else None)
+                refusal = await self._check(sub, frames[1] if len(frames) > 1 else None)
                 if refusal is not None and refusal[0] is not Reason.REPLAYED:
                     raise InvalidRecord(refusal[1], signer=sub.envelope.signer)
             except (RpcError, InvalidRecord, IndexError) as e:
@@ -479,7 +441,7 @@ class SyncService:
         self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float]]
     ) -> tuple[MergeResult, CertifiedState]:
         merge_inputs = [
-            MergeInput(digest=d, peer_id=p, delta=self._decode(payload), weight=w)
+            MergeInput(digest=d, peer_id=p, delta=self.intake.decode(payload), weight=w)
             for d, p, payload, w in inputs
         ]
         result = merge_round(
