@@ -13,7 +13,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -25,7 +24,7 @@ from p2pdiloco.protocol.signing import (
     InvalidRecord,
     PeerIdStr,
     canonical_json,
-    schema_error_reason,
+    typed_body,
 )
 
 HEARTBEAT_KIND = "heartbeat"
@@ -96,15 +95,7 @@ def parse_heartbeat(env: Envelope) -> Heartbeat:
     """
     if env.kind != HEARTBEAT_KIND:
         raise InvalidRecord(f"expected a heartbeat, got {env.kind[:64]!r}", signer=env.signer)
-    try:
-        hb = Heartbeat.model_validate(env.body)
-    except ValidationError as e:
-        raise InvalidRecord(schema_error_reason("heartbeat", e), signer=env.signer) from None
-    if hb.peer_id != env.signer:
-        raise InvalidRecord(
-            "heartbeat peer_id differs from its signer", signer=env.signer, signer_verified=True
-        )
-    return hb
+    return typed_body(env, Heartbeat, "heartbeat", "peer_id")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,14 +232,7 @@ def parse_manifest(env: Envelope) -> tuple[str, RunManifest]:
     version = env.body.get("protocol_version")
     if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
         raise IncompatibleProtocol(_incompatible_message(env.body.get("name"), version))
-    try:
-        manifest = RunManifest.model_validate(env.body)
-    except ValidationError as e:
-        raise InvalidRecord(schema_error_reason("manifest", e), signer=env.signer) from None
-    if manifest.creator != env.signer:
-        raise InvalidRecord(
-            "manifest creator differs from its signer", signer=env.signer, signer_verified=True
-        )
+    manifest = typed_body(env, RunManifest, "manifest", "creator")
     return run_id_of(manifest), manifest
 
 

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
@@ -179,6 +179,24 @@ def schema_error_reason(what: str, err: ValidationError) -> str:
     loc = ".".join(str(p) for p in first["loc"]) or "<root>"
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"bad {what}: {loc}: {first['msg']}"[:300] + more
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def typed_body(env: Envelope, model: type[M], what: str, speaker: str) -> M:
+    """``env``'s body validated as ``model``, whose field ``speaker`` must name the signer (a
+    peer may only speak for itself). Raises InvalidRecord naming the signer: a schema error,
+    or a body speaking for another peer (then ``signer_verified``, the signer is to blame)."""
+    try:
+        body = model.model_validate(env.body)
+    except ValidationError as e:
+        raise InvalidRecord(schema_error_reason(what, e), signer=env.signer) from None
+    if getattr(body, speaker) != env.signer:
+        raise InvalidRecord(
+            f"{what} {speaker} differs from its signer", signer=env.signer, signer_verified=True
+        )
+    return body
 
 
 def open_envelope(

@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from p2pdiloco.protocol.certificates import Hex64
 from p2pdiloco.protocol.identity import Identity
@@ -24,8 +24,8 @@ from p2pdiloco.protocol.signing import (
     InvalidRecord,
     PeerIdStr,
     open_envelope,
-    schema_error_reason,
     seal,
+    typed_body,
 )
 
 SUBMISSION_KIND = "submission"
@@ -147,12 +147,5 @@ def open_submission(
         now=now,
         max_skew=max_skew,
     )
-    try:
-        header = SubmissionHeader.model_validate(env.body)
-    except ValidationError as e:
-        raise InvalidRecord(schema_error_reason("submission", e), signer=env.signer) from None
-    if header.peer_id != env.signer:
-        raise InvalidRecord(
-            "submission peer_id differs from its signer", signer=env.signer, signer_verified=True
-        )
+    header = typed_body(env, SubmissionHeader, "submission", "peer_id")
     return ParsedSubmission(envelope=env, header=header)
