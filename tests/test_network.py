@@ -315,3 +315,24 @@ def test_join_refuses_a_manifest_of_another_protocol_version(net: dict) -> None:
     assert proc.proc.returncode == 2, proc.text()[-2000:]
     assert f"protocol version {PROTOCOL_VERSION + 1}" in err and "upgrade" in err
     assert "Traceback" not in err
+
+
+def test_join_refuses_a_manifest_this_build_cannot_honour(net: dict) -> None:
+    """A run naming a merge rule this build lacks is refused in one line, before training."""
+    run_id, manifest, raw = create_manifest(
+        Identity.generate(), name="exotic", model="gemma-tiny", data="embedded", seed=0,
+        inner_steps=20, committee_size=4, rules={"aggregation": "no-such-rule"},
+    )  # fmt: skip
+    publish_manifest(net["client"], run_id, manifest, raw)
+    proc = Proc(
+        "exotic-node",
+        ["join", "--run", run_id, "--bootstrap", net["addr"], "--host", "127.0.0.1", "--no-tui",
+         "--state-dir", str(net["tmp"] / "exotic-state"), *FAST],
+        net["tmp"],
+    )  # fmt: skip
+    net["procs"].append(proc)
+    proc.proc.wait(timeout=120)
+    err = proc.err.read_text()
+    assert proc.proc.returncode == 2, proc.text()[-2000:]
+    lines = [ln for ln in err.splitlines() if "no-such-rule" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]

@@ -400,3 +400,19 @@ def test_a_full_round_refuses_with_busy_and_evicts_for_the_agreed_set() -> None:
     assert r.phase is Phase.AGGREGATING and too_long == []  # already adopted a set
     fresh = SyncerRound(p, "s1")
     assert fresh.on_proposal("s0", ("a", "b", "c", "d"), 1.0)[0].code is Reason.MALFORMED
+
+
+def test_a_proposal_of_the_full_input_bound_opens() -> None:
+    """The proposal envelope limit fits MAX_PROPOSAL_DIGESTS digests (the round's max_inputs)."""
+    from p2pdiloco.protocol.identity import Identity
+    from p2pdiloco.sync.committee_msgs import (
+        MAX_PROPOSAL_DIGESTS,
+        open_proposal,
+        seal_proposal,
+    )
+
+    leader = Identity.generate()
+    digests = tuple(sorted(f"{i:064x}" for i in range(MAX_PROPOSAL_DIGESTS)))
+    raw = seal_proposal(leader, "ab" * 32, 7, 0, digests)
+    prop = open_proposal(raw, "ab" * 32)
+    assert prop.digests == digests and prop.signer == leader.peer_id

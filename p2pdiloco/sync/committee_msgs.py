@@ -26,6 +26,8 @@ from p2pdiloco.sync.roster import CommitteeInfo, next_roster, roster_of
 
 PROPOSAL_KIND = "proposal"
 MAX_PROPOSAL_DIGESTS = 4096
+# A proposal of MAX_PROPOSAL_DIGESTS digests (64 hex + quotes and comma each) plus the envelope.
+MAX_PROPOSAL_BYTES = 16 * 1024 + MAX_PROPOSAL_DIGESTS * 70
 
 
 class BadMessage(Exception):
@@ -54,7 +56,7 @@ def seal_proposal(
 
 def open_proposal(raw: bytes, run_id: str) -> Proposal:
     try:
-        env = open_envelope(raw, kind=PROPOSAL_KIND, run_id=run_id)
+        env = open_envelope(raw, kind=PROPOSAL_KIND, run_id=run_id, max_bytes=MAX_PROPOSAL_BYTES)
     except InvalidRecord as e:
         raise BadMessage(Reason.INVALID_SIGNATURE, f"invalid proposal: {e}", e.signer) from None
     b = env.body

@@ -33,6 +33,7 @@ from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.committee_msgs import (
+    MAX_PROPOSAL_BYTES,
     BadMessage,
     certificate_body,
     open_proposal,
@@ -80,7 +81,7 @@ def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:
     """Per-op request frame limits of the sync protocol (docs/protocol.md, Sync transport)."""
     return {
         "submit": (16 * 1024, max_payload),
-        "propose": (64 * 1024 + 4096 * 70,),
+        "propose": (MAX_PROPOSAL_BYTES,),
         "sign": (MAX_SIGNATURE_BYTES,),
         "fetch": (),
         "receipt": (),
