@@ -232,7 +232,9 @@ def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) ->
     net["client"].store(
         keys.run_peers_key(run_id), nid, _heartbeat(attacker, run_id, time.time()), 30
     )
-    bad_manifest = seal(attacker, "manifest", "", {"name": "evil", "protocol_version": 1})
+    bad_manifest = seal(
+        attacker, "manifest", "", {"name": "evil", "protocol_version": PROTOCOL_VERSION}
+    )
     net["client"].store(keys.runs_key(), "f" * 64, bad_manifest, 60)
     boot = net["boot"]
     wait_for(
@@ -336,3 +338,16 @@ def test_join_refuses_a_manifest_this_build_cannot_honour(net: dict) -> None:
     assert proc.proc.returncode == 2, proc.text()[-2000:]
     lines = [ln for ln in err.splitlines() if "no-such-rule" in ln]
     assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+
+
+def test_a_manifest_of_another_protocol_shows_as_incompatible_without_its_fields(net: dict) -> None:
+    """A body from another protocol is not validated: the state view shows only what is safe."""
+    attacker = Identity.generate()
+    raw = seal(attacker, "manifest", "", {"name": "old", "protocol_version": PROTOCOL_VERSION - 1})
+    net["client"].store(keys.runs_key(), "d" * 64, raw, 60)
+    state = wait_for(
+        "the incompatible run listed",
+        lambda: [r for r in collect_state(net["client"]).to_dict()["runs"] if r["incompatible"]],
+        timeout=20,
+    )
+    assert state[0]["name"] == "old" and state[0]["protocol_version"] == PROTOCOL_VERSION - 1

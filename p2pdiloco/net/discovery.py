@@ -31,6 +31,8 @@ class RunInfo:
     raw: bytes = b""  # the verified signed manifest, for re-publishing as it is
 
     def summary(self, now: float) -> dict[str, Any]:
+        if self.incompatible:  # an unvalidated body from another protocol: show little of it
+            return _incompatible_summary(self)
         live = self.peers.live(now) if self.peers else []
         return {
             "run_id": self.run_id,
@@ -108,6 +110,21 @@ def read_runs(dht: DHTPlane, model: str | None = None) -> tuple[list[RunInfo], l
             continue
         runs.append(RunInfo(run_id, manifest, raw=rec.envelope.raw))
     return runs, rejected
+
+
+def _incompatible_summary(run: RunInfo) -> dict[str, Any]:
+    name = getattr(run.manifest, "name", None)
+    version = getattr(run.manifest, "protocol_version", None)
+    return {
+        "run_id": run.run_id,
+        "name": name[:64] if isinstance(name, str) and name.isprintable() else "?",
+        "model": "?",
+        "protocol_version": version if isinstance(version, int) else None,
+        "peers": 0,
+        "latest_version": 0,
+        "throughput_tps": 0.0,
+        "incompatible": run.incompatible,
+    }
 
 
 def _incompatible(run_id: str, env: Any, why: str) -> RunInfo:

@@ -137,29 +137,33 @@ class RunningNode:
 
     def stop(self, timeout: float = 60.0) -> str:
         """Stop after the current chunk of steps (an in-flight delta is abandoned), save the
-        local progress next to the certified state, and say what was kept."""
-        trainer, runtime = self.trainer, self.runtime
-        version = runtime.view.version if runtime is not None else 0
-        kept = f"certified version {version} under {self.cfg.state_dir}"
+        local progress next to the certified state, and say what was kept.
+
+        Order: the trainer stops, the runtime closes (no version applies after this; workers
+        finish their checkpoint writes), then the trainer settles onto the runtime's current
+        version, so the saved progress and the saved certified state always match."""
+        trainer, runtime, bridge = self.trainer, self.runtime, self.node.bridge
         if trainer is not None:
             trainer.stop(timeout)
-            if not trainer.alive:
-                save_local(self.cfg.state_dir, trainer.learner, self.run_id, trainer.state.version)
-                kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
-        bridge = self.node.bridge
-        if bridge is None:
-            return kept
-        if self._membership is not None:
-            bridge.loop.call_soon_threadsafe(self._membership.cancel)
-        try:
-            if runtime is not None:
-                bridge.run(runtime.close(), 10)
-                bridge.run(runtime.write_status(), 5)
-            # Let hashing, merging and checkpoint writes in the loop's workers finish (DHT I/O
-            # runs in daemon threads and cannot hold the exit).
-            bridge.run(bridge.loop.shutdown_default_executor(), 30)
-        except Exception as e:  # shutting down: say it, keep going
-            log.info("runtime close: %s", e)
+        if bridge is not None:
+            if self._membership is not None:
+                bridge.loop.call_soon_threadsafe(self._membership.cancel)
+            try:
+                if runtime is not None:
+                    bridge.run(runtime.close(), 10)
+                # Let hashing, merging and checkpoint writes in the loop's workers finish (DHT
+                # I/O runs in daemon threads and cannot hold the exit).
+                bridge.run(bridge.loop.shutdown_default_executor(), 30)
+            except Exception as e:  # shutting down: say it, keep going
+                log.info("runtime close: %s", e)
+        version = runtime.chain.version if runtime is not None else 0
+        kept = f"certified version {version} under {self.cfg.state_dir}"
+        if trainer is not None and not trainer.alive and runtime is not None:
+            trainer.settle(runtime.chain.current)
+            save_local(self.cfg.state_dir, trainer.learner, self.run_id, trainer.state.version)
+            kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
+        if runtime is not None:
+            runtime.write_final_status()
         return kept
 
     @property

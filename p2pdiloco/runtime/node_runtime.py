@@ -485,6 +485,13 @@ class NodeRuntime:
         path = self.cfg.state_dir / "status.json"
         await asyncio.get_running_loop().run_in_executor(None, _write_quietly, path, data)
 
+    def write_final_status(self) -> None:
+        """After ``close`` (its tasks are gone, so any thread may do this): the last view and
+        status file."""
+        self._publish_view()
+        data = self.view.status_json(self.me, self.run_id, self.trainer_view())
+        _write_quietly(self.cfg.state_dir / "status.json", data)
+
 
 def _write_quietly(path: Path, data: bytes) -> None:
     from p2pdiloco.train.checkpoint import atomic_write_bytes

@@ -152,6 +152,16 @@ class Trainer:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def settle(self, newest: CertifiedState | None) -> None:
+        """After ``stop``, on the caller's thread: apply what is still in the inbox and move onto
+        ``newest`` (the runtime's current version) if it is newer, so the local progress saved
+        next to the certified state is based on that very version."""
+        assert not self.alive
+        self._drain()
+        if newest is not None and newest.version > self.state.version:
+            self.deliver(Certified(newest, frozenset()))
+            self._drain()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

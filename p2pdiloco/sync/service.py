@@ -75,6 +75,7 @@ class _Held:
     sub: ParsedSubmission
     raw: bytes
     payload: bytes
+    fetched: bool = False  # came from a fellow syncer, not (yet) from the learner itself
 
 
 def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:
@@ -228,7 +229,9 @@ class SyncService:
         except InvalidRecord as e:
             self._reject(e.signer or stream_peer, None, Reason.INVALID_SIGNATURE, str(e))
             raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
-        if sub.digest in self.held:  # already here (fetched from a fellow syncer): fine
+        held = self.held.get(sub.digest)
+        if held is not None and held.fetched:  # the learner's own copy, late: not a replay
+            held.fetched = False
             return {"status": "accepted", "version": sub.header.base_version + 1}, []
         refusal = await self._check(sub, rest[0] if rest else None)
         if refusal is not None:
@@ -393,7 +396,7 @@ class SyncService:
             if rnd is not self.round or rnd is None:
                 return
             self.seen.add(d, sub.header.base_version)
-            self.held[d] = _Held(sub, frames[0], frames[1])
+            self.held[d] = _Held(sub, frames[0], frames[1], fetched=True)
             self._execute(rnd.on_fetched(self._submission(sub)), d)
 
     async def _aggregate(self, action: Aggregate) -> None:
