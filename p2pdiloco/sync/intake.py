@@ -59,7 +59,10 @@ class Intake:
         if h.base_version > current_version:  # not seen yet: the learner will re-send
             return Reason.BASE_TOO_NEW, f"this syncer holds version {current_version}"
         if (sub.digest, h.base_version) in seen:
-            return Reason.REPLAYED, "this exact signed submission was already received"
+            return (
+                Reason.REPLAYED,
+                "replayed submission (this exact signed one was already received)",
+            )
         if h.codec != self.manifest.compression:
             return (
                 Reason.WRONG_CODEC,
