@@ -191,3 +191,50 @@ def test_local_settings_cannot_change_what_is_certified(tmp_path: Path) -> None:
             assert set(hashes) >= {1, 2}
 
     run(main())
+
+
+def _accepted_and_refused(net: MemoryNetwork, node: MemNode) -> tuple[int, int]:
+    """Certified receipts of ``node``'s deltas, and its deltas refused or screened out as bad
+    input (timing refusals such as a closed round are not verdicts)."""
+    from p2pdiloco.protocol.reasons import TIMING, Reason
+
+    accepted = sum(
+        a.peer_id == node.peer_id
+        for raw in net.nodes[0].runtime.chain.certs.values()
+        for a in parse_certificate(raw, run_id=net.run_id).body.accepted
+    )
+    refused = {
+        (r["digest"], r["round"])
+        for n in net.live()
+        for r in (n.runtime.service.rejections if n.runtime.service else ())
+        if r["peer_id"] == node.peer_id and Reason.parse(r["code"]) not in TIMING
+    }
+    return accepted, len(refused)
+
+
+def test_a_sign_flip_attacker_is_screened_out_and_honest_deltas_never_are(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4, attackers={3: "sign-flip"}) as net:
+            await net.wait_for(lambda: net.min_version() >= 3, 120, "version 3 everywhere")
+            check_chains(net)
+            bad_accepted, bad_refused = _accepted_and_refused(net, net.nodes[3])
+            assert bad_accepted == 0 and bad_refused >= 1  # others may have come late
+            for honest in net.nodes[:3]:
+                accepted, refused = _accepted_and_refused(net, honest)
+                assert refused == 0 and accepted >= 1
+
+    run(main())
+
+
+def test_a_replaying_attacker_gets_at_most_its_first_delta_merged(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4, attackers={3: "replay"}) as net:
+            await net.wait_for(lambda: net.min_version() >= 3, 120, "version 3 everywhere")
+            check_chains(net)
+            bad_accepted, bad_refused = _accepted_and_refused(net, net.nodes[3])
+            assert bad_accepted <= 1 and bad_refused >= 1
+            assert all(_accepted_and_refused(net, h)[1] == 0 for h in net.nodes[:3])
+
+    run(main())
