@@ -193,12 +193,6 @@ def test_reply_frame_over_reply_limit_fails_the_call() -> None:
     run(go())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MemoryTransport raises an oversized reply frame with the default code UNREACHABLE "
-    "(runtime/transport.py:164, _exchange); on the wire read_frame raises FrameError, which sync_rpc.call "
-    "maps to code MALFORMED",
-)
 def test_reply_frame_over_reply_limit_is_malformed_as_on_the_wire() -> None:
     async def go() -> None:
         _, a, _ = await pair()
