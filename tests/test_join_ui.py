@@ -61,7 +61,9 @@ def alive(node: NodeProc) -> bool:
 
 
 def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Path) -> None:
-    with LocalNetwork(tmp_path, DemoConfig(inner_steps=8, grace=20.0)) as net:
+    with LocalNetwork(
+        tmp_path, DemoConfig(inner_steps=8, grace=20.0, batch_size=4, seq_len=64)
+    ) as net:
         net.start_bootstrap()
         key = Identity.generate()
         run_id = net.publish_run([key])
@@ -115,7 +117,9 @@ def test_metrics_port_and_json_logs(tmp_path: Path) -> None:
 
     from tests.netutil import free_port
 
-    with LocalNetwork(tmp_path, DemoConfig(inner_steps=8, grace=20.0)) as net:
+    with LocalNetwork(
+        tmp_path, DemoConfig(inner_steps=8, grace=20.0, batch_size=4, seq_len=64)
+    ) as net:
         net.start_bootstrap()
         keys = [Identity.generate(), Identity.generate()]
         net.publish_run(keys)

@@ -35,7 +35,8 @@ from tests.netutil import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SMALL = DemoConfig(inner_steps=12, grace=40.0, agree_timeout=10.0)
+# Protocol tests, not training-quality ones: small batches keep each round a few seconds.
+SMALL = DemoConfig(inner_steps=12, grace=40.0, agree_timeout=10.0, batch_size=4, seq_len=64)
 
 
 def demo_json(*args: str, timeout: float = 500) -> dict:
@@ -56,28 +57,16 @@ def certificates(node: NodeProc, run_id: str) -> list:
     ]
 
 
-def test_demo_certifies_versions_and_a_sign_flip_attacker_changes_nothing() -> None:
+def test_demo_certifies_versions_and_every_node_contributes() -> None:
+    """The README's main job on real processes. Attackers (sign-flip, replay, ...) are tested
+    in process (tests/test_runtime_memory.py: screened out, honest deltas never refused) and
+    their loss against a clean run is a benchmark (bench/demo_attacks.py, docs/benchmarks.md)."""
     clean = demo_json("--nodes", "4", "--rounds", "3")
     assert clean["versions"] >= 3
     assert clean["loss_end"] < clean["loss_start"] - 1.0
     assert set(clean["committee"]) >= {"1", "2", "3"}
     assert all(p["accepted"] >= 2 and p["adversary"] is None for p in clean["peers"].values())
-
-    attacked = demo_json("--nodes", "4", "--rounds", "3", "--adversary", "sign-flip")
-    assert attacked["versions"] >= 3
-    bad = attacked["peers"]["node3"]
-    assert bad["adversary"] == "sign-flip" and bad["accepted"] == 0 and bad["rejected"] >= 3
-    assert attacked["rejected"]["node3"] >= 3
-    assert all(attacked["peers"][f"node{i}"]["rejected"] == 0 for i in range(3))
-    assert attacked["loss_end"] <= clean["loss_end"] * 1.05
-
-
-def test_demo_replaying_attacker_is_refused_and_training_goes_on() -> None:
-    res = demo_json("--nodes", "4", "--rounds", "3", "--adversary", "replay")
-    assert res["versions"] >= 3 and res["loss_end"] < res["loss_start"] - 1.0
-    bad = res["peers"]["node3"]
-    # Its first (honest) delta may be merged; every later one is a byte-for-byte replay.
-    assert bad["accepted"] <= 1 and bad["rejected"] >= 2
+    assert all(p["rejected"] == 0 for p in clean["peers"].values())
 
 
 def _forge_signature(raw: bytes) -> bytes:
