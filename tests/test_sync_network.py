@@ -96,7 +96,7 @@ def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path:
                 peer_id=peer or attacker.peer_id,
                 base_version=base,
                 steps=12,
-                tokens=12 * 8 * 127,
+                tokens=12 * net.manifest.inner.batch_size * (net.manifest.inner.seq_len - 1),
                 loss=3.0,
                 codec=net.manifest.compression,
                 fragments=[FragmentRef(index=0, digest=payload_digest(body), nbytes=len(body))],
