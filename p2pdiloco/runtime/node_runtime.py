@@ -36,7 +36,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.runtime.plane import Plane, Presence
-from p2pdiloco.runtime.status import RuntimeView, Tally
+from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
 from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
@@ -483,20 +483,11 @@ class NodeRuntime:
     async def write_status(self) -> None:
         data = self.view.status_json(self.me, self.run_id, self.trainer_view())
         path = self.cfg.state_dir / "status.json"
-        await asyncio.get_running_loop().run_in_executor(None, _write_quietly, path, data)
+        await asyncio.get_running_loop().run_in_executor(None, write_quietly, path, data)
 
     def write_final_status(self) -> None:
         """After ``close`` (its tasks are gone, so any thread may do this): the last view and
         status file."""
         self._publish_view()
         data = self.view.status_json(self.me, self.run_id, self.trainer_view())
-        _write_quietly(self.cfg.state_dir / "status.json", data)
-
-
-def _write_quietly(path: Path, data: bytes) -> None:
-    from p2pdiloco.train.checkpoint import atomic_write_bytes
-
-    try:
-        atomic_write_bytes(path, data, durable=False)
-    except OSError as e:
-        log.debug("status write failed: %s", e)
+        write_quietly(self.cfg.state_dir / "status.json", data)

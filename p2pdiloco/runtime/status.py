@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from p2pdiloco.ledger import Ledger
@@ -136,3 +137,13 @@ class RuntimeView:
                 "rejections": list(self.rejections),
             }
         ).encode()
+
+
+def write_quietly(path: Path, data: bytes) -> None:
+    """Write the status file atomically; a failure is logged, never raised (it is advisory)."""
+    from p2pdiloco.train.checkpoint import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(path, data, durable=False)
+    except OSError as e:
+        log.debug("status write failed: %s", e)
