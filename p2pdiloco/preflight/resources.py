@@ -1,0 +1,191 @@
+"""Preflight checks of memory and disk, from parameter counts on the meta device (no model
+is allocated): does the model train on the device, is there room for its checkpoints."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from p2pdiloco.errors import UserError
+from p2pdiloco.preflight.findings import Finding, PreflightConfig
+from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.memory import (
+    GiB,
+    ModelTooLarge,
+    available_memory,
+    check_fits,
+    estimate_memory,
+)
+from p2pdiloco.train.models import get_spec, model_names, parameter_count
+
+MAX_AUTO_BATCH = 64
+# Disk headroom beyond the checkpoints themselves (logs, certificates, temp files).
+DISK_SLACK = 1 * GiB
+
+
+def _precision_for(device: torch.device) -> str:
+    # Same rule as ``join``: bf16 autocast with fp32 masters on CUDA and TPU, plain fp32 elsewhere.
+    return "bf16-mixed" if device.type in ("cuda", "xla") else "fp32"
+
+
+def auto_batch_size(model: str, device: torch.device | str, available_bytes: int) -> int:
+    """Largest power of two ≤ 64 micro-batch sequences (at the model's default sequence
+    length) whose training-memory estimate fits ``available_bytes``; 1 if none fits.
+
+    Raises ModelError for an unknown model. The estimate is not a measurement: leave some
+    memory out of ``available_bytes`` if other processes share the device.
+    """
+    precision = _precision_for(torch.device(device))
+    best = 1
+    b = 1
+    while b <= MAX_AUTO_BATCH:
+        if estimate_memory(model, precision, micro_batch=b).total > available_bytes:
+            break
+        best = b
+        b *= 2
+    return best
+
+
+def _resolve_available(cfg: PreflightConfig) -> tuple[torch.device, int, str] | Finding:
+    """(device, bytes available, where that came from), or the finding saying why not."""
+    try:
+        dev = resolve_device(cfg.device)
+    except UserError as e:
+        return Finding(
+            "device memory",
+            "error",
+            str(e),
+            fix="pass --device auto (or cpu) or install the missing backend",
+        )
+    if cfg.gpus and dev.type != "cuda":
+        return Finding(
+            "device memory",
+            "error",
+            f"--gpus {','.join(map(str, cfg.gpus))} given but the device is {dev.type}",
+            fix="drop --gpus, or pass --device cuda on a machine with usable NVIDIA GPUs",
+        )
+    indices: tuple[int, ...] = ()
+    if dev.type == "cuda":
+        indices = cfg.gpus or (dev.index if dev.index is not None else 0,)
+        count = torch.cuda.device_count()
+        if bad := [i for i in indices if not 0 <= i < count]:
+            return Finding(
+                "device memory",
+                "error",
+                f"GPU(s) {', '.join(map(str, bad))} not visible ({count} visible)",
+                fix=f"choose --gpus among 0..{count - 1} (see nvidia-smi and CUDA_VISIBLE_DEVICES)",
+            )
+        dev = torch.device("cuda", indices[0])
+    if cfg.max_memory_gb is not None:
+        have = int(cfg.max_memory_gb * GiB)
+        return dev, have, f"{dev.type} capped at {cfg.max_memory_gb:g} GiB by --max-memory"
+    if dev.type == "cuda" and len(indices) > 1:
+        probes = [(*available_memory(torch.device("cuda", i)), i) for i in indices]
+        have, where, i = min(probes)
+        return torch.device("cuda", i), have, f"GPU {i}: {where} (smallest of {len(indices)})"
+    have, where = available_memory(dev)
+    return dev, have, where
+
+
+def check_device_memory(cfg: PreflightConfig) -> Finding:
+    """Does ``cfg.model`` train on the chosen device at the chosen (or auto) batch?
+
+    An error names the need against what is available, and the fix names the largest model
+    that fits or the island size (devices of this kind) that would hold this one.
+    """
+    if cfg.model is None:
+        return Finding(
+            "device memory",
+            "info",
+            "no model chosen: memory not checked",
+            fix="pass --model NAME (see `p2pdiloco models`)",
+        )
+    try:
+        get_spec(cfg.model)
+    except UserError as e:
+        return Finding("device memory", "error", str(e), fix="see `p2pdiloco models`")
+    resolved = _resolve_available(cfg)
+    if isinstance(resolved, Finding):
+        return resolved
+    dev, have, where = resolved
+    precision = _precision_for(dev)
+    auto = cfg.batch_size is None
+    batch = auto_batch_size(cfg.model, dev, have) if cfg.batch_size is None else cfg.batch_size
+    est = estimate_memory(cfg.model, precision, micro_batch=batch)
+    shape = f"{precision}, {'auto ' if auto else ''}batch {est.micro_batch}×{est.seq_len}"
+    detail = f"{cfg.model} needs about {est.total / GiB:.1f} GiB ({shape}); {where}"
+    try:
+        check_fits(cfg.model, dev, precision, micro_batch=batch, available=have)
+    except ModelTooLarge:
+        return Finding(
+            "device memory",
+            "error",
+            detail,
+            fix=_too_large_fix(cfg.model, precision, est.total, have, auto),
+        )
+    return Finding("device memory", "ok", detail)
+
+
+def _too_large_fix(model: str, precision: str, need: int, have: int, auto: bool) -> str:
+    if have <= 0:
+        return "free some memory on the device (or raise --max-memory)"
+    island = math.ceil(need / have)
+    fitting = [
+        n for n in model_names() if n != model and estimate_memory(n, precision).total <= have
+    ]
+    options = []
+    if fitting:
+        options.append(
+            f"choose --model {fitting[-1]} "
+            f"(about {estimate_memory(fitting[-1], precision).total / GiB:.1f} GiB)"
+        )
+    if not auto and estimate_memory(model, precision, micro_batch=1).total <= have:
+        options.append("lower --batch-size (or leave it to auto)")
+    options.append(f"train {model} on an island of {island} such devices")
+    return "; or ".join(options)
+
+
+def fp32_state_bytes(model: str) -> int:
+    """Bytes of one fp32 training state on disk: parameters plus the outer momentum."""
+    return 2 * 4 * parameter_count(model)
+
+
+def default_state_root() -> Path:
+    """The XDG data dir that holds identities and run states (``~/.local/share/p2pdiloco``)."""
+    from p2pdiloco.protocol.identity import default_identity_path
+
+    return default_identity_path().parent
+
+
+def check_disk(cfg: PreflightConfig) -> Finding:
+    """Free space where checkpoints go against two fp32 states (the certified store keeps two)
+    plus 1 GiB. Error below that; warning below twice that (other files will compete)."""
+    path = cfg.state_dir if cfg.state_dir is not None else default_state_root()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as e:
+        return Finding(
+            "disk",
+            "error",
+            f"cannot read free space at {probe}: {e}",
+            fix="pass --state-dir on a readable, writable disk",
+        )
+    try:
+        state = fp32_state_bytes(cfg.model) if cfg.model is not None else 0
+    except UserError:
+        state = 0  # unknown model: reported by the device memory check
+    need = 2 * state + DISK_SLACK
+    what = f"2 checkpoints of {cfg.model} + 1 GiB" if state else "1 GiB"
+    detail = f"{free / GiB:.1f} GiB free at {probe}; need {need / GiB:.1f} GiB ({what})"
+    fix = f"free space there, or pass --state-dir on a disk with {need / GiB:.1f}+ GiB free"
+    if free < need:
+        return Finding("disk", "error", detail, fix=fix)
+    if free < 2 * need:
+        return Finding("disk", "warn", detail + "; little headroom", fix=fix)
+    return Finding("disk", "ok", detail)
