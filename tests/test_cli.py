@@ -157,3 +157,28 @@ def test_run_create_and_simulate_help_list_the_sync_rules() -> None:
     out = run_cli("run", "create", "--help").stdout
     for flag in ("--staleness", "--grace", "--linger", "--agree-timeout", "--compression"):
         assert flag in out, flag
+
+
+def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: Path) -> None:
+    key = ["--identity", str(tmp_path / "key")]
+    out = run_cli(
+        "run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    manifest = doc["manifest"]
+    assert doc["published"] is False and len(doc["run_id"]) == 64
+    assert manifest["compression"] == "int8"
+    assert manifest["rules"]["aggregation"] == "trimmed_mean"
+    assert manifest["rules"]["aggregation_params"] == {"f": 1.0}
+    assert manifest["rules"]["screen_norm_factor"] == 3.0
+    text = run_cli("run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run")
+    assert text.returncode == 0, text.stderr
+    # The whole signed manifest is printed, not only its id.
+    for key_name in (
+        '"compression": "int8"',
+        '"aggregation": "trimmed_mean"',
+        '"creator"',
+        "not published",
+    ):
+        assert key_name in text.stdout, key_name

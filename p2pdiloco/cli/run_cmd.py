@@ -24,6 +24,10 @@ from p2pdiloco.train.outer import OuterConfig
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
 _i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
+# What `run create` signs unless told otherwise: the codec and rule behind the measured figures
+# (docs/benchmarks.md: int8 deltas; trimmed mean + norm screening neutralize the demo attacks).
+SAFE_COMPRESSION = "int8"
+SAFE_AGGREGATION = "trimmed_mean"
 
 
 @app.command("create")
@@ -46,12 +50,13 @@ def create(
     ] = None,
     compression: Annotated[
         str, typer.Option(help=f"Delta codec: {', '.join(CODECS)}.")
-    ] = RunManifest.model_fields["compression"].default,
+    ] = SAFE_COMPRESSION,
     aggregation: Annotated[
         str, typer.Option(help=f"Merge rule: {', '.join(RULES)}.")
-    ] = _r.aggregation,
+    ] = SAFE_AGGREGATION,
     agg_param: Annotated[
-        list[str] | None, typer.Option(help="Rule parameter KEY=VALUE, e.g. f=1 (repeatable).")
+        list[str] | None,
+        typer.Option(help="Rule parameter KEY=VALUE (repeatable); trimmed_mean defaults to f=1."),
     ] = None,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
@@ -83,15 +88,23 @@ def create(
         list[str] | None, typer.Option(help="Bootstrap multiaddr (repeatable).")
     ] = None,
     identity: Annotated[Path | None, typer.Option(help="Creator key file.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Sign and print the manifest; publish nothing.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Sign a manifest with this node's key; its hash is the run id; publish it to the DHT.
 
-    Refuses (exit 2, one line) settings out of range and rules this p2pdiloco cannot follow.
+    Defaults are the safe ones the measurements support (docs/benchmarks.md): int8 deltas and
+    the trimmed mean (f=1) behind norm screening. Refuses (exit 2, one line) settings out of
+    range and rules this p2pdiloco cannot follow; prints the whole manifest it signed.
     """
+    params = parse_agg_params(agg_param or [])
+    if aggregation == "trimmed_mean" and not params:
+        params = {"f": 1.0}
     rules = sync_rules(
         aggregation=aggregation,
-        aggregation_params=parse_agg_params(agg_param or []),
+        aggregation_params=params,
         screen_norm_factor=screen_norm_factor or None,
         weight_cap=weight_cap,
         staleness=staleness,
@@ -126,9 +139,13 @@ def create(
         raise ConfigError(
             f"invalid run setting {'.'.join(map(str, err['loc']))}: {err['msg']}"
         ) from None
-    with dht_client(bootstrap) as dht:
-        publish_manifest(dht, run_id, manifest, raw)
+    if not dry_run:
+        with dht_client(bootstrap) as dht:
+            publish_manifest(dht, run_id, manifest, raw)
+    signed = manifest.model_dump(mode="json")
     if json_out:
-        print(json.dumps({"run_id": run_id, "manifest": manifest.model_dump(mode="json")}))
-    else:
-        print(f"run {manifest.name} ({manifest.model}) published\nrun id {run_id}")
+        print(json.dumps({"run_id": run_id, "published": not dry_run, "manifest": signed}))
+        return
+    print(json.dumps(signed, indent=2, sort_keys=True))
+    what = "signed (dry run: not published)" if dry_run else "published"
+    print(f"run {manifest.name} ({manifest.model}) {what}\nrun id {run_id}")
