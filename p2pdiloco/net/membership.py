@@ -6,7 +6,11 @@ takes ``now`` as an argument, so the node, the tests and a simulator share it.
 
 Rules for one heartbeat envelope (already signature-checked by ``open_envelope``):
 - identical bytes to one already accepted: a duplicate (the other path), ignored silently;
-- older than the newest accepted from that peer: a replay, rejected with a reason;
+- older than the newest accepted from that peer: a stale copy, ignored silently and counted in
+  ``stale``. The DHT and gossip deliver one peer's heartbeats in any order (a DHT replica lags
+  the gossiped heartbeat by an interval), so this is normal operation, and a replayed old
+  heartbeat can do no harm: the table keeps the newest;
+- as old as the newest but other bytes: two heartbeats signed for one instant, rejected;
 - otherwise accepted, and the peer is live until ``ts + ttl``.
 """
 
@@ -40,12 +44,13 @@ class Membership:
     peers: dict[str, PeerView] = field(default_factory=dict)
     _digests: dict[str, bytes] = field(default_factory=dict)
     rejected: int = 0
+    stale: int = 0  # older copies ignored (not rejections: see the module docstring)
 
     def ingest(self, env: Envelope, *, via: str) -> bool:
         """Take one heartbeat; True if it changed the table.
 
         Raises InvalidRecord for a heartbeat of another run, a body that does not parse or
-        does not match its signer, or a replay of an older heartbeat.
+        does not match its signer, or a second heartbeat with the newest one's timestamp.
         """
         if env.kind != "heartbeat" or env.run != self.run_id:
             raise InvalidRecord(
@@ -59,11 +64,13 @@ class Membership:
             if self._digests.get(env.signer) == digest:
                 known.seen_via.add(via)
                 return False
-            if env.ts <= known.ts:
+            if env.ts < known.ts:
+                self.stale += 1
+                return False
+            if env.ts == known.ts:
                 self.rejected += 1
                 raise InvalidRecord(
-                    f"replayed heartbeat (ts {env.ts:.3f} not newer than {known.ts:.3f})",
-                    signer=env.signer,
+                    f"conflicting heartbeat (other bytes for ts {env.ts:.3f})", signer=env.signer
                 )
         hb = parse_heartbeat(env)
         self.peers[env.signer] = PeerView(env.signer, hb, env.ts, via, {via})
