@@ -23,7 +23,7 @@ from p2pdiloco.net.gossip import GossipProcess
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.node import run_topic
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.records import Hardware, Heartbeat
+from p2pdiloco.protocol.records import Hardware, Heartbeat, run_id_of_body
 from p2pdiloco.protocol.signing import PROTOCOL_VERSION, seal
 from tests.netutil import Proc, free_port, peers_of, wait_for
 
@@ -218,7 +218,7 @@ def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) ->
             text = node.text()
             return all(
                 f"{attacker.peer_id} via gossip: {reason}" in text
-                for reason in ("bad signature", "record too large", IMPERSONATION)
+                for reason in ("bad signature", "record too large", "replayed", IMPERSONATION)
             )
 
         wait_for(
@@ -235,19 +235,15 @@ def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) ->
     bad_manifest = seal(
         attacker, "manifest", "", {"name": "evil", "protocol_version": PROTOCOL_VERSION}
     )
-    net["client"].store(keys.runs_key(), "f" * 64, bad_manifest, 60)
+    assert not net["client"].store(keys.runs_key(), "f" * 64, bad_manifest, 60)
     boot = net["boot"]
-    wait_for(
-        "bootstrap to refuse the slot theft",
-        lambda: "stored under another peer's slot" in boot.text() + node.text(),
-        timeout=20,
-    )
-    state = wait_for(
-        "malformed manifest reported",
-        lambda: (s := collect_state(net["client"]).to_dict())["rejected_records"] and s,
-        timeout=20,
-    )
-    assert any(attacker.peer_id in r for r in state["rejected_records"])
+    for code in ("wrong_slot", "malformed"):  # refused at store time, each with its code
+        wait_for(
+            f"bootstrap to refuse the record [{code}]",
+            lambda c=code: f"DHT record from {attacker.peer_id} [{c}]" in boot.text() + node.text(),
+            timeout=20,
+        )
+    assert not collect_state(net["client"]).to_dict()["rejected_records"]
     # The node kept serving throughout: still heartbeating, still alive.
     assert node.alive()
     t_before = time.time()
@@ -305,8 +301,9 @@ def test_join_refuses_a_manifest_of_another_protocol_version(net: dict) -> None:
         "quorum": 3, "inner_steps": 20, "something_new": True,
     }  # fmt: skip
     raw = seal(creator, "manifest", "", body)
-    net["client"].store(keys.runs_key(), "e" * 64, raw, 60)
-    net["client"].store(keys.model_runs_key("gemma-small"), "e" * 64, raw, 60)
+    run_id = run_id_of_body(json.loads(raw)["body"])  # its own hash, as every version's is
+    assert net["client"].store(keys.runs_key(), run_id, raw, 60)
+    assert net["client"].store(keys.model_runs_key("gemma-small"), run_id, raw, 60)
     proc = Proc(
         "future-node",
         ["join", "--model", "gemma-small", "--bootstrap", net["addr"], "--host", "127.0.0.1"],
@@ -343,8 +340,9 @@ def test_join_refuses_a_manifest_this_build_cannot_honour(net: dict) -> None:
 def test_a_manifest_of_another_protocol_shows_as_incompatible_without_its_fields(net: dict) -> None:
     """A body from another protocol is not validated: the state view shows only what is safe."""
     attacker = Identity.generate()
-    raw = seal(attacker, "manifest", "", {"name": "old", "protocol_version": PROTOCOL_VERSION - 1})
-    net["client"].store(keys.runs_key(), "d" * 64, raw, 60)
+    body = {"name": "old", "protocol_version": PROTOCOL_VERSION - 1, "creator": attacker.peer_id}
+    raw = seal(attacker, "manifest", "", body)
+    assert net["client"].store(keys.runs_key(), run_id_of_body(json.loads(raw)["body"]), raw, 60)
     state = wait_for(
         "the incompatible run listed",
         lambda: [r for r in collect_state(net["client"]).to_dict()["runs"] if r["incompatible"]],

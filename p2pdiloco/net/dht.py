@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 import hivemind
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -26,7 +28,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 from multiaddr import Multiaddr
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.net.record_rules import RecordRefused, RejectionLog, check_record
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import Envelope, InvalidRecord, open_envelope
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,11 @@ log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 16 * 1024
 # Most (key, subkey) slots one signer may occupy in this node's storage.
 MAX_SLOTS_PER_SIGNER = 64
+
+
+def _dht_key(key: str) -> bytes:
+    """The DHT id bytes hivemind stores a plain key under (what the validator is handed)."""
+    return bytes(DHTID.generate(source=key).to_bytes())
 
 
 class NetworkError(UserError):
@@ -50,44 +59,52 @@ class StoredRecord:
 
 
 class EnvelopeValidator(RecordValidatorBase):
-    """Refuses to store, or to return from a lookup, anything but a valid signed envelope.
+    """Refuses to store, or to return from a lookup, anything but a signed envelope that belongs
+    in its slot.
 
     Runs inside the DHT process for every incoming STORE and every value found by GET. It caps
     the record size and the number of slots one signer may fill, so no peer can make a bootstrap
-    server store unbounded data. Only record shape and signature are checked here; what a record
-    means (kind, run, freshness) is checked by the reader.
+    server store unbounded data, and applies ``record_rules.check_record``: the record's kind,
+    key, subkey, signer, signed time and expiry must agree with what it says (no squatted
+    manifest slot, no replayed heartbeat with a 10-year expiry). Refusals are logged at most once
+    a minute per (signer, reason code).
     """
 
     def __init__(self, max_bytes: int = MAX_RECORD_BYTES, max_slots: int = MAX_SLOTS_PER_SIGNER):
         self.max_bytes = max_bytes
         self.max_slots = max_slots
         self._slots: dict[str, set[tuple[bytes, bytes]]] = {}
+        self.rejections = RejectionLog()
 
     def validate(self, record: DHTRecord) -> bool:
-        if len(record.value) > self.max_bytes + 64:
-            log.warning("refused DHT record: %d bytes is over the limit", len(record.value))
+        try:
+            self.check(record)
+        except RecordRefused as e:
+            self.rejections.warn("DHT record", e.signer, e.code, str(e))
             return False
+        return True
+
+    def check(self, record: DHTRecord, now: float | None = None) -> Envelope:
+        """The record's envelope; RecordRefused (with ``signer`` set when known) otherwise."""
+        if len(record.value) > self.max_bytes + 64:
+            raise RecordRefused(Reason.MALFORMED, f"{len(record.value)} bytes is over the limit")
         try:
             raw = MSGPackSerializer.loads(record.value)
-            env = open_envelope(raw, max_bytes=self.max_bytes, max_skew=3600.0)
+            # time is check_record's (code BAD_TIMESTAMP), not a signature failure
+            env = open_envelope(raw, max_bytes=self.max_bytes, max_skew=math.inf)
             subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
         except InvalidRecord as e:
-            log.warning("refused DHT record from %s: %s", e.signer or "unknown peer", e)
-            return False
+            raise RecordRefused(Reason.INVALID_SIGNATURE, str(e), e.signer) from None
         except Exception as e:  # undecodable msgpack from a peer
-            log.warning("refused undecodable DHT record: %s", type(e).__name__)
-            return False
-        if env.kind == "heartbeat" and subkey != env.signer:
-            log.warning("refused heartbeat from %s stored under another peer's slot", env.signer)
-            return False
+            raise RecordRefused(Reason.MALFORMED, f"undecodable ({type(e).__name__})") from None
+        check_record(env, record.key, subkey, record.expiration_time, key_id=_dht_key, now=now)
         slots = self._slots.setdefault(env.signer, set())
         slot = (record.key, record.subkey)
         if slot not in slots:
             if len(slots) >= self.max_slots:
-                log.warning("refused DHT record from %s: over %d slots", env.signer, self.max_slots)
-                return False
+                raise RecordRefused(Reason.OVER_QUOTA, f"over {self.max_slots} slots", env.signer)
             slots.add(slot)
-        return True
+        return env
 
     @property
     def priority(self) -> int:
@@ -136,6 +153,7 @@ class DHTPlane:
         identity_path: Path | None = None,
     ) -> None:
         self.identity = identity
+        self.rejections = RejectionLog()  # records dropped when read, logged once a minute
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         if identity_path is None:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="p2pdiloco-id-")
@@ -197,15 +215,19 @@ class DHTPlane:
             raw, expiration = item.value, item.expiration_time
             try:
                 if not isinstance(raw, bytes):
-                    raise InvalidRecord(f"value under subkey {subkey!r} is not bytes")
-                env = open_envelope(raw, kind=kind, run_id=run_id, max_bytes=MAX_RECORD_BYTES)
-                if kind == "heartbeat" and subkey != env.signer:
-                    raise InvalidRecord(
-                        f"heartbeat stored under {subkey!r} but signed by another peer"
-                    )
+                    raise InvalidRecord(f"value under subkey {str(subkey)[:64]!r} is not bytes")
+                env = open_envelope(
+                    raw, kind=kind, run_id=run_id, max_bytes=MAX_RECORD_BYTES, max_skew=math.inf
+                )
+                # The same rules as at store time: a peer running an older validator may hold
+                # a squatted or replayed record.
+                check_record(env, key, subkey, float(expiration))
             except InvalidRecord as e:
-                sender = getattr(e, "signer", None) or subkey
-                log.warning("dropped invalid %s record from %s: %s", kind, sender, e)
+                sender = e.signer or str(subkey)[:64]
+                self.rejections.warn(f"{kind} record", sender, Reason.INVALID_SIGNATURE, str(e))
+                continue
+            except RecordRefused as e:
+                self.rejections.warn(f"{kind} record", e.signer, e.code, str(e))
                 continue
             yield StoredRecord(str(subkey), env, float(expiration))
 

@@ -44,6 +44,14 @@ class Reason(enum.StrEnum):
     UNREACHABLE = "unreachable"  # the caller could not reach the peer (transport failure)
     # -- appended after the first release ---------------------------------------------------
     MERGE_FAILED = "merge_failed"  # this syncer could not merge the agreed set; it was dropped
+    # -- DHT records, refused at store time or when read (net.record_rules) ---------------------
+    UNKNOWN_KIND = "unknown_kind"  # a record kind no DHT slot holds
+    WRONG_SLOT = "wrong_slot"  # key or subkey is not the one the record's content names
+    WRONG_SIGNER = "wrong_signer"  # the body speaks for a peer other than its signer
+    BAD_TIMESTAMP = "bad_timestamp"  # signed time outside the window around local time
+    BAD_EXPIRY = "bad_expiry"  # expiry beyond the record type's TTL from now
+    OVER_QUOTA = "over_quota"  # the signer already fills its share of this node's storage
+    UNVERIFIED = "unverified"  # a certificate not verifiable by its chain: its version is ignored
 
     @classmethod
     def parse(cls, value: object) -> Reason:

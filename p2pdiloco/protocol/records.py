@@ -213,8 +213,13 @@ def run_id_of(manifest: RunManifest) -> str:
 
     Independent of key order; any change to any field gives another id.
     """
-    blob = _RUN_ID_DOMAIN + canonical_json(manifest.model_dump(mode="json"))
-    return hashlib.sha256(blob).hexdigest()
+    return run_id_of_body(manifest.model_dump(mode="json"))
+
+
+def run_id_of_body(body: dict[str, Any]) -> str:
+    """The run id of a manifest body as signed (JSON form): equal to :func:`run_id_of` for a
+    manifest this build made, and computable for one of another protocol version."""
+    return hashlib.sha256(_RUN_ID_DOMAIN + canonical_json(body)).hexdigest()
 
 
 def parse_manifest(env: Envelope) -> tuple[str, RunManifest]:
