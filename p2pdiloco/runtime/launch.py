@@ -129,6 +129,7 @@ class RunningNode:
             submit=runtime.submit,
             catch_up=runtime.request_version,
             replay=cfg.attack == "replay",
+            inflate=cfg.attack == "inflate",
         )
         trainer = self.trainer
         bridge.run(runtime.attach(trainer.deliver, lambda: trainer.view, state.version), 30)

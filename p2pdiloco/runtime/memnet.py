@@ -131,7 +131,7 @@ class MemoryNetwork:
             node.trainer = Trainer(
                 learner, machine, state, identity=identity, run_id=self.run_id,
                 manifest=self.manifest, submit=runtime.submit, catch_up=runtime.request_version,
-                replay=attack == "replay",
+                replay=attack == "replay", inflate=attack == "inflate",
             )  # fmt: skip
             trainer = node.trainer
             await runtime.attach(trainer.deliver, lambda: trainer.view, state.version)

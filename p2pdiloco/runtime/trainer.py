@@ -29,6 +29,7 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
+from p2pdiloco.sync.attacks import INFLATED_STEPS
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.learner_machine import (
     CatchUp,
@@ -121,6 +122,7 @@ class Trainer:
         submit: Callable[[Submission], None],
         catch_up: Callable[[int], None],
         replay: bool = False,
+        inflate: bool = False,
     ) -> None:
         self.learner = learner
         self.machine = machine
@@ -131,6 +133,7 @@ class Trainer:
         self.submit = submit
         self.catch_up = catch_up
         self.replay = replay  # attacker: re-send the first signed submission byte for byte
+        self.inflate = inflate  # attacker: claim INFLATED_STEPS steps (and tokens to match)
         self.inbox: queue.Queue[TrainerEvent] = queue.Queue()
         self.view = TrainerView(version=state.version)
         self._c = _Counters()
@@ -261,11 +264,15 @@ class Trainer:
         self.submit(sub)
 
     def _seal(self, out: Outgoing) -> Submission:
+        steps, tokens = max(1, out.steps), max(1, out.tokens)
+        if self.inflate:
+            inner = self.manifest.inner
+            steps, tokens = INFLATED_STEPS, INFLATED_STEPS * inner.batch_size * inner.seq_len
         header = SubmissionHeader(
             peer_id=self.identity.peer_id,
             base_version=out.base_version,
-            steps=max(1, out.steps),
-            tokens=max(1, out.tokens),
+            steps=steps,
+            tokens=tokens,
             loss=min(max(out.loss, 0.0), 1e4),
             codec=self.manifest.compression,
             fragments=[

@@ -15,6 +15,7 @@ sorted-name order); ``honest_MD`` holds the honest learners' deltas of the round
 | alie      | μ − z·σ per coordinate over the honest deltas, z from n and f          | Baruch et al. 2019, "A Little Is Enough" |
 | ipm       | −ε · mean of the honest deltas                                          | Xie et al. 2020, inner-product manipulation |
 | replay    | a delta from an earlier round (stale base)                              | caught by version checks |
+| inflate   | its honest delta, with a signed claim of 10⁶ steps (tokens to match)   | clipped to H (`plausible_claim`) |
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from statistics import NormalDist
 
 import torch
 
-ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay")
+ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "inflate")
+INFLATED_STEPS = 10**6  # the steps an ``inflate`` attacker claims per delta
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ def poison(
         return mu - alie_z(num_learners, num_attackers) * sigma
     if cfg.kind == "ipm":
         return -cfg.ipm_epsilon * honest_MD.float().mean(0)
+    if cfg.kind == "inflate":  # the lie is in the header (runtime/trainer.py), not the delta
+        return own.clone()
     # replay: the attacker re-sends an old delta; in the network its stale base version gets it
     # rejected, in a version-blind simulation it is simply an outdated update.
     return (previous_D if previous_D is not None else own).float().clone()

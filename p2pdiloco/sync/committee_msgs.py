@@ -23,6 +23,7 @@ from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envel
 from p2pdiloco.protocol.submissions import SubmissionHeader
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo, next_roster, roster_of
+from p2pdiloco.sync.weights import plausible_claim
 
 PROPOSAL_KIND = "proposal"
 MAX_PROPOSAL_DIGESTS = 4096
@@ -102,12 +103,16 @@ def certificate_body(
     accepted_digests: list[str],
     rejected: dict[str, str],
 ) -> CertificateBody:
-    """The body every honest syncer builds from the same merge: sorted, bounded, with roster."""
+    """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
+    each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
+    claims = {
+        d: plausible_claim(headers[d].steps, headers[d].tokens, manifest.inner_steps)
+        for d in accepted_digests
+    }  # what the round weighed: the signed claim, clipped to one delta's steps
     accepted = [
-        Accepted(peer_id=headers[d].peer_id, digest=d, steps=headers[d].steps,
-                 tokens=headers[d].tokens)
+        Accepted(peer_id=headers[d].peer_id, digest=d, steps=claims[d][0], tokens=claims[d][1])
         for d in sorted(accepted_digests)
-    ]  # fmt: skip
+    ]
     refused = [
         Rejected(peer_id=headers[d].peer_id, digest=d, reason=r[:200])
         for d, r in sorted(rejected.items())

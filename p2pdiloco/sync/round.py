@@ -33,6 +33,11 @@ they count in every phase: if the others merged and reached quorum, a syncer tha
 learns the certified hash (``Done(agreed_with_quorum=False)``). A syncer signs at most one state
 per version: once it has signed, a later attempt that aggregates to another hash signs nothing.
 
+Claims. A header's tokens must fit its steps (steps × batch × seq_len) or it is refused with
+BAD_CLAIM; a steps claim above one delta's worth (``max_steps``, the manifest's H) is clipped,
+tokens scaled alike (``plausible_claim``), and the clipped claim is what weighs and what the
+certificate credits (a ``Clipped`` action tells the driver).
+
 Stale submissions (base older than v − staleness) are rejected and their sender fast-forwarded;
 fresher-but-behind ones (v − staleness ≤ base < v) are accepted at weight 1/(1 + v − base).
 
@@ -43,12 +48,13 @@ refused with BUSY), at most ``max_dropped`` dropped digests, one signature per c
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sync.round_types import (
     Action,
     Aggregate,
+    Clipped,
     Done,
     Dropped,
     FastForward,
@@ -62,11 +68,12 @@ from p2pdiloco.sync.round_types import (
     Submission,
     SubmissionStatus,
 )
-from p2pdiloco.sync.weights import merge_weights
+from p2pdiloco.sync.weights import merge_weights, plausible_claim
 
 __all__ = [
     "Action",
     "Aggregate",
+    "Clipped",
     "Done",
     "Dropped",
     "FastForward",
@@ -123,8 +130,14 @@ class SyncerRound:
             if refusal[0] is Reason.STALE:
                 actions.append(FastForward(sub.peer_id, self.params.version))
             return actions
-        self._accept(sub)
-        return self._maybe_close(now)
+        counted = self._accept(sub)
+        clipped: list[Action] = []
+        if counted is not sub:
+            claimed = (sub.steps, sub.tokens)
+            clipped.append(
+                Clipped(sub.peer_id, sub.digest, claimed, (counted.steps, counted.tokens))
+            )
+        return clipped + self._maybe_close(now)
 
     def on_tick(self, now: float) -> list[Action]:
         """Time passed: close at the grace deadline; rotate the leader if agreement stalls."""
@@ -319,9 +332,14 @@ class SyncerRound:
             return Reason.BUSY, f"round already holds {p.max_inputs} submissions"
         return None
 
-    def _accept(self, sub: Submission) -> None:
+    def _accept(self, sub: Submission) -> Submission:
+        """Hold ``sub`` with its claim clipped to one delta's steps; return what is held."""
+        steps, tokens = plausible_claim(sub.steps, sub.tokens, self.params.max_steps)
+        if (steps, tokens) != (sub.steps, sub.tokens):
+            sub = replace(sub, steps=steps, tokens=tokens)
         self.accepted[sub.digest] = sub
         self.by_peer.setdefault(sub.peer_id, sub.digest)
+        return sub
 
     def _remove(self, digest: str) -> Submission | None:
         sub = self.accepted.pop(digest, None)

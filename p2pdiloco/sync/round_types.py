@@ -42,6 +42,7 @@ class RoundParams:
     min_fraction: float = 0.6  # share of active learners that closes the round early
     staleness: int = 2  # oldest base version accepted: v − staleness
     max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps
+    max_steps: int = 2**30  # the manifest's H: a larger steps claim is clipped (plausible_claim)
     weight_cap: float = 0.25  # no learner weighs more than this share of the merge
     agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
     linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
@@ -101,6 +102,17 @@ class FastForward:
 
 
 @dataclass(frozen=True)
+class Clipped:
+    """An accepted submission claimed more steps than one delta holds: it counts (in the merge
+    weights and the certificate) with the clipped claim. For the driver to record and report."""
+
+    peer_id: str
+    digest: str
+    claimed: tuple[int, int]  # (steps, tokens) as signed by the learner
+    counted: tuple[int, int]  # (steps, tokens) after clipping
+
+
+@dataclass(frozen=True)
 class Propose:
     """Send the input set of ``attempt`` to the other committee members."""
 
@@ -148,4 +160,4 @@ class Done:
     agreed_with_quorum: bool
 
 
-Action = Reject | FastForward | Propose | Fetch | Aggregate | Dropped | Sign | Done
+Action = Reject | FastForward | Clipped | Propose | Fetch | Aggregate | Dropped | Sign | Done

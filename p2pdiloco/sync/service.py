@@ -46,6 +46,7 @@ from p2pdiloco.sync.roster import CommitteeInfo, committee_for, roster_of
 from p2pdiloco.sync.round import (
     Action,
     Aggregate,
+    Clipped,
     Done,
     Dropped,
     FastForward,
@@ -129,6 +130,7 @@ class SyncService:
         self.buffered: list[tuple[int, str, str, list[bytes]]] = []
         self.rejections: BoundedLog[dict[str, Any]] = BoundedLog(MAX_REJECTIONS_KEPT)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class SyncService:
             staleness=r.staleness,
             max_tokens_per_step=inner.batch_size * inner.seq_len,
             weight_cap=r.weight_cap,
+            max_steps=self.manifest.inner_steps,
             agree_timeout=r.agree_timeout,
             linger=r.linger,
         )
@@ -260,7 +263,8 @@ class SyncService:
                 "reason": rejected[0].reason,
                 "fast_forward": self.fast_forward.pop(h.peer_id, None),
             }, []
-        return {"status": "accepted", "version": self.current.version + 1}, []
+        clipped = any(isinstance(a, Clipped) for a in actions)  # counted with a smaller claim
+        return {"status": "accepted", "version": self.current.version + 1, "clipped": clipped}, []
 
     def _submission(self, sub: ParsedSubmission) -> Submission:
         h = sub.header
@@ -328,6 +332,8 @@ class SyncService:
             if isinstance(a, Reject):
                 self._reject(a.peer_id, context, a.code, a.reason)
             elif isinstance(a, FastForward):
+            elif isinstance(a, Clipped):
+                self._record_clip(a)
                 if len(self.fast_forward) < MAX_FAST_FORWARD_KEPT:
                     self.fast_forward[a.peer_id] = a.to_version
             elif isinstance(a, Propose):
@@ -478,6 +484,12 @@ class SyncService:
         self.on_certified(raw, state)
 
     def _reject(self, peer: str, digest: str | None, code: Reason, reason: str) -> None:
+    def _record_clip(self, clip: Clipped) -> None:
+        self.clipped += 1
+        (s, t), (ks, kt) = clip.claimed, clip.counted
+        text = f"claim of {s} steps / {t} tokens clipped to {ks} / {kt} (counted, not refused)"
+        self._reject(clip.peer_id, clip.digest, Reason.BAD_CLAIM, text)
+
         log.warning("rejected input from %s: [%s] %s", peer, code.value, reason)
         version = self.current.version + 1 if self.current is not None else None
         self.rejections.append(

@@ -47,3 +47,19 @@ def merge_weights(entries: Mapping[str, tuple[int, int]], cap_fraction: float) -
     """
     raw = {k: float(tokens) / (1 + lag) for k, (tokens, lag) in entries.items()}
     return capped_weights(raw, cap_fraction)
+
+
+def plausible_claim(steps: int, tokens: int, max_steps: int) -> tuple[int, int]:
+    """A submission's (steps, tokens) claim, clipped to what one delta can hold.
+
+    A round's delta covers at most ``max_steps`` inner steps (the manifest's H: the learner
+    sends once it has trained H steps from its base, docs/adr/0010-checked-claims.md), so a
+    larger steps claim is cut to ``max_steps`` and its tokens scaled by the same ratio (integer
+    arithmetic, at least 1): every syncer computes the same clipped claim from the same header,
+    and the clipped one is what weighs in the merge and what the certificate credits.
+    """
+    if max_steps < 1:
+        raise ValueError("max_steps must be at least 1")
+    if steps <= max_steps:
+        return steps, tokens
+    return max_steps, max(1, tokens * max_steps // steps)
