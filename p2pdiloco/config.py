@@ -8,6 +8,7 @@ environment itself: the CLI resolves settings here and passes plain values down.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,24 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.community import COMMUNITY_BOOTSTRAP
 
 ENV_PREFIX = "P2PDILOCO_"
+# Every setting read through here (``join``'s options and the bootstrap list); a key outside
+# this set is a typo, refused rather than silently ignored.
+CONFIG_KEYS = frozenset(
+    {
+        "bootstrap",
+        "model",
+        "run",
+        "identity",
+        "port",
+        "device",
+        "gpus",
+        "max_memory",
+        "batch_size",
+        "cache_dir",
+        "state_dir",
+        "metrics_port",
+    }
+)
 
 
 def config_path() -> Path:
@@ -26,15 +45,27 @@ def config_path() -> Path:
 
 
 def load_config_file(path: Path | None = None) -> dict[str, Any]:
-    """The config file as a dict ({} if absent); ConfigError naming the file if it is invalid."""
+    """The config file as a dict ({} if absent). ConfigError naming the file if it is not valid
+    TOML, and naming the key (with the nearest valid one) if it holds a key outside
+    :data:`CONFIG_KEYS`."""
     path = path or config_path()
     if not path.exists():
         return {}
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read config file '{path}': {e}") from e
+    for key in data:
+        if key not in CONFIG_KEYS:
+            near = difflib.get_close_matches(key, sorted(CONFIG_KEYS), n=1)
+            hint = (
+                f"did you mean '{near[0]}'?" if near else f"known: {', '.join(sorted(CONFIG_KEYS))}"
+            )
+            raise ConfigError(
+                f"unknown setting '{key}' in config file '{path}' ({hint}); fix or remove it"
+            )
+    return data
 
 
 def resolve(
