@@ -20,6 +20,12 @@ from p2pdiloco.errors import UserError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 16 * 2**20
+# A data file is judged text or not by its first bytes: any NUL byte, or more than this share
+# of the sample undecodable as UTF-8, means a binary (an executable, an archive, random bytes;
+# random bytes are about half invalid). Text in a legacy 8-bit encoding stays well below it and
+# is read with its odd bytes replaced.
+_SNIFF_BYTES = 8192
+_MAX_BAD_UTF8 = 0.25
 _TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
 # pydoc_data/topics.py is a repr() of the pydoc topics we already include verbatim.
 _EMBEDDED_EXCLUDED_DIRS = frozenset(
@@ -78,7 +84,35 @@ def _read_text(path: Path) -> str:
     return data.decode("utf-8-sig", errors="replace")
 
 
+def _not_text(data: bytes) -> str | None:
+    """Why ``data`` (a file's first bytes) is not text, or None if it looks like UTF-8 text."""
+    sample = data[:_SNIFF_BYTES]
+    if b"\x00" in sample:
+        return "it holds NUL bytes, as binaries do"
+    # A multi-byte character cut at the sample's end is not an error: drop up to 3 tail bytes.
+    decoded = sample.decode("utf-8", errors="replace")
+    bad = max(0, decoded.count("\ufffd") - (3 if len(data) > len(sample) else 0))
+    if bad >= 4 and bad / len(sample) > _MAX_BAD_UTF8:
+        return f"{bad / len(sample):.0%} of its first {len(sample)} bytes are not UTF-8"
+    return None
+
+
+def _refuse_binary(path: Path) -> None:
+    """DataError naming ``path`` if its first bytes are not text, or if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES + 4)
+    except OSError as exc:
+        raise DataError(f"cannot read '{path}': {exc.strerror or _one_line(exc)}") from exc
+    if (why := _not_text(head)) is not None:
+        raise DataError(
+            f"data file '{path}' is not text ({why}); pass UTF-8 text (.txt, .md, .jsonl or "
+            "extension-less files), a directory of them, or hf:NAME"
+        )
+
+
 def _file_documents(path: Path, rel: str, stats: SourceStats) -> Iterator[Document]:
+    _refuse_binary(path)
     text = _read_text(path)
     if not rel.endswith(".jsonl"):
         yield Document(rel, text)
@@ -131,6 +165,7 @@ def _path_documents(source: str, stats: SourceStats) -> Iterator[Document]:
                 f"data directory '{source}' has no .txt, .md, .jsonl or extension-less files"
             )
     elif _usable_name(root.name):
+        _refuse_binary(root)  # now, before the caller starts any work
         files = [(root.name, root)]
     else:
         raise DataError(f"data file '{source}' is not a .txt, .md, .jsonl or extension-less file")
@@ -242,7 +277,9 @@ def iter_documents(
     `source` is "embedded", "hf:NAME[:CONFIG][@SPLIT]", a directory or a single file. The
     document that crosses the cap is truncated and iteration stops. Missing paths, empty
     directories and unusable specs raise `DataError` here, eagerly; unreadable files and
-    a source without any text raise `DataError` during iteration. Malformed .jsonl lines
+    a source without any text raise `DataError` during iteration. A file that is not text (NUL
+    bytes, or mostly invalid UTF-8 in its first 8 KiB) is refused with `DataError`: eagerly for
+    a single file, when it is reached for a file in a directory. Malformed .jsonl lines
     are skipped and counted in `stats.skipped_records`.
     """
     if max_bytes <= 0:
