@@ -33,6 +33,17 @@ def bootstrap(
     ] = None,
 ) -> None:
     """Run a public entry point: DHT node with relay, gossip host, health and metrics."""
+    from p2pdiloco.cli.net_common import check_multiaddrs
+    from p2pdiloco.net.ports import check_ports
+
+    check_multiaddrs(peer or [], "--peer")
+    check_ports(
+        [
+            (host, port, "DHT", "--port"),
+            (host, port + 1 if port else 0, "gossip host (--port + 1)", "--port"),
+            (http_host, http_port, "HTTP API", "--http-port"),
+        ]
+    )
     stop = stop_event()
     cfg = BootstrapConfig(
         host=host,
