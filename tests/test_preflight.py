@@ -140,7 +140,7 @@ def test_disk_nearly_full_is_reported_with_a_fix(
     assert f.severity == "error"
     assert "--state-dir" in f.fix
     state = preflight.fp32_state_bytes("gemma-tiny")
-    roomy = 2 * state + preflight.DISK_SLACK + 2**20
+    roomy = preflight.DISK_STATES * state + preflight.DISK_SLACK + 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda _: _Usage(10 * GiB, 0, roomy))
     tight = check_disk(PreflightConfig(model="gemma-tiny", state_dir=tmp_path))
     assert tight.severity == "warn" and tight.fix

@@ -154,9 +154,10 @@ def join(
         check_fits(
             model, dev, "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32", available=available
         )
-        _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
-    stop = stop_event()
+    _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
     addrs, source = bootstrap_addrs(bootstrap)
+    _check_ports(host, port, mport, not no_gossip)
+    stop = stop_event()
     log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
     node = Node(
         NodeConfig(
@@ -195,7 +196,13 @@ def join(
         if mport is not None:
             from p2pdiloco.node_metrics import serve_metrics
 
-            metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)
+            try:
+                metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)
+            except OSError as e:  # taken since the check before joining
+                raise UserError(
+                    f"cannot listen on {host}:{mport} for the metrics server: "
+                    f"{e.strerror or e}; pass another --metrics-port"
+                ) from None
             print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
         tui = sys.stdout.isatty() and not no_tui and not json_logs
         _serve(view, running if not no_train else None, stop, tui, json_logs, heartbeat_interval)
@@ -204,7 +211,7 @@ def join(
         if no_train:
             print("stopped", flush=True)
         else:
-            print(f"stopped cleanly; kept {kept}", flush=True)
+            print(f"stopped {'cleanly' if not error else 'on an error'}; kept {kept}", flush=True)
         if error:
             raise UserError(f"training stopped: {error}")
     finally:
@@ -216,14 +223,15 @@ def join(
 
 
 def _preflight(
-    model: str,
+    model: str | None,
     device: str,
     gpus: tuple[int, ...],
     max_mem: float | None,
     micro: int | None,
     state: Path | None,
 ) -> None:
-    """The rest of the preflight (memory was checked above): warnings printed, errors fatal."""
+    """The rest of the preflight (memory was checked above): warnings printed, errors fatal.
+    Without a model (``--run`` only) the disk is checked again once the run's model is known."""
     from p2pdiloco.preflight import (
         PreflightConfig,
         check_disk,
@@ -242,6 +250,28 @@ def _preflight(
             log.warning("preflight %s: %s (fix: %s)", f.check, f.detail, f.fix)
     if errors:
         f = errors[0]
+        raise UserError(f"{f.check}: {f.detail}; fix: {f.fix}")
+
+
+def _check_ports(host: str, port: int, metrics_port: int | None, gossip: bool) -> None:
+    """Every fixed port this node will listen on is free: refused now, not after joining."""
+    from p2pdiloco.net.ports import check_ports
+
+    check_ports(
+        [
+            (host, port, "DHT", "--port"),
+            (host, port + 1 if port and gossip else 0, "gossip host (--port + 1)", "--port"),
+            (host, metrics_port or 0, "metrics server", "--metrics-port"),
+        ]
+    )
+
+
+def _refuse_disk(model: str, state_dir: Path) -> None:
+    """The run's state directory is writable with room for the run model's checkpoints."""
+    from p2pdiloco.preflight import PreflightConfig, check_disk
+
+    f = check_disk(PreflightConfig(model=model, state_dir=state_dir))
+    if f.severity == "error":
         raise UserError(f"{f.check}: {f.detail}; fix: {f.fix}")
 
 
@@ -295,6 +325,8 @@ def _start_node(
     if adversary is not None and adversary not in ATTACKS:
         raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
     manifest = node.run.manifest
+    state = state or default_state_dir(node.run.run_id)
+    _refuse_disk(manifest.model, state)
     step_batch = manifest.inner.batch_size
     if micro is None:
         dev = resolve_device(device)
@@ -314,7 +346,7 @@ def _start_node(
     running = RunningNode(
         node,
         TrainConfig(
-            state_dir=state or default_state_dir(node.run.run_id),
+            state_dir=state,
             device=device,
             threads=threads,
             until_version=until_version,
@@ -387,6 +419,7 @@ def _log_to_file(path: Path) -> None:
     """While the dashboard owns the terminal, log lines go to a file next to the state."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
+    logging.raiseExceptions = False  # a full disk must not print a traceback per log line
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for h in list(root.handlers):

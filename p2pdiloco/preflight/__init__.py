@@ -30,6 +30,7 @@ from p2pdiloco.preflight.network import (
 )
 from p2pdiloco.preflight.resources import (
     DISK_SLACK,
+    DISK_STATES,
     MAX_AUTO_BATCH,
     auto_batch_size,
     check_device_memory,
@@ -42,6 +43,7 @@ __all__ = [
     "CLOCK_ERROR_S",
     "CLOCK_WARN_S",
     "DISK_SLACK",
+    "DISK_STATES",
     "MAX_AUTO_BATCH",
     "MIN_PYTHON",
     "MIN_TORCH",

@@ -4,7 +4,9 @@ is allocated): does the model train on the device, is there room for its checkpo
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +26,9 @@ from p2pdiloco.train.models import get_spec, model_names, parameter_count
 MAX_AUTO_BATCH = 64
 # Disk headroom beyond the checkpoints themselves (logs, certificates, temp files).
 DISK_SLACK = 1 * GiB
+# fp32 states on disk at the peak: the two the certified store keeps, plus the one being written
+# (its temp file exists until the rename, and the oldest is pruned only after that).
+DISK_STATES = 3
 
 
 def _precision_for(device: torch.device) -> str:
@@ -161,12 +166,22 @@ def default_state_root() -> Path:
 
 
 def check_disk(cfg: PreflightConfig) -> Finding:
-    """Free space where checkpoints go against two fp32 states (the certified store keeps two)
-    plus 1 GiB. Error below that; warning below twice that (other files will compete)."""
+    """Whether checkpoints can be written where they go: a file can be created there (in the
+    nearest existing parent if the directory is not made yet), and the free space covers
+    ``DISK_STATES`` fp32 states of the model plus 1 GiB. Error if not; warning below twice the
+    space (other files will compete)."""
     path = cfg.state_dir if cfg.state_dir is not None else default_state_root()
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    flag = "--state-dir" if cfg.state_dir is not None else "the default state directory"
+    if (why := _unwritable(probe)) is not None:
+        return Finding(
+            "disk",
+            "error",
+            f"cannot write checkpoints under {path} ({flag}): {probe}: {why}",
+            fix="pass --state-dir on a writable disk, or make that directory writable",
+        )
     try:
         free = shutil.disk_usage(probe).free
     except OSError as e:
@@ -180,8 +195,8 @@ def check_disk(cfg: PreflightConfig) -> Finding:
         state = fp32_state_bytes(cfg.model) if cfg.model is not None else 0
     except UserError:
         state = 0  # unknown model: reported by the device memory check
-    need = 2 * state + DISK_SLACK
-    what = f"2 checkpoints of {cfg.model} + 1 GiB" if state else "1 GiB"
+    need = DISK_STATES * state + DISK_SLACK
+    what = f"{DISK_STATES} checkpoints of {cfg.model} + 1 GiB" if state else "1 GiB"
     detail = f"{free / GiB:.1f} GiB free at {probe}; need {need / GiB:.1f} GiB ({what})"
     fix = f"free space there, or pass --state-dir on a disk with {need / GiB:.1f}+ GiB free"
     if free < need:
@@ -189,3 +204,17 @@ def check_disk(cfg: PreflightConfig) -> Finding:
     if free < 2 * need:
         return Finding("disk", "warn", detail + "; little headroom", fix=fix)
     return Finding("disk", "ok", detail)
+
+
+def _unwritable(directory: Path) -> str | None:
+    """None if a file can be created (and removed) in ``directory``, else why not. A real write,
+    not ``os.access``: root passes access checks on read-only mounts."""
+    if not directory.is_dir():
+        return "not a directory"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".p2pdiloco-write-test-", dir=directory)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(name)
+    return None

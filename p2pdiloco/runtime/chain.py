@@ -32,6 +32,9 @@ class ChainStore:
         self.certs: dict[int, bytes] = {}  # version → certificate bytes held
         self.current: CertifiedState | None = None
         self.previous: CertifiedState | None = None  # still served while peers catch up
+        self.saved = 0  # newest version on disk (restored or persisted); 0: genesis only
+        # Set once, by a failed write (disk full, read-only): one line saying what was kept.
+        self.failure: str | None = None
         for path in sorted((state_dir / "certs").glob("*.json")):
             if path.stem.isdigit():
                 self.certs[int(path.stem)] = path.read_bytes()
@@ -60,14 +63,33 @@ class ChainStore:
     # -- disk (call from a worker thread: it writes and fsyncs) --------------------------------
 
     def persist(self, chain: list[Certificate], state: CertifiedState) -> None:
-        """Write the chain's certificates, then the state with its certificate, atomically."""
-        for c in chain:
-            atomic_write_bytes(self.dir / "certs" / f"{c.body.version:08d}.json", c.raw)
+        """Write the chain's certificates, then the state with its certificate, atomically.
+
+        A failed write (disk full, read-only, gone) is not raised: it is logged and kept in
+        ``failure`` as one line, and the node's owner should stop it. Files already on disk
+        stay intact (every write is atomic); the state stays served from memory meanwhile.
+        """
         assert state.cert is not None
-        self.store.save(
-            state.tensors(),
-            {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
-        )
+        tensors = state.tensors()
+        try:
+            for c in chain:
+                atomic_write_bytes(self.dir / "certs" / f"{c.body.version:08d}.json", c.raw)
+            self.store.save(
+                tensors,
+                {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
+            )
+        except OSError as e:
+            size = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
+            kept = f"version {self.saved}" if self.saved else "no version (genesis only)"
+            self.failure = (
+                f"cannot save certified version {state.version} under {self.dir}: "
+                f"{e.strerror or e}; {kept} stays saved there; free space (a state needs "
+                f"{size:.2f} GiB, and {self.store.keep + 1} fit at once while one is written) "
+                "or join again with --state-dir on a larger disk"
+            )
+            log.error("%s", self.failure)
+            return
+        self.saved = state.version
 
     def restore(self) -> CertifiedState | None:
         """The newest saved certified state whose hash matches its certificate, or None."""
@@ -87,6 +109,7 @@ class ChainStore:
         if state.state_hash != cert.body.state_hash:
             log.warning("ignoring the saved state: it does not match its certificate")
             return None
+        self.saved = state.version
         return state
 
     # -- serving peers -------------------------------------------------------------------------

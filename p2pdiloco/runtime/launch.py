@@ -157,18 +157,26 @@ class RunningNode:
                 bridge.run(bridge.loop.shutdown_default_executor(), 30)
             except Exception as e:  # shutting down: say it, keep going
                 log.info("runtime close: %s", e)
-        version = runtime.chain.version if runtime is not None else 0
+        version = runtime.chain.saved if runtime is not None else 0
         kept = f"certified version {version} under {self.cfg.state_dir}"
         if trainer is not None and not trainer.alive and runtime is not None:
             trainer.settle(runtime.chain.current)
-            save_local(self.cfg.state_dir, trainer.learner, self.run_id, trainer.state.version)
-            kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
+            try:
+                save_local(self.cfg.state_dir, trainer.learner, self.run_id, trainer.state.version)
+            except OSError as e:  # disk full or read-only: the certified files stay intact
+                kept += f"; local progress not saved ({e.strerror or e})"
+            else:
+                kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
         if runtime is not None:
             runtime.write_final_status()
         return kept
 
     @property
     def error(self) -> str | None:
+        """Why this node cannot go on (one line): a failed checkpoint write, or the trainer's
+        error; None while all is well."""
+        if self.runtime is not None and self.runtime.chain.failure is not None:
+            return self.runtime.chain.failure
         return self.trainer.view.error if self.trainer is not None else None
 
     @property
