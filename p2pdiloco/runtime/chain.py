@@ -81,13 +81,13 @@ class ChainStore:
         except OSError as e:
             size = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
             kept = f"version {self.saved}" if self.saved else "no version (genesis only)"
-            self.failure = (
+            self.failure = self.failure or (
                 f"cannot save certified version {state.version} under {self.dir}: "
                 f"{e.strerror or e}; {kept} stays saved there; free space (a state needs "
                 f"{size:.2f} GiB, and {self.store.keep + 1} fit at once while one is written) "
                 "or join again with --state-dir on a larger disk"
             )
-            log.error("%s", self.failure)
+            log.error("cannot save certified version %d: %s", state.version, e.strerror or e)
             return
         self.saved = state.version
 
