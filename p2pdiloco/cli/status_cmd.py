@@ -75,11 +75,11 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.ledger import build_ledger
-    from p2pdiloco.net.cert_records import cert_version, read_certificates
+    from p2pdiloco.net.cert_records import read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge
     from p2pdiloco.runtime.transport import P2PTransport
-    from p2pdiloco.sync.fetch import fetch_cert
+    from p2pdiloco.sync.fetch import walk_chain
 
     with dht_client(bootstrap) as dht:
         runs, _ = read_runs(dht)
@@ -90,7 +90,6 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
             r.peers = read_peers(dht, r.run_id)
         info = max(runs, key=lambda r: len(r.peers.peers) if r.peers else 0)
         raws = read_certificates(dht, info.run_id)
-        newest = max((cert_version(r) for r in raws), default=0)
         addrs = (
             {v.peer_id: list(v.heartbeat.addrs) for v in info.peers.peers.values()}
             if info.peers
@@ -98,15 +97,10 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
         )
         bridge = P2PBridge(dht.dht)
         transport = P2PTransport(bridge.p2p, dht.peer_id, lambda p: addrs.get(p, []))
-        try:
-            for version in range(1, newest):
-                for peer in addrs:
-                    try:
-                        raws.append(bridge.run(fetch_cert(transport, peer, version), 20))
-                        break
-                    except Exception:
-                        continue
+        try:  # version by version from genesis: a claimed version counts once its chain verifies
+            walk = walk_chain(transport, info.run_id, info.manifest, list(addrs), raws)
+            chain = bridge.run(walk, 300)
         finally:
             bridge.close()
-    ledger = build_ledger(info.run_id, info.manifest, raws)
+    ledger = build_ledger(info.run_id, info.manifest, [c.raw for c in chain] + raws)
     return {"run_id": info.run_id, "run_name": info.manifest.name, **ledger.to_dict()}

@@ -15,19 +15,19 @@ import logging
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.gossip import GossipError, GossipProcess
-from p2pdiloco.protocol.certificates import Certificate
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.signing import canonical_json, seal
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal
 
 log = logging.getLogger(__name__)
 
 CERT_RECORD_KIND = "certificate"
-CERT_RECORD_TTL = 24 * 3600.0
+CERT_RECORD_TTL = keys.CERT_RECORD_TTL
 MAX_RECORD = 16 * 1024
 
 
 def certs_key(run_id: str) -> str:
-    return f"{keys.PREFIX}/run/{run_id}/certs"
+    return keys.run_certs_key(run_id)
 
 
 def cert_topic(run_id: str) -> str:
@@ -41,6 +41,18 @@ def cert_version(raw: bytes) -> int:
     except Exception:  # junk from a peer: sorts first, then fails verification
         return -1
     return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def newest_signed(raws: list[bytes], run_id: str) -> bytes | None:
+    """The highest-version certificate among ``raws`` that carries a quorum of signatures of the
+    committee it names (whether that is the elected committee needs its chain: ``catch_up``)."""
+    for raw in sorted(raws, key=cert_version, reverse=True):
+        try:
+            parse_certificate(raw, run_id=run_id)
+        except InvalidRecord:
+            continue
+        return raw
+    return None
 
 
 def read_certificates(dht: DHTPlane, run_id: str) -> list[bytes]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from p2pdiloco.ledger import build_ledger
-from p2pdiloco.net.cert_records import cert_version
+from p2pdiloco.net.cert_records import cert_version, newest_signed
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
@@ -250,12 +250,13 @@ class NodeRuntime:
                 await self._apply_locked(raw, computed)
 
     async def _apply_locked(self, raw: bytes, computed: CertifiedState | None) -> None:
-        cert = parse_certificate(raw, run_id=self.run_id)
-        peers = self._holders(cert)
+        target = parse_certificate(raw, run_id=self.run_id)
         chain = await catch_up(
-            self.transport, self.run_id, self.manifest, self.chain.cert, cert, peers
-        )
-        cert = chain[-1]
+            self.transport, self.run_id, self.manifest, self.chain.cert, target,
+            lambda v: self._holders(target, v),
+        )  # fmt: skip
+        cert = chain[-1]  # below target if target's chain does not verify (its claim ignored)
+        peers = self._holders(cert)
         if computed is not None and computed.state_hash == cert.body.state_hash:
             new, computed.cert = computed, cert
         else:
@@ -300,10 +301,13 @@ class NodeRuntime:
         if self._pending is not None and self._pending.sub.base_version < version:
             self._pending = None
 
-    def _holders(self, cert: Certificate) -> list[str]:
-        """Peers likely to hold the state of ``cert``: its signers, then anyone announcing it."""
-        out = [s for s in cert.signers if s != self.me]
-        return out + [p for p in self.plane.peers_holding(cert.body.version) if p not in out]
+    def _holders(self, cert: Certificate, version: int | None = None) -> list[str]:
+        """Peers likely to hold ``cert`` and its state: its signers, then anyone announcing it;
+        for an earlier ``version`` of its chain, those announcing that version come first."""
+        v = cert.body.version if version is None else version
+        near = self.plane.peers_holding(v)
+        signers = [s for s in cert.signers if s != self.me and s not in near]
+        return signers + near if v == cert.body.version else near + signers
 
     async def _sender(self) -> None:
         """Deliver each sealed submission to the committee of its base version + 1."""
@@ -430,10 +434,11 @@ class NodeRuntime:
         for peer in self.plane.peers_holding(self.chain.version + 1)[:3]:
             with contextlib.suppress(RpcError):
                 found.append(await fetch_cert(self.transport, peer, -1))
-        newest = max(found, key=cert_version, default=None)
+        newest = newest_signed(found, self.run_id)
         if newest is None or cert_version(newest) <= self.chain.version:
             return None
-        log.info("catching up from version %d to %d", self.chain.version, cert_version(newest))
+        v = (self.chain.version, cert_version(newest))
+        log.info("catching up from version %d (newest claim %d: believed once verified)", *v)
         return newest
 
     # -- views ---------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ request but never get a byte of bad state applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from p2pdiloco.net.cert_records import cert_version
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PER_PEER_PARALLEL = 4
+# Peers asked for one certificate while catching up before that version counts as missing.
+MAX_PEERS_PER_VERSION = 6
 
 
 class SyncError(Exception):
@@ -68,16 +72,25 @@ async def catch_up(
     manifest: RunManifest,
     known: Certificate | None,
     target: Certificate,
-    peers: Sequence[str],
+    peers: Callable[[int], Sequence[str]],
 ) -> list[Certificate]:
-    """Verified certificates after ``known`` up to ``target`` (inclusive), fetched from peers."""
+    """Verified certificates after ``known`` towards ``target``, each fetched from the first of
+    ``peers(version)`` (at most ``MAX_PEERS_PER_VERSION``) that serves one.
+
+    A certificate's version means nothing until the chain reaches it: each version is verified
+    against the one before, so the walk stops at ``target`` or at the first version no peer
+    serves verifiably, and returns the verified prefix (``chain[-1]`` is then below ``target``,
+    whose claim the caller ignores). A junk certificate claiming version 10**9 thus costs one
+    failed fetch round past the real chain, never 10**9 of them. Raises SyncError only if not
+    even the next version verifies.
+    """
     chain: list[Certificate] = []
     prev = known
     start = known.body.version if known is not None else 0
     for version in range(start + 1, target.body.version + 1):
         raw = target.raw if version == target.body.version else None
         errors = []
-        for peer in [""] if raw is not None else peers:
+        for peer in [""] if raw is not None else list(peers(version))[:MAX_PEERS_PER_VERSION]:
             try:
                 data = raw if raw is not None else await fetch_cert(transport, peer, version)
                 cert = verify_next(run_id, manifest, prev, data)
@@ -85,12 +98,60 @@ async def catch_up(
             except (RpcError, InvalidRecord) as e:
                 errors.append(f"{peer or 'given'}: {e}")
         else:
-            raise SyncError(
-                f"no verifiable certificate for version {version}: {'; '.join(errors)[:400]}"
+            why = "; ".join(errors)[:400] or "no peer holds it"
+            if not chain:
+                raise SyncError(f"no verifiable certificate for version {version}: {why}")
+            log.warning(
+                "ignoring the certificate claiming version %d: the chain is verifiable only to "
+                "version %d (%s)",
+                target.body.version,
+                chain[-1].body.version,
+                why,
             )
+            return chain
         chain.append(cert)
         prev = cert
     return chain
+
+
+async def walk_chain(
+    transport: Transport,
+    run_id: str,
+    manifest: RunManifest,
+    peers: Sequence[str],
+    hints: Sequence[bytes] = (),
+) -> list[Certificate]:
+    """The run's chain from genesis, as far as it verifies: each version from ``hints`` (say,
+    DHT records) when one verifies against the version before, else from the first of ``peers``
+    that serves one. Stops at the first version neither provides, so a junk certificate claiming
+    version 10**9 is never walked to; a peer that cannot be reached is not asked again."""
+    by_version: dict[int, list[bytes]] = {}
+    for raw in hints:
+        by_version.setdefault(cert_version(raw), []).append(raw)
+    chain: list[Certificate] = []
+    alive = list(peers)
+    while True:
+        version = len(chain) + 1
+        prev = chain[-1] if chain else None
+        cert = None
+        for raw in by_version.get(version, []):
+            with contextlib.suppress(InvalidRecord):
+                cert = verify_next(run_id, manifest, prev, raw)
+                break
+        for peer in list(alive) if cert is None else []:
+            try:
+                cert = verify_next(
+                    run_id, manifest, prev, await fetch_cert(transport, peer, version)
+                )
+                break
+            except RpcError as e:
+                if e.code is Reason.UNREACHABLE:
+                    alive.remove(peer)
+            except InvalidRecord as e:
+                log.info("certificate %d from %s: %s", version, peer, e)
+        if cert is None:
+            return chain
+        chain.append(cert)
 
 
 async def download_state(transport: Transport, cert: Certificate, peers: Sequence[str]) -> Download:
