@@ -1,38 +1,115 @@
-"""The ``p2pdiloco`` command."""
+"""The ``p2pdiloco`` command.
+
+Start-up stays fast: a command's module (and torch, hivemind or transformers behind it) is
+imported only when that command runs or shows its own help. ``p2pdiloco --help`` lists the
+commands from ``COMMANDS`` without importing any of them, and ``--version`` imports nothing but
+typer. ``tests/test_cli_startup.py`` keeps it so: importing this module loads no heavy package.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import importlib
+from typing import Annotated, Any, NamedTuple
 
 import typer
+from typer import _click as click  # typer's own copy of click, the one its classes extend
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from p2pdiloco import __version__
-from p2pdiloco.cli import keys_cmd, run_cmd
-from p2pdiloco.cli.bootstrap_cmd import bootstrap
 from p2pdiloco.cli.common import setup_logging
-from p2pdiloco.cli.demo_cmd import demo
-from p2pdiloco.cli.doctor_cmd import doctor
-from p2pdiloco.cli.join_cmd import join
-from p2pdiloco.cli.models_cmd import models
-from p2pdiloco.cli.simulate_cmd import simulate
-from p2pdiloco.cli.status_cmd import status
+
+
+class LazyCommand(NamedTuple):
+    module: str  # imported only when the command runs or shows its help
+    attr: str  # a command function, or a typer.Typer for a command group
+    summary: str  # the line ``p2pdiloco --help`` shows: keep it in step with the docstring
+
+
+COMMANDS: dict[str, LazyCommand] = {
+    "models": LazyCommand(
+        "p2pdiloco.cli.models_cmd", "models", "List models with their size and training memory."
+    ),
+    "simulate": LazyCommand(
+        "p2pdiloco.cli.simulate_cmd", "simulate", "Train DiLoCo beside data-parallel, no network."
+    ),
+    "demo": LazyCommand(
+        "p2pdiloco.cli.demo_cmd", "demo", "Run a whole network on this machine and verify it."
+    ),
+    "doctor": LazyCommand(
+        "p2pdiloco.cli.doctor_cmd", "doctor", "Check this machine and settings before joining."
+    ),
+    "bootstrap": LazyCommand(
+        "p2pdiloco.cli.bootstrap_cmd", "bootstrap", "Run a public bootstrap server."
+    ),
+    "join": LazyCommand("p2pdiloco.cli.join_cmd", "join", "Join a training run and train in it."),
+    "status": LazyCommand(
+        "p2pdiloco.cli.status_cmd", "status", "Show runs and peers, or the leaderboard."
+    ),
+    "keys": LazyCommand("p2pdiloco.cli.keys_cmd", "app", "Create or show this node's key."),
+    "run": LazyCommand("p2pdiloco.cli.run_cmd", "app", "Create and publish training runs."),
+}
+
+
+def load_command(name: str) -> click.Command:
+    """The real click command behind ``name``, importing its module now."""
+    spec = COMMANDS[name]
+    target = getattr(importlib.import_module(spec.module), spec.attr)
+    if isinstance(target, typer.Typer):
+        cmd: click.Command = typer.main.get_group(target)
+    else:
+        single = typer.Typer(add_completion=False)
+        single.command(name=name)(target)
+        cmd = typer.main.get_command(single)
+    cmd.name = name
+    _plain_help(cmd)
+    return cmd
+
+
+def _plain_help(cmd: click.Command) -> None:
+    """Plain click help for a command and its subcommands: rich markup would eat
+    ``[default: ...]`` in help texts, and rich's panels add ``<bool>`` to every flag. A
+    repeatable option shows its element type (``--bootstrap <str>``, not ``<list[str]>``)."""
+    cmd.rich_markup_mode = None  # type: ignore[attr-defined]
+    ctx = click.Context(cmd)
+    for param in cmd.params:
+        if isinstance(param, TyperOption) and param.multiple and param.metavar is None:
+            label = param.display_type(ctx)
+            if label.startswith("<list[") and label.endswith("]>"):
+                param.metavar = f"<{label[6:-2]}>"
+    for sub in getattr(cmd, "commands", {}).values():
+        _plain_help(sub)
+
+
+class _Stub(TyperCommand):
+    """Stands in for a command in the listing; parsing its arguments loads the real one."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            name, short_help=COMMANDS[name].summary, add_help_option=False, rich_markup_mode=None
+        )
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any
+    ) -> Any:
+        assert self.name is not None
+        return load_command(self.name).make_context(info_name, args, parent=parent, **extra)
+
+
+class _LazyGroup(TyperGroup):
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.commands.update({name: _Stub(name) for name in COMMANDS})
+
 
 app = typer.Typer(
     name="p2pdiloco",
+    cls=_LazyGroup,
     help="Peer-to-peer volunteer pre-training of language models with DiLoCo.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,
 )
-app.command()(models)
-app.command()(simulate)
-app.command()(demo)
-app.command()(doctor)
-app.command()(bootstrap)
-app.command()(join)
-app.command()(status)
-app.add_typer(keys_cmd.app, name="keys")
-app.add_typer(run_cmd.app, name="run")
 
 
 def _version(value: bool) -> None:

@@ -18,7 +18,7 @@ IdentityOpt = Annotated[
 ]
 
 
-@app.command("new")
+@app.command("new", short_help="Create a new identity key.")
 @user_errors
 def new(
     identity: IdentityOpt = None,
@@ -35,7 +35,7 @@ def new(
     print(f"peer id {ident.peer_id}\nkey     {path}")
 
 
-@app.command("show")
+@app.command("show", short_help="Show the peer id and public key.")
 @user_errors
 def show(
     identity: IdentityOpt = None,
