@@ -138,7 +138,7 @@ def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path:
 
     assert forged["status"] == "refused" and "signature" in forged["reason"]
     assert impersonating["status"] == "refused" and "signer" in impersonating["reason"]
-    assert mismatched["status"] == "rejected" and "digest" in mismatched["reason"]
+    assert mismatched["status"] == "refused" and "digest" in mismatched["reason"]  # unread
     assert malformed["status"] == "rejected" and "malformed payload" in malformed["reason"]
     assert stale["status"] == "rejected" and "stale" in stale["reason"]
     assert stale.get("fast_forward") == 1

@@ -99,7 +99,7 @@ def test_serve_registers_the_handler_under_the_transports_id() -> None:
         hub = MemoryHub()
         server = Server()
         await hub.transport("b").serve(server, LIMITS)
-        assert hub.handlers["b"] == (server, LIMITS)
+        assert hub.handlers["b"] == (server, LIMITS, None)
 
     run(go())
 

@@ -74,6 +74,11 @@ class Codec(ABC):
     def ratio(self) -> float:
         """Nominal fp32 bytes / wire bytes for a large tensor (block padding ignored)."""
 
+    def wire_bytes(self, numel: int) -> int:
+        """Exact payload bytes of one encoded tensor of ``numel`` elements (receivers size their
+        limits from it, before reading a byte). fp32 unless the codec says otherwise."""
+        return 4 * numel
+
     def _check_header(self, enc: object, keys: tuple[str, ...]) -> int:
         """Validate the parts every codec shares; returns D, the element count of ``enc.shape``."""
         if not isinstance(enc, Encoded):

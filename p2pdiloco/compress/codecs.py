@@ -93,6 +93,9 @@ class Fp16Codec(Codec):
     def ratio(self) -> float:
         return 2.0
 
+    def wire_bytes(self, numel: int) -> int:
+        return 2 * numel
+
 
 class BlockwiseCodec(Codec):
     """Symmetric absmax quantization in blocks of K consecutive elements, fp16 scale per block.
@@ -116,6 +119,10 @@ class BlockwiseCodec(Codec):
 
     def ratio(self) -> float:
         return 32.0 / (self.bits + 16.0 / self.block_size)
+
+    def wire_bytes(self, numel: int) -> int:
+        blocks = -(-numel // self.block_size)  # fp16 scale per block, codes zero-padded
+        return 2 * blocks + blocks * self.block_size * self.bits // 8
 
     def _chunks(self, x_D: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(first block index, x_cK) over cache-sized runs of blocks; the partial last block is

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 _LEN = struct.Struct(">I")
@@ -21,13 +22,22 @@ class FrameError(Exception):
     """A frame over the limit, a truncated stream, a timeout or an undecodable control frame."""
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int, timeout: float) -> bytes:
-    """One frame of at most ``limit`` bytes; FrameError otherwise."""
+async def read_frame(
+    reader: asyncio.StreamReader,
+    limit: int,
+    timeout: float,
+    admit: Callable[[int], None] | None = None,
+) -> bytes:
+    """One frame of at most ``limit`` bytes; FrameError otherwise. ``admit(size)`` is called
+    with the announced size before any of the frame's bytes are read; whatever it raises
+    propagates and the frame stays unread."""
     try:
         head = await asyncio.wait_for(reader.readexactly(_LEN.size), timeout)
         (size,) = _LEN.unpack(head)
         if size > limit:
             raise FrameError(f"frame of {size} bytes is over the limit of {limit}")
+        if admit is not None:
+            admit(size)
         return await asyncio.wait_for(reader.readexactly(size), timeout)
     except asyncio.IncompleteReadError:
         raise FrameError("stream closed in the middle of a frame") from None

@@ -4,7 +4,9 @@ One stream per request on protocol ``/p2pdiloco/sync/1``: the caller writes a co
 ``{"op": ..., "frames": n, ...}`` and n binary frames; the server answers with a control frame
 ``{"ok": bool, "frames": m, ...}`` and m binary frames. Each op has its own size limit per
 request frame, checked before the bytes are read, so an oversized or endless request costs the
-server nothing. Ops and their frames are listed in ``docs/protocol.md`` (Sync transport).
+server nothing; a submission's signed header is verified before its payload is read; and
+concurrent streams and announced bytes in flight are capped per peer and in all
+(``net.stream_limits``), so many big streams at once are answered ``busy`` instead of buffered. Ops and their frames are listed in ``docs/protocol.md`` (Sync transport).
 
 The server side only frames and dispatches; what a request means is decided by the
 ``handler`` (the node's sync service), which returns ``(control, frames)`` or raises
@@ -24,6 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from multiaddr import Multiaddr
 
 from p2pdiloco.net.framing import FrameError, read_control, read_frame, write_control, write_frame
+from p2pdiloco.net.stream_limits import Busy, StreamBudget, StreamLimits, Ticket
 from p2pdiloco.protocol.reasons import Reason
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ TRAFFIC = {"up": 0, "down": 0}
 
 Frames = list[bytes]
 Handler = Callable[[str, str, dict[str, Any], Frames], Awaitable[tuple[dict[str, Any], Frames]]]
+# (op, peer, first request frame) -> exact size of the next frame or None; raises RpcRefused.
+Screen = Callable[[str, str, bytes], int | None]
 
 
 class RpcRefused(Exception):
@@ -75,17 +80,63 @@ def refusal(reply: dict[str, Any]) -> RpcError:
     return RpcError(text, refused=True, code=Reason.parse(reply.get("code")))
 
 
-async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
-    """Register the sync protocol. ``frame_limits[op]`` bounds each request frame of ``op``."""
+async def read_request(
+    reader: asyncio.StreamReader,
+    peer: str,
+    op: str,
+    limits: Sequence[int],
+    ticket: Ticket,
+    screen: Screen | None,
+) -> Frames:
+    """The request frames after the control frame. Each frame's announced size is reserved on
+    ``ticket`` before its bytes are read; after the first frame, ``screen`` (if any) checks it
+    (a submission's signed header) and may fix the exact size of the next one."""
+    frames: Frames = []
+    exact: int | None = None
+
+    def admit(size: int) -> None:
+        if exact is not None and size != exact:
+            text = f"payload of {size} bytes, not the {exact} of its signed digest entry"
+            log.warning("rejected input from %s: [%s] %s", peer, Reason.DIGEST_MISMATCH.value, text)
+            raise RpcRefused(Reason.DIGEST_MISMATCH, text)
+        ticket.reserve(size)
+
+    for i, limit in enumerate(limits):
+        if i == 1 and screen is not None:
+            exact = screen(op, peer, frames[0])
+        frames.append(await read_frame(reader, limit, REQUEST_TIMEOUT, admit))
+    return frames
+
+
+def _refuse(writer: asyncio.StreamWriter, code: Reason, text: str) -> None:
+    write_control(writer, {"ok": False, "code": code.value, "error": text[:500], "frames": 0})
+
+
+async def serve(
+    p2p: P2P,
+    handler: Handler,
+    frame_limits: Mapping[str, Sequence[int]],
+    *,
+    screen: Screen | None = None,
+    stream_limits: StreamLimits | None = None,
+) -> None:
+    """Register the sync protocol. ``frame_limits[op]`` bounds each request frame of ``op``;
+    ``screen`` checks a request's first frame before the rest is read (see ``read_request``);
+    ``stream_limits`` caps concurrent streams and in-flight bytes per peer and in all (default: from
+    the largest request the limits allow), answering ``busy`` over a cap."""
+    largest = max((sum(v) for v in frame_limits.values()), default=0)
+    budget = StreamBudget(stream_limits or StreamLimits.for_request(largest))
 
     async def on_stream(
         info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = str(info.peer_id)
+        ticket: Ticket | None = None
         try:
             control = await read_control(reader, REQUEST_TIMEOUT)
             op, limits = check_request(frame_limits, control)
-            frames = [await read_frame(reader, limit, REQUEST_TIMEOUT) for limit in limits]
+            ticket = budget.open(peer)
+            frames = await read_request(reader, peer, op, limits, ticket, screen)
             TRAFFIC["down"] += sum(len(f) for f in frames)
             reply, out = await handler(op, peer, control, frames)
             TRAFFIC["up"] += sum(len(f) for f in out)
@@ -93,9 +144,9 @@ async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[
             for f in out:
                 write_frame(writer, f)
         except RpcRefused as e:
-            write_control(
-                writer, {"ok": False, "code": e.code.value, "error": str(e)[:500], "frames": 0}
-            )
+            _refuse(writer, e.code, str(e))
+        except Busy as e:
+            _refuse(writer, Reason.BUSY, f"busy: {e}")
         except FrameError as e:
             log.warning("dropped sync request from %s: %s", peer, e)
         except Exception:  # a bug in a handler must not kill the node's P2P loop
@@ -104,6 +155,9 @@ async def serve(p2p: P2P, handler: Handler, frame_limits: Mapping[str, Sequence[
                 writer, {"ok": False, "code": Reason.INTERNAL.value, "error": "internal error",
                          "frames": 0},
             )  # fmt: skip
+        finally:
+            if ticket is not None:
+                ticket.close()
         with contextlib.suppress(Exception):  # the caller went away: nothing to do
             await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
         writer.close()

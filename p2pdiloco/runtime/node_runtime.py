@@ -133,7 +133,8 @@ class NodeRuntime:
             active_learners=self.plane.active_learners,
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
         )
-        await self.transport.serve(self._handle, request_limits(self.service.max_payload))
+        limits = request_limits(self.service.max_payload)
+        await self.transport.serve(self._handle, limits, self.service.screen)
         self.chain.install(state)
         await self.service.install(state)
         tasks = (self._ticker(), self._heartbeat(), self._applier(), self._sender(), self._poller())

@@ -25,9 +25,12 @@ from p2pdiloco.net.sync_rpc import (
     Handler,
     RpcError,
     RpcRefused,
+    Screen,
     check_request,
 )
 from p2pdiloco.protocol.reasons import Reason
+
+_Served = tuple[Handler, Mapping[str, Sequence[int]], Screen | None]
 
 
 class Transport(Protocol):
@@ -46,8 +49,14 @@ class Transport(Protocol):
         """One request; raises RpcError (``code`` says why, ``refused`` if the peer said no)."""
         ...
 
-    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
-        """Answer requests with ``handler``; ``frame_limits[op]`` bounds each request frame."""
+    async def serve(
+        self,
+        handler: Handler,
+        frame_limits: Mapping[str, Sequence[int]],
+        screen: Screen | None = None,
+    ) -> None:
+        """Answer requests with ``handler``; ``frame_limits[op]`` bounds each request frame;
+        ``screen`` checks a request's first frame before the rest is read (``sync_rpc.Screen``)."""
         ...
 
 
@@ -80,8 +89,13 @@ class P2PTransport:
             timeout=timeout,
         )
 
-    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
-        await sync_rpc.serve(self.p2p, handler, frame_limits)
+    async def serve(
+        self,
+        handler: Handler,
+        frame_limits: Mapping[str, Sequence[int]],
+        screen: Screen | None = None,
+    ) -> None:
+        await sync_rpc.serve(self.p2p, handler, frame_limits, screen=screen)
 
 
 @dataclass
@@ -89,7 +103,7 @@ class MemoryHub:
     """Nodes of one process. ``down`` peers neither answer nor reach anyone; ``delay[peer]``
     seconds are added to every request that peer sends or answers."""
 
-    handlers: dict[str, tuple[Handler, Mapping[str, Sequence[int]]]] = field(default_factory=dict)
+    handlers: dict[str, _Served] = field(default_factory=dict)
     down: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)  # request + reply bytes sent, by peer
@@ -133,14 +147,14 @@ class MemoryTransport:
     async def _exchange(
         self,
         peer: str,
-        target: tuple[Handler, Mapping[str, Sequence[int]]],
+        target: _Served,
         op: str,
         args: dict[str, Any] | None,
         frames: Sequence[bytes],
         reply_limit: int,
     ) -> tuple[dict[str, Any], Frames]:
         hub = self.hub
-        handler, limits = target
+        handler, limits, screen = target
         pause = hub.delay.get(self.me, 0.0) + hub.delay.get(peer, 0.0)
         if pause:
             await asyncio.sleep(pause)
@@ -153,6 +167,12 @@ class MemoryTransport:
             raise RpcError(str(e), refused=True, code=e.code) from None
         if any(len(f) > lim for f, lim in zip(frames, frame_limits, strict=True)):
             raise RpcError(f"{op} to {peer}: request frame over its limit (dropped)")
+        try:  # as on the wire: the first frame is screened before the next is read
+            exact = screen(op, self.me, bytes(frames[0])) if screen and len(frames) > 1 else None
+            if exact is not None and len(frames[1]) != exact:
+                raise RpcRefused(Reason.DIGEST_MISMATCH, "payload size differs from its header")
+        except RpcRefused as e:
+            raise RpcError(str(e)[:500], refused=True, code=e.code) from None
         hub._count(self.me, peer, frames)
         try:
             reply, out = await handler(op, self.me, control, [bytes(f) for f in frames])
@@ -167,5 +187,10 @@ class MemoryTransport:
         hub._count(peer, self.me, out)
         return {**reply, "ok": True, "frames": len(out)}, [bytes(f) for f in out]
 
-    async def serve(self, handler: Handler, frame_limits: Mapping[str, Sequence[int]]) -> None:
-        self.hub.handlers[self.me] = (handler, frame_limits)
+    async def serve(
+        self,
+        handler: Handler,
+        frame_limits: Mapping[str, Sequence[int]],
+        screen: Screen | None = None,
+    ) -> None:
+        self.hub.handlers[self.me] = (handler, frame_limits, screen)

@@ -1,6 +1,7 @@
 """A syncer's intake: everything about a submission that does not depend on the round.
 
-Checked in this order, cheapest first, each failure a ``Reason`` code and one line of text:
+Before the payload is read, ``screen`` verifies the signed header and fixes the payload's exact
+size (at most ``max_payload``, from the run's codec). Then, checked in this order, cheapest first, each failure a ``Reason`` code and one line of text:
 payload present, a certified state held, base version not newer than it (retry later), not a
 replay, the run's codec and fragment layout, payload bytes matching the signed digest, and
 the payload decoding to exactly the model's shapes (in a worker thread).
@@ -10,28 +11,61 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from p2pdiloco.compress import CodecError, get_codec
-from p2pdiloco.compress.wire import unpack_deltas
+from p2pdiloco.compress.wire import MAGIC, unpack_deltas
+from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.submissions import ParsedSubmission, payload_digest
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission, payload_digest
 from p2pdiloco.sync.bounded import ReplayGuard
 
 Refusal = tuple[Reason, str]
+Reject = Callable[[str, str | None, Reason, str], None]  # (peer, digest, code, text): log it
 
 
 class Intake:
-    def __init__(self, manifest: RunManifest, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        manifest: RunManifest,
+        shapes: Mapping[str, tuple[int, ...]],
+        run_id: str = "",
+        reject: Reject | None = None,
+    ) -> None:
         self.manifest = manifest
+        self.run_id = run_id
+        self.reject: Reject = reject or (lambda peer, digest, code, text: None)
         self.shapes = dict(sorted(shapes.items()))
         self.codec = get_codec(manifest.compression)
-        numel = sum(max(1, math.prod(s)) for s in self.shapes.values())
-        # Largest payload a submission may carry: the fp32 model plus framing headroom.
-        self.max_payload = numel * 4 + 4096 * len(self.shapes) + (1 << 20)
+        # Largest payload a submission may carry: the run's codec over every tensor of the
+        # (single) fragment, plus the pack's JSON header (under 512 bytes + the name per tensor).
+        # A stream announcing more is refused before its payload is read.
+        codes = sum(self.codec.wire_bytes(max(1, math.prod(s))) for s in self.shapes.values())
+        header = 4096 + sum(512 + len(n) for n in self.shapes)
+        self.max_payload = len(MAGIC) + 4 + header + codes
+
+    def screen(self, op: str, peer: str, first: bytes) -> int | None:
+        """Before a submission's payload is read (``sync_rpc.Screen``): its signed header must
+        verify and announce at most ``max_payload`` bytes, which is then the exact size the
+        payload frame must have. Raises RpcRefused, after ``self.reject`` logs it against the
+        signer (or the stream's peer when the signature fails)."""
+        if op != "submit":
+            return None
+        try:
+            sub = open_submission(first, run_id=self.run_id)
+        except InvalidRecord as e:
+            self.reject(e.signer or peer, None, Reason.INVALID_SIGNATURE, str(e))
+            raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
+        nbytes = sum(f.nbytes for f in sub.header.fragments)
+        if nbytes > self.max_payload:
+            text = f"payload of {nbytes} bytes is over the run's limit of {self.max_payload}"
+            self.reject(sub.envelope.signer, sub.digest, Reason.MALFORMED, text)
+            raise RpcRefused(Reason.MALFORMED, text)
+        return nbytes
 
     def decode(self, payload: bytes) -> dict[str, torch.Tensor]:
         """The delta per tensor; CodecError if the payload is malformed in any way."""

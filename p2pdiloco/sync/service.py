@@ -110,8 +110,9 @@ class SyncService:
         self.run_id = run_id
         self.manifest = manifest
         self.rules = manifest.rules
-        self.intake = Intake(manifest, shapes)
+        self.intake = Intake(manifest, shapes, run_id, self._reject)
         self.max_payload = self.intake.max_payload
+        self.screen = self.intake.screen  # a submission's header, before its payload is read
         self.transport = transport
         self.active_learners = active_learners
         self.on_certified = on_certified
