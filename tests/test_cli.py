@@ -99,6 +99,15 @@ def test_simulate_json_on_a_text_directory(text_dir: Path) -> None:
         assert m["tokens"] == 2 * 6 * 2 * 4 * 64
     assert result["bytes_ratio"] == pytest.approx(6.0)
     assert result["corpus"]["documents"] == 6
+    # stdout is the JSON alone; progress goes to stderr, a line per step chunk and per eval.
+    progress = out.stderr.splitlines()
+    for needle in (
+        "DiLoCo round 1/2 learner 1: train loss ",
+        "DiLoCo round 2/2: eval loss ",
+        "data-parallel round 2/2: eval loss ",
+    ):
+        assert any(line.startswith(needle) for line in progress), out.stderr
+    assert progress[-1].endswith(f"[{2 * 6 * 2 * 2}/{2 * 6 * 2 * 2} steps]"), out.stderr
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "unreadable"])

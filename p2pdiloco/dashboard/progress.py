@@ -18,7 +18,15 @@ from rich.progress import (
 
 @contextlib.contextmanager
 def progress_bar(console: Console) -> Iterator[Callable[[str, int, int], None]]:
-    """Yield a callback that drives one bar; a no-op bar when the console is not a terminal."""
+    """Yield a callback that drives one bar on a terminal; elsewhere (a pipe, a log file,
+    ``simulate --json`` with stderr redirected) each call prints one plain line instead."""
+    if not console.is_terminal:
+
+        def line(description: str, done: int, total: int) -> None:
+            console.out(f"{description} [{done}/{total} steps]", highlight=False)
+
+        yield line
+        return
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -28,7 +36,6 @@ def progress_bar(console: Console) -> Iterator[Callable[[str, int, int], None]]:
         TimeRemainingColumn(),
         console=console,
         transient=False,
-        disable=not console.is_terminal,
     )
     task = progress.add_task("starting", total=None)
 

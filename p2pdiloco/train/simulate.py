@@ -342,7 +342,11 @@ def _run_diloco(
                 tokens += stats.tokens
                 sent_tokens.append(stats.tokens)
                 last_train = stats.loss_last
-                tick(f"DiLoCo round {rnd + 1}/{cfg.rounds} learner {i + 1}", stats.steps)
+                tick(
+                    f"DiLoCo round {rnd + 1}/{cfg.rounds} learner {i + 1}: "
+                    f"train loss {stats.loss_last:.3f}",
+                    stats.steps,
+                )
 
             # Outer step on fragment f: attackers transform their own delta, the syncer's merge
             # screens, merges and applies Nesterov, then every learner continues from the new
@@ -368,6 +372,7 @@ def _run_diloco(
                         local[n].copy_(theta[n])
             syncs += 1
         losses.append(evaluate(global_model, evals))
+        tick(f"DiLoCo round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
 
     n_params = sum(t.numel() for t in theta.values())
     # Each round every learner sends its fp32 Δ for all fragments and gets the new values back.
@@ -419,8 +424,12 @@ def _run_data_parallel(
             tokens += stats.tokens
             steps += stats.steps
             last_train = stats.loss_last
-            tick(f"data-parallel round {rnd + 1}/{cfg.rounds}", stats.steps * cfg.learners)
+            tick(
+                f"data-parallel round {rnd + 1}/{cfg.rounds}: train loss {stats.loss_last:.3f}",
+                stats.steps * cfg.learners,
+            )
         losses.append(evaluate(model, evals))
+        tick(f"data-parallel round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
     n_params = sum(p.numel() for p in param_state(model).values())
     wire = steps * cfg.learners * 2 * n_params * 4
     return MethodResult(
