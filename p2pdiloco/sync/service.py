@@ -130,8 +130,8 @@ class SyncService:
         self.results: dict[str, CertifiedState] = {}
         self.buffered: list[tuple[int, str, str, list[bytes]]] = []
         self.rejections: BoundedLog[dict[str, Any]] = BoundedLog(MAX_REJECTIONS_KEPT)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -181,8 +181,8 @@ class SyncService:
             min_fraction=r.min_quorum_fraction,
             staleness=r.staleness,
             max_tokens_per_step=inner.batch_size * inner.seq_len,
-            weight_cap=r.weight_cap,
             max_steps=self.manifest.inner_steps,
+            weight_cap=r.weight_cap,
             agree_timeout=r.agree_timeout,
             linger=r.linger,
         )
@@ -332,9 +332,9 @@ class SyncService:
         for a in actions:
             if isinstance(a, Reject):
                 self._reject(a.peer_id, context, a.code, a.reason)
-            elif isinstance(a, FastForward):
             elif isinstance(a, Clipped):
                 self._record_clip(a)
+            elif isinstance(a, FastForward):
                 if len(self.fast_forward) < MAX_FAST_FORWARD_KEPT:
                     self.fast_forward[a.peer_id] = a.to_version
             elif isinstance(a, Propose):
@@ -484,13 +484,13 @@ class SyncService:
         )
         self.on_certified(raw, state)
 
-    def _reject(self, peer: str, digest: str | None, code: Reason, reason: str) -> None:
     def _record_clip(self, clip: Clipped) -> None:
         self.clipped += 1
         (s, t), (ks, kt) = clip.claimed, clip.counted
         text = f"claim of {s} steps / {t} tokens clipped to {ks} / {kt} (counted, not refused)"
         self._reject(clip.peer_id, clip.digest, Reason.BAD_CLAIM, text)
 
+    def _reject(self, peer: str, digest: str | None, code: Reason, reason: str) -> None:
         log.warning("rejected input from %s: [%s] %s", peer, code.value, reason)
         version = self.current.version + 1 if self.current is not None else None
         self.rejections.append(
