@@ -40,7 +40,8 @@ def test_models_table_fits_80_columns() -> None:
              "hidden_size": 3840, "train_micro_batch": 1, "train_seq_len": 4096,
              "memory": {p: {"total": 382 * 2**30} for p in PRECISIONS}}]  # fmt: skip
     text = render(models_table(rows, list(PRECISIONS)))
-    assert "gemma-12b" in text and "11.77B" in text and "382.0 GiB" in text and "…" not in text
+    assert "gemma-12b" in text and "11.77B" in text and "382.0" in text and "…" not in text
+    assert "memory per learner, GiB" in text
 
 
 def test_status_view_lists_runs_and_peers() -> None:

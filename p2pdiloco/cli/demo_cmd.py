@@ -55,4 +55,5 @@ def demo(
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        Console().print(demo_summary(result.to_dict()))
+        out = Console()
+        out.print(demo_summary(result.to_dict(), out.width))

@@ -58,4 +58,5 @@ def models(
     if json_out:
         print(json.dumps({"models": rows}, indent=2))
     else:
-        Console().print(models_table(rows, chosen))
+        out = Console()
+        out.print(models_table(rows, chosen, out.width))

@@ -138,4 +138,5 @@ def simulate(
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        Console().print(simulation_summary(result))
+        out = Console()
+        out.print(simulation_summary(result, out.width))

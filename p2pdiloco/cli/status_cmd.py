@@ -1,4 +1,8 @@
-"""``p2pdiloco status``: runs and peers as the DHT sees them, or the contribution leaderboard."""
+"""``p2pdiloco status``: runs and peers as the DHT sees them, or the contribution leaderboard.
+
+The DHT and its torch-backed stack load only when a command needs them: ``status --api`` reads
+a bootstrap's HTTP summary with the standard library and answers in well under a second.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ import typer
 from rich.console import Console
 
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.cli.net_common import dht_client
 from p2pdiloco.dashboard.status import leaderboard_view, status_view
-from p2pdiloco.errors import UserError
-from p2pdiloco.net.discovery import collect_state
+from p2pdiloco.errors import ConfigError, UserError
+
+# Keys every ``status --json`` object has (docs/cli.md); ``--api`` adds the server's "server".
+STATE_KEYS = ("time", "runs", "peers", "bootstraps", "rejected_records")
 
 
 @user_errors
@@ -32,10 +37,20 @@ def status(
         Path | None,
         typer.Option(help="--leaderboard from a node's state directory instead of the network."),
     ] = None,
+    api: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="A bootstrap's HTTP address (http://HOST:PORT): read its /api/v1/state instead "
+            "of joining the DHT; faster, and trusts that server's view.",
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show runs, peers (direct or relayed), their versions and throughput; or, with
     --leaderboard, every peer's contribution as certified by the committees' receipts."""
+    if api is not None and leaderboard:
+        raise ConfigError("--api shows runs and peers; --leaderboard needs --bootstrap")
     if leaderboard:
         board = (
             _leaderboard_offline(state_dir) if state_dir else _leaderboard_online(bootstrap, run)
@@ -43,14 +58,47 @@ def status(
         if json_out:
             print(json.dumps(board, indent=2))
         else:
-            Console().print(leaderboard_view(board))
+            out = Console()
+            out.print(leaderboard_view(board, out.width))
         return
-    with dht_client(bootstrap) as dht:
-        state = collect_state(dht).to_dict()
+    state = _state_from_api(api) if api is not None else _state_from_dht(bootstrap)
     if json_out:
         print(json.dumps(state, indent=2))
     else:
-        Console().print(status_view(state))
+        out = Console()
+        out.print(status_view(state, out.width))
+
+
+def _state_from_dht(bootstrap: list[str] | None) -> dict[str, Any]:
+    """Every record read and verified here, through a short-lived client DHT node."""
+    from p2pdiloco.cli.net_common import dht_client
+    from p2pdiloco.net.discovery import collect_state
+
+    with dht_client(bootstrap) as dht:
+        return collect_state(dht).to_dict()
+
+
+def _state_from_api(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """``GET <url>/api/v1/state`` of a bootstrap server (its last verified view of the DHT).
+
+    Raises ConfigError for a URL that is not http(s), UserError (one line) when the server
+    cannot be reached or does not answer with a p2pdiloco state.
+    """
+    import urllib.request
+
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ConfigError(f"--api takes an address like http://127.0.0.1:8080, not '{url}'")
+    endpoint = base if base.endswith("/api/v1/state") else f"{base}/api/v1/state"
+    try:
+        with urllib.request.urlopen(endpoint, timeout=timeout) as resp:
+            state = json.load(resp)
+    except (OSError, ValueError) as e:  # URLError and timeouts are OSError; bad JSON ValueError
+        why = getattr(e, "reason", None) or e
+        raise UserError(f"cannot read {endpoint}: {why}") from None
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+        raise UserError(f"{endpoint} did not answer with a p2pdiloco network state")
+    return state
 
 
 def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
@@ -74,6 +122,7 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
+    from p2pdiloco.cli.net_common import dht_client
     from p2pdiloco.ledger import build_ledger
     from p2pdiloco.net.cert_records import read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs

@@ -27,6 +27,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from p2pdiloco.dashboard.layout import clean
 from p2pdiloco.dashboard.tables import human_bytes, human_count
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -147,24 +148,6 @@ class DashboardSnapshot:
 
 
 # ---------------------------------------------------------------- formatting helpers
-
-
-_BIDI_CONTROLS = {0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
-
-
-def _printable(ch: str) -> str:
-    if ch in "\t\n\r":
-        return " "
-    code = ord(ch)
-    if code < 0x20 or 0x7F <= code < 0xA0 or code in _BIDI_CONTROLS:
-        return "\ufffd"
-    return ch
-
-
-def clean(s: str) -> str:
-    """One line of printable text: whitespace controls become spaces, other controls and
-    bidi overrides U+FFFD."""
-    return "".join(map(_printable, s))
 
 
 def sparkline(values: Sequence[float], width: int = 24) -> str:

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich import box
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
+from p2pdiloco.dashboard.layout import Cell, Column, fitted_table, short_peer_id
 
-def status_view(state: dict[str, Any]) -> RenderableType:
-    runs = Table(title="Runs", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("run", "name", "model", "peers", "version", "tokens/s", "note"):
-        runs.add_column(col, no_wrap=col in ("run", "model"))
-    for r in state["runs"]:
-        runs.add_row(
+
+def status_view(state: dict[str, Any], width: int = 80) -> RenderableType:
+    """Runs, then peers (short ids), then the bootstrap count. Narrow widths drop the runs'
+    notes, throughput and model, and the peers' island, run, last-seen and reachability."""
+    run_columns = [
+        Column("run"),
+        Column("name", shrink=True),
+        Column("model", drop=1),
+        Column("peers", "right"),
+        Column("version", "right"),
+        Column("tokens/s", "right", drop=2),
+        Column("note", shrink=True, drop=3),
+    ]
+    run_cells: list[list[Cell]] = [
+        [
             r["run_id"][:12],
             str(r["name"]),
             str(r["model"]),
@@ -23,21 +31,37 @@ def status_view(state: dict[str, Any]) -> RenderableType:
             str(r["latest_version"]),
             f"{r['throughput_tps']:.0f}",
             r["incompatible"] or "",
-        )
-    peers = Table(title="Peers", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("peer", "run", "island", "reach", "version", "tokens/s", "seen"):
-        peers.add_column(col, no_wrap=True)
-    for p in state["peers"]:
-        peers.add_row(
-            p["peer_id"][-12:],
+        ]
+        for r in state["runs"]
+    ]
+    peer_columns = [
+        Column("peer"),
+        Column("run", drop=4),
+        Column("island", shrink=True, drop=5),
+        Column("reach", drop=2),
+        Column("version", "right"),
+        Column("tokens/s", "right", drop=1),
+        Column("seen", "right", drop=3),
+    ]
+    peer_cells: list[list[Cell]] = [
+        [
+            short_peer_id(p["peer_id"]),
             p["run_id"][:12],
-            p["island"],
-            p["reachability"],
+            str(p["island"]),
+            str(p["reachability"]),
             str(p["version"]),
             f"{p['throughput_tps']:.0f}",
             f"{p['last_seen_s']:.0f}s ago",
-        )
-    parts: list[RenderableType] = [runs, peers]
+        ]
+        for p in state["peers"]
+    ]
+    parts: list[RenderableType] = [
+        Text("Runs", style="bold"),
+        fitted_table(run_columns, run_cells, width),
+        Text(),
+        Text("Peers", style="bold"),
+        fitted_table(peer_columns, peer_cells, width),
+    ]
     parts.append(Text(f"{len(state['bootstraps'])} bootstrap server(s) alive", style="dim"))
     if state.get("rejected_records"):
         parts.append(
@@ -46,27 +70,36 @@ def status_view(state: dict[str, Any]) -> RenderableType:
     return Group(*parts)
 
 
-def leaderboard_view(board: dict[str, Any]) -> RenderableType:
-    """Peers ranked by verified accepted tokens, and what was ignored (with why)."""
-    table = Table(
-        title=f"Contributions to run {board['run_name']} ({board['run_id'][:12]}): "
+def leaderboard_view(board: dict[str, Any], width: int = 80) -> RenderableType:
+    """Peers ranked by verified accepted tokens, and what was ignored (with why). Narrow widths
+    drop the last version, then the rejected and accepted counts."""
+    title = Text(
+        f"Contributions to run {board['run_name']} ({board['run_id'][:12]}): "
         f"{board['versions']} verified versions",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+        style="bold",
     )
-    for col in ("rank", "peer", "accepted", "rejected", "tokens", "share", "last version"):
-        table.add_column(col, justify="left" if col == "peer" else "right", no_wrap=True)
-    for p in board["peers"]:
-        table.add_row(
+    columns = [
+        Column("rank", "right"),
+        Column("peer"),
+        Column("accepted", "right", drop=1),
+        Column("rejected", "right", drop=2),
+        Column("tokens", "right"),
+        Column("share", "right"),
+        Column("last version", "right", drop=3),
+    ]
+    cells: list[list[Cell]] = [
+        [
             str(p["rank"]),
-            Text("…" + p["peer_id"][-16:]),
+            short_peer_id(p["peer_id"]),
             str(p["accepted"]),
             str(p["rejected"]),
             f"{p['tokens']:,}",
             f"{100 * p['share']:.1f}%",
             str(p["last_version"]),
-        )
-    parts: list[RenderableType] = [table]
+        ]
+        for p in board["peers"]
+    ]
+    parts: list[RenderableType] = [title, fitted_table(columns, cells, width)]
     for line in board["ignored"]:
         parts.append(Text(f"ignored: {line}", style="yellow"))
     return Group(*parts)

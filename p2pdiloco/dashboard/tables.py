@@ -1,4 +1,5 @@
-"""Tables for ``models`` and ``simulate``: pure functions from results to rich renderables."""
+"""Tables for ``models``, ``simulate`` and ``demo``: pure functions from results and a width to
+rich renderables."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+from p2pdiloco.dashboard.layout import Cell, Column, fitted_table, short_peer_id
 
 GiB = 2**30
 
@@ -27,57 +30,66 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def models_table(rows: list[dict[str, Any]], precisions: list[str]) -> Table:
-    """One row per model: size, shape, and training memory per precision."""
-    table = Table(
-        title="Registered models: training memory per learner",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
-    table.add_column("model", style="bold", no_wrap=True)
-    table.add_column("params", justify="right", no_wrap=True)
-    table.add_column("shape", justify="right", no_wrap=True)
-    table.add_column("batch", justify="right", no_wrap=True)
-    for p in precisions:
-        table.add_column(p, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
+def models_table(rows: list[dict[str, Any]], precisions: list[str], width: int = 80) -> Group:
+    """One row per model: size, shape, and training memory (GiB) per precision. Narrow widths
+    drop the shape, the micro-batch and then the third precision."""
+    columns = [
+        Column("model", style="bold"),
+        Column("params", "right"),
+        Column("shape", "right", drop=4),
+        Column("batch", "right", drop=3),
+        *(Column(p, "right", drop=0 if k < 2 else 1) for k, p in enumerate(precisions)),
+    ]
+    cells: list[list[Cell]] = [
+        [
             r["name"],
             human_count(r["parameters"]),
             f"{r['num_layers']}×{r['hidden_size']}",
             f"{r['train_micro_batch']}×{r['train_seq_len']}",
-            *(f"{r['memory'][p]['total'] / GiB:.1f} GiB" for p in precisions),
-        )
-    return table
+            *(f"{r['memory'][p]['total'] / GiB:.1f}" for p in precisions),
+        ]
+        for r in rows
+    ]
+    title = Text("Registered models: training memory per learner, GiB", style="bold")
+    return Group(title, fitted_table(columns, cells, width))
 
 
-def simulation_summary(result: dict[str, Any]) -> Group:
+def simulation_summary(result: dict[str, Any], width: int = 80) -> Group:
     """Final table of a simulate run: both methods at equal tokens, plus the ratios."""
-    table = Table(
-        title=(
-            f"{result['model']} ({human_count(result['parameters'])} params) on "
-            f"{result['device']}: {result['learners']} learners, H={result['inner_steps']}, "
-            f"{result['rounds']} rounds, {result['fragments']} fragment(s)"
-        ),
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    title = Text(
+        f"{result['model']} ({human_count(result['parameters'])} params) on "
+        f"{result['device']}: {result['learners']} learners, H={result['inner_steps']}, "
+        f"{result['rounds']} rounds, {result['fragments']} fragment(s)",
+        style="bold",
     )
-    for name in ("method", "loss start", "loss end", "tokens", "wire bytes", "syncs", "tok/s"):
-        table.add_column(name, justify="left" if name == "method" else "right", no_wrap=True)
+    columns = [
+        Column("method"),
+        Column("loss start", "right"),
+        Column("loss end", "right"),
+        Column("tokens", "right", drop=1),
+        Column("wire bytes", "right", drop=4),
+        Column("syncs", "right", drop=3),
+        Column("tok/s", "right", drop=2),
+    ]
+    cells: list[list[Cell]] = []
     for key in ("diloco", "baseline"):
         m = result.get(key)
         if m is None:
             continue
-        table.add_row(
-            "DiLoCo" if key == "diloco" else "data-parallel",
-            f"{m['eval_loss_initial']:.4f}",
-            f"{m['eval_loss_final']:.4f}",
-            human_count(m["tokens"]),
-            human_bytes(m["wire_bytes"]),
-            str(m["syncs"]),
-            f"{m['tokens_per_second']:.0f}",
+        cells.append(
+            [
+                "DiLoCo" if key == "diloco" else "data-parallel",
+                f"{m['eval_loss_initial']:.4f}",
+                f"{m['eval_loss_final']:.4f}",
+                human_count(m["tokens"]),
+                human_bytes(m["wire_bytes"]),
+                str(m["syncs"]),
+                f"{m['tokens_per_second']:.0f}",
+            ]
         )
+    table = fitted_table(columns, cells, width)
     lines: list[RenderableType] = [
+        title,
         table,
         Text("loss: eval loss; DP: data-parallel; wire bytes: fp32, all learners", style="dim"),
     ]
@@ -100,7 +112,7 @@ def simulation_summary(result: dict[str, Any]) -> Group:
     return Group(*lines)
 
 
-def demo_summary(result: dict[str, Any]) -> RenderableType:
+def demo_summary(result: dict[str, Any], width: int = 80) -> RenderableType:
     """Loss, certified versions, committees and each node's accepted/rejected deltas."""
     drop = result["loss_start"] - result["loss_end"]
     head = Text.assemble(
@@ -113,24 +125,37 @@ def demo_summary(result: dict[str, Any]) -> RenderableType:
         ),
         f"   certified versions {result['versions']}",
     )
-    committees = Table(box=box.SIMPLE_HEAD, title="committee per version", title_justify="left")
-    committees.add_column("version", justify="right")
-    committees.add_column("syncers (leader first)")
+    committees = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    committees.add_column("version", justify="right", no_wrap=True)
+    committees.add_column("syncers (leader first)", overflow="fold")
     for v, members in sorted(result["committee"].items(), key=lambda kv: int(kv[0])):
-        committees.add_row(str(v), ", ".join(members))
-    peers = Table(box=box.SIMPLE_HEAD, title="deltas per node", title_justify="left")
-    for col in ("node", "peer id", "role", "accepted", "rejected", "tokens"):
-        peers.add_column(
-            col, justify="right" if col in ("accepted", "rejected", "tokens") else "left"
-        )
-    for name, p in result["peers"].items():
-        role = f"attacker ({p['adversary']})" if p["adversary"] else "honest"
-        peers.add_row(
+        committees.add_row(str(v), ", ".join(short_peer_id(m) for m in members))
+    columns = [
+        Column("node"),
+        Column("peer id", drop=2),
+        Column("role", shrink=True, drop=1),
+        Column("accepted", "right"),
+        Column("rejected", "right"),
+        Column("tokens", "right", drop=3),
+    ]
+    cells: list[list[Cell]] = [
+        [
             name,
-            "…" + p["peer_id"][-10:],
-            Text(role, style="red" if p["adversary"] else ""),
+            short_peer_id(p["peer_id"]),
+            Text(
+                f"attacker ({p['adversary']})" if p["adversary"] else "honest",
+                style="red" if p["adversary"] else "",
+            ),
             str(p["accepted"]),
             str(p["rejected"]),
             human_count(p["tokens"]),
-        )
-    return Group(head, committees, peers)
+        ]
+        for name, p in result["peers"].items()
+    ]
+    return Group(
+        head,
+        Text("committee per version", style="bold"),
+        committees,
+        Text("deltas per node", style="bold"),
+        fitted_table(columns, cells, width),
+    )
