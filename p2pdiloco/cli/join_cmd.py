@@ -362,6 +362,7 @@ def _start_node(
 def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, interval: float) -> None:
     """Until Ctrl-C (or a fatal training error): the dashboard at 4 Hz, or a log line per
     interval (plain or JSON)."""
+    from p2pdiloco.dashboard.layout import short_peer_id
     from p2pdiloco.dashboard.live import json_line, plain_line, render
 
     def failed() -> bool:
@@ -387,7 +388,7 @@ def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, inter
                 log.info(
                     "peers %d (%s), gossip %s, rejected records %d",
                     len(ns["peers"]),
-                    ", ".join(p["peer_id"][-8:] for p in ns["peers"]),
+                    ", ".join(short_peer_id(p["peer_id"]) for p in ns["peers"]),
                     "on" if ns["gossip"] else "off",
                     ns["rejected"],
                 )
