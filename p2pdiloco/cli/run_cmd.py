@@ -30,7 +30,7 @@ SAFE_COMPRESSION = "int8"
 SAFE_AGGREGATION = "trimmed_mean"
 
 
-@app.command("create")
+@app.command("create", short_help="Sign and publish a run manifest.")
 @user_errors
 def create(
     name: Annotated[str, typer.Option(help="Run name (letters, digits, . _ -).")],
