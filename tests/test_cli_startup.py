@@ -15,10 +15,10 @@ from p2pdiloco.cli.app import COMMANDS, app
 HEAVY = ("torch", "hivemind", "transformers", "libp2p", "numpy")
 
 
-def test_importing_the_cli_loads_no_heavy_package() -> None:
-    probe = (
-        f"import p2pdiloco.cli.app, sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
-    )
+@pytest.mark.parametrize("module", ["p2pdiloco.cli.app", "p2pdiloco.cli.status_cmd"])
+def test_importing_the_cli_loads_no_heavy_package(module: str) -> None:
+    """``status_cmd`` too: ``status --api`` answers without the DHT stack."""
+    probe = f"import {module}, sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
