@@ -22,7 +22,12 @@ from rich.console import Console, RenderableType
 from p2pdiloco.cli.status_cmd import STATE_KEYS
 from p2pdiloco.dashboard.layout import Column, fitted_table, short_peer_id
 from p2pdiloco.dashboard.status import leaderboard_view, status_view
-from p2pdiloco.dashboard.tables import demo_summary, models_table, simulation_summary
+from p2pdiloco.dashboard.tables import (
+    demo_summary,
+    findings_view,
+    models_table,
+    simulation_summary,
+)
 
 PEERS = [
     "12D3KooWQx5f8hVbRZzLwM3tYc9p2NkJr7sA1eGdUoHvXy4iTqBm",
@@ -185,6 +190,21 @@ def test_simulation_and_demo_summaries_fit(width: int) -> None:
     fits(lines, width)
     text = "\n".join(lines)
     assert all(s in text for s in ("node0", "node1", short_peer_id(PEERS[1]), "5.610"))
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_doctor_findings_fit(width: int) -> None:
+    findings = [
+        {"check": "python", "severity": "ok", "detail": "3.11.7", "fix": ""},
+        {"check": "disk", "severity": "error",
+         "detail": "/a/long/state/[dir] has 0.1 GiB free; gemma-270m needs 3.2 GiB",
+         "fix": "free space, or pass --state-dir on a bigger disk"},
+    ]  # fmt: skip
+    lines = render(findings_view(findings, width), width)
+    fits(lines, width)
+    text = "\n".join(lines)
+    for needle in ("python", "disk", "error", "/a/long/state/[dir]", "--state-dir", "3.2 GiB"):
+        assert needle in text, text
 
 
 # ---------------------------------------------------------------- the CLI's --json, end to end

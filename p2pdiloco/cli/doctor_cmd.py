@@ -9,17 +9,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.config import resolve_bootstrap
+from p2pdiloco.dashboard.tables import findings_view
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.preflight import Finding, PreflightConfig, run_preflight, worst
-
-SEVERITY_STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "error": "bold red"}
 
 
 def parse_gpus(value: str | None) -> tuple[int, ...]:
@@ -33,18 +30,6 @@ def parse_gpus(value: str | None) -> tuple[int, ...]:
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"--gpus lists a GPU twice: '{value}'")
     return gpus
-
-
-def findings_table(findings: list[Finding]) -> Table:
-    """One row per finding: check, severity (coloured), what was found, what to do."""
-    table = Table(box=box.SIMPLE_HEAD, title="p2pdiloco doctor", title_justify="left")
-    table.add_column("check", style="bold", no_wrap=True)
-    table.add_column("severity", no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    table.add_column("fix", overflow="fold")
-    for f in findings:
-        table.add_row(f.check, Text(f.severity, style=SEVERITY_STYLE[f.severity]), f.detail, f.fix)
-    return table
 
 
 def summary_line(findings: list[Finding]) -> str:
@@ -109,7 +94,7 @@ def doctor(
         console = Console()
         if addrs:
             console.print(Text(f"bootstrap servers from {source}", style="dim"))
-        console.print(findings_table(findings))
+        console.print(findings_view([f.as_dict() for f in findings], console.width))
         console.print(summary_line(findings), highlight=False)
     if worst(findings) == "error":
         raise typer.Exit(1)

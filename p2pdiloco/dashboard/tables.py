@@ -7,6 +7,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Group, RenderableType
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -159,3 +160,38 @@ def demo_summary(result: dict[str, Any], width: int = 80) -> RenderableType:
         Text("deltas per node", style="bold"),
         fitted_table(columns, cells, width),
     )
+
+
+SEVERITY_STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "error": "bold red"}
+# Below this width the four doctor columns would wrap a word per line: one block per finding.
+FINDINGS_TABLE_MIN_WIDTH = 60
+
+
+def findings_view(findings: list[dict[str, str]], width: int = 80) -> RenderableType:
+    """``doctor``'s findings (``check``, ``severity``, ``detail``, ``fix``): a table with the
+    detail and fix wrapped, or below 60 columns one block per finding."""
+    if width < FINDINGS_TABLE_MIN_WIDTH:
+        blocks: list[RenderableType] = [Text("p2pdiloco doctor", style="bold")]
+        for f in findings:
+            blocks.append(
+                Text.assemble(
+                    (f["check"], "bold"), " ", (f["severity"], SEVERITY_STYLE[f["severity"]])
+                )
+            )
+            blocks.append(Padding(Text(f["detail"]), (0, 0, 0, 2)))
+            if f["fix"]:
+                blocks.append(Padding(Text(f"fix: {f['fix']}"), (0, 0, 0, 2)))
+        return Group(*blocks)
+    table = Table(box=box.SIMPLE_HEAD, title="p2pdiloco doctor", title_justify="left")
+    table.add_column("check", style="bold", no_wrap=True)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    table.add_column("fix", overflow="fold")
+    for f in findings:
+        table.add_row(
+            f["check"],
+            Text(f["severity"], style=SEVERITY_STYLE[f["severity"]]),
+            Text(f["detail"]),  # paths and messages are text, never markup
+            Text(f["fix"]),
+        )
+    return table
