@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from multiaddr import Multiaddr
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.net import lifeline
 from p2pdiloco.net.record_rules import RecordRefused, RejectionLog, check_record
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
@@ -131,6 +133,25 @@ async def _rejoin(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout:
     return answered
 
 
+class _GuardedDHT(hivemind.DHT):
+    """hivemind's DHT process, and its p2pd, die with the process that started them (ADR 0011).
+
+    The DHT process watches its parent; the parent's reaper watches the DHT process's tree.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._lifeline_parent = os.getpid()  # before super() starts the process
+        super().__init__(**kwargs)
+
+    def start(self) -> None:
+        super().start()
+        lifeline.guard(self.pid)
+
+    def run(self) -> None:
+        lifeline.watch_parent(self._lifeline_parent)
+        super().run()
+
+
 class DHTPlane:
     """One hivemind DHT node bound to a node identity.
 
@@ -172,7 +193,7 @@ class DHTPlane:
         if force_public:
             kwargs["force_reachability"] = "public"
         try:
-            self.dht = hivemind.DHT(
+            self.dht = _GuardedDHT(
                 initial_peers=list(initial_peers) or None,
                 start=True,
                 record_validators=[EnvelopeValidator()],
