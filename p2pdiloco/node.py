@@ -89,6 +89,7 @@ class Node:
         self._seq = 0
         self._gossip_dialed: set[str] = set()
         self._gossip_retry_at: dict[str, float] = {}  # failed dials wait before the next try
+        self._gossip_restarts = 0  # restarts of the gossip child seen by the dialer
         self._ticks = 0
         self.events: list[str] = []
         self.view: dict[str, object] = {}  # immutable snapshot for other threads (see snapshot)
@@ -312,6 +313,12 @@ class Node:
         """Dial new gossip peers (worker thread; the dial bookkeeping is touched only here)."""
         if self.gossip is None or not self.gossip.alive:
             return
+        if self.gossip.restarts != self._gossip_restarts:  # a new child knows no one: redial
+            self._gossip_restarts = self.gossip.restarts
+            self._gossip_dialed.clear()
+            self._gossip_retry_at.clear()
+        with contextlib.suppress(GossipError):  # a peer whose child restarted dropped us
+            self._gossip_dialed.intersection_update(self.gossip.peers(timeout=2.0))
         now = time.monotonic()
         for peer_id, addrs in targets:
             if any(self.gossip.connect(addr, timeout=5) for addr in addrs[:4]):
@@ -367,6 +374,7 @@ class Node:
                 for v in live
             ],
             "gossip": bool(self.gossip and self.gossip.alive),
+            "gossip_restarts": self.gossip.restarts if self.gossip else 0,
             "rejected": self.rejected,
             "events": tuple(self.events[-5:]),
         }

@@ -129,6 +129,7 @@ class BootstrapServer:
                 "version": __version__,
                 "multiaddrs": self.multiaddrs() if self.dht else [],
                 "gossip": self.gossip.maddrs if self.gossip and self.gossip.alive else [],
+                "gossip_restarts": self.gossip.restarts if self.gossip else 0,
                 "uptime_s": round(time.time() - self.started, 1),
             },
         }

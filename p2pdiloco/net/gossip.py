@@ -6,7 +6,9 @@ talks to it over a pipe. It imports neither stack: stdlib and ``multiprocessing`
 
 Gossip is an accelerator (everything gossiped is also in the DHT): when the child dies,
 :attr:`GossipProcess.alive` turns False, :meth:`~GossipProcess.get` returns None and sends
-raise :class:`GossipError`; the parent keeps running and may start a new process.
+raise :class:`GossipError` until a new child is up: the process restarts it with back-off
+(same key, same port, same topics; :attr:`GossipProcess.restarts` counts them), unless it was
+made with ``restart=False``. The child dies with its parent (:mod:`p2pdiloco.net.lifeline`).
 
     with GossipProcess(seed, topics=["t"]) as gossip:
         gossip.connect("/ip4/127.0.0.1/tcp/4001/p2p/12D3Koo...")
@@ -21,15 +23,19 @@ import collections
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
-import sys
+import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any, NamedTuple
+
+from p2pdiloco.net import lifeline
+from p2pdiloco.net.gossip_spawn import child_entry, no_main_reimport, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +43,12 @@ logger = logging.getLogger(__name__)
 # dropped on receipt (bulk data goes over streams, not gossip).
 MAX_MESSAGE_BYTES = 256 * 1024
 
+# Back-off between restarts of a dead child: doubles from the first to the last value, and
+# starts over once a child has lived for STABLE_AFTER seconds.
+RESTART_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
+STABLE_AFTER = 60.0
+
 _CLOSED = object()  # wakes get() once the child is gone
-_main_lock = threading.Lock()
 
 
 class GossipError(Exception):
@@ -49,46 +59,6 @@ class GossipMessage(NamedTuple):
     topic: str
     data: bytes
     from_peer: str  # base58 peer id of the original publisher
-
-
-def _child_entry(
-    conn: Connection, seed: bytes, listen_host: str, port: int, topics: list[str]
-) -> None:
-    # Runs in the spawned child. The import happens here, never in the parent.
-    if "hivemind" in sys.modules:  # py-libp2p cannot load next to it (ADR 0001)
-        raise RuntimeError("hivemind was imported into the gossip child; it must not be")
-    from p2pdiloco.net.gossip_host import run_child
-
-    run_child(conn, seed, listen_host, port, topics)
-
-
-@contextlib.contextmanager
-def _no_main_reimport() -> Iterator[None]:
-    """Keep ``spawn`` from re-running the parent's ``__main__`` in the child.
-
-    ``spawn`` re-imports the parent's main module in the child (by path, or by name for
-    ``python -m``). For a console script such as ``p2pdiloco`` that would pull the whole CLI,
-    hivemind included, into the gossip child, where hivemind must never be imported. The
-    child needs nothing from ``__main__`` (its target lives in this module), so the main
-    module's ``__spec__``/``__file__`` are hidden for the instant of ``Process.start()``.
-    """
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    with _main_lock:
-        missing = object()
-        saved = {k: main.__dict__.get(k, missing) for k in ("__spec__", "__file__")}
-        try:
-            main.__spec__ = None
-            main.__dict__.pop("__file__", None)
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is missing:
-                    main.__dict__.pop(k, None)
-                else:
-                    main.__dict__[k] = v
 
 
 class GossipProcess:
@@ -105,6 +75,7 @@ class GossipProcess:
         topics: Sequence[str] = (),
         listen_host: str = "127.0.0.1",
         port: int = 0,
+        restart: bool = True,
     ) -> None:
         if len(seed) != 32:
             raise ValueError(f"seed must be 32 bytes, got {len(seed)}")
@@ -114,6 +85,8 @@ class GossipProcess:
         self._topics = list(topics)
         self._listen_host = listen_host
         self._port = int(port)
+        self._restart = restart
+        self._closing = threading.Event()
         self._proc: Any = None  # multiprocessing SpawnProcess
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
@@ -130,6 +103,8 @@ class GossipProcess:
         self._executor: ThreadPoolExecutor | None = None
         self.errors: collections.deque[str] = collections.deque(maxlen=100)
         """The latest ``error`` reports from the child (failed commands), newest last."""
+        self.restarts = 0
+        """How many times a dead child was replaced by a new one."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -139,25 +114,35 @@ class GossipProcess:
             if self._started:
                 raise GossipError("gossip process already started")
             self._started = True
+        try:
+            self._install(*self._spawn(self._port, timeout))
+        except BaseException:
+            self._dead = True
+            raise
+        self._reader = threading.Thread(
+            target=self._supervise, name="p2pdiloco-gossip-reader", daemon=True
+        )
+        self._reader.start()
+
+    def _spawn(self, port: int, timeout: float) -> tuple[Any, Connection, str, list[str]]:
+        """A new child listening on ``port``: (process, pipe, peer id, maddrs)."""
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=_child_entry,
-            args=(child_conn, self._seed, self._listen_host, self._port, self._topics),
-            name="p2pdiloco-gossip",
-            daemon=True,
-        )
-        with _no_main_reimport():
+        args = (child_conn, self._seed, self._listen_host, port, list(self._topics), os.getpid())
+        proc = ctx.Process(target=child_entry, args=args, name="p2pdiloco-gossip", daemon=True)
+        with no_main_reimport():
             proc.start()
+        lifeline.guard(proc.pid)
         child_conn.close()  # so that the child's death reads as EOF here
-        self._proc, self._conn = proc, parent_conn
         deadline = time.monotonic() + timeout
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise GossipError(f"gossip child not ready within {timeout:g} s")
-                ready = wait([parent_conn, proc.sentinel], remaining)
+                if self._closing.is_set():
+                    raise GossipError("gossip process is closing")
+                ready = wait([parent_conn, proc.sentinel], min(remaining, 0.5))
                 if parent_conn in ready:
                     try:
                         msg = parent_conn.recv()
@@ -167,8 +152,7 @@ class GossipProcess:
                             f"gossip child exited during startup (exit code {proc.exitcode})"
                         ) from None
                     if msg[0] == "ready":
-                        self._peer_id, self._maddrs = str(msg[1]), [str(a) for a in msg[2]]
-                        break
+                        return proc, parent_conn, str(msg[1]), [str(a) for a in msg[2]]
                     if msg[0] == "fatal":
                         proc.join(timeout=5.0)
                         raise GossipError(
@@ -181,14 +165,19 @@ class GossipProcess:
                         f"gossip child exited during startup (exit code {proc.exitcode})"
                     )
         except BaseException:
-            self._dead = True
-            self._stop_child(timeout=1.0)
+            stop_child(proc, timeout=1.0)
             parent_conn.close()
             raise
-        self._reader = threading.Thread(
-            target=self._read_loop, name="p2pdiloco-gossip-reader", daemon=True
-        )
-        self._reader.start()
+
+    def _install(self, proc: Any, conn: Connection, peer_id: str, maddrs: list[str]) -> None:
+        with self._state_lock:
+            if self._closed:  # close() raced a restart: this child is ours to stop
+                stop_child(proc, timeout=1.0)
+                conn.close()
+                raise GossipError("gossip process is closing")
+            self._proc, self._conn = proc, conn
+            self._peer_id, self._maddrs = peer_id, maddrs
+            self._dead = False
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child (politely, then by force); idempotent, never raises for a dead child."""
@@ -196,30 +185,20 @@ class GossipProcess:
             if self._closed:
                 return
             self._closed = True
+        self._closing.set()
         if self._proc is None:
             return
         with contextlib.suppress(Exception):
             self._send(("close",), check=False)
-        self._stop_child(timeout)
+        stop_child(self._proc, timeout)
         if self._reader is not None:
             self._reader.join(timeout=max(timeout, 1.0))
+        stop_child(self._proc, 1.0)  # a restart may have installed a new child meanwhile
         self._mark_dead()
         if self._conn is not None:
             self._conn.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
-
-    def _stop_child(self, timeout: float) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(2.0)
 
     def __enter__(self) -> GossipProcess:
         if not self._started:
@@ -264,7 +243,11 @@ class GossipProcess:
     # -- requests -------------------------------------------------------------------------
 
     def subscribe(self, topic: str) -> None:
+        """Subscribe now, and in every child that replaces this one."""
         self._send(("subscribe", str(topic)))
+        with self._state_lock:
+            if str(topic) not in self._topics:
+                self._topics.append(str(topic))
 
     def publish(self, topic: str, data: bytes) -> None:
         """Hand ``data`` to the child for publication (fire and forget)."""
@@ -302,7 +285,8 @@ class GossipProcess:
         except queue.Empty:
             return None
         if item is _CLOSED:
-            self._messages.put(_CLOSED)  # wake the next reader too
+            if self._closed or not self._restart:
+                self._messages.put(_CLOSED)  # gone for good: wake the next reader too
             return None
         assert isinstance(item, GossipMessage)
         return item
@@ -380,38 +364,68 @@ class GossipProcess:
         else:
             box.put(reply)
 
+    def _supervise(self) -> None:
+        """Read the child's messages; when it dies, start a new one with back-off."""
+        attempt = 0
+        while True:
+            born = time.monotonic()
+            self._read_loop()
+            proc = self._proc
+            wait([proc.sentinel], 1.0)  # let it be reaped, for the exit code
+            if not self._closed:
+                logger.warning(
+                    "gossip child is gone (exit code %s); %s",
+                    proc.exitcode,
+                    "restarting it" if self._restart else "gossip disabled",
+                )
+            self._mark_dead()
+            if self._closed or not self._restart:
+                return
+            if time.monotonic() - born > STABLE_AFTER:
+                attempt = 0
+            while True:
+                delay = RESTART_DELAYS[min(attempt, len(RESTART_DELAYS) - 1)]
+                attempt += 1
+                if self._closing.wait(delay):
+                    return
+                # The port it had, so that peers holding our address reach the new child.
+                port = self._port or (_port_of(self._maddrs) if attempt == 1 else 0)
+                try:
+                    self._install(*self._spawn(port, timeout=30.0))
+                except GossipError as e:
+                    if self._closed:
+                        return
+                    logger.warning("gossip restart failed (%s); next try in %g s", e, delay)
+                    continue
+                self.restarts += 1
+                logger.warning(
+                    "gossip child restarted (restart %d, pid %s)", self.restarts, self.pid
+                )
+                break
+
     def _read_loop(self) -> None:
         conn = self._conn
         assert conn is not None
-        try:
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    break
-                try:
-                    kind = msg[0]
-                    if kind == "message":
-                        self._messages.put(GossipMessage(str(msg[1]), bytes(msg[2]), str(msg[3])))
-                    elif kind == "connected":
-                        self._deliver_reply(("connected", str(msg[1])), msg)
-                    elif kind == "peers":
-                        self._deliver_reply(("peers",), msg)
-                    elif kind == "error":
-                        self.errors.append(str(msg[1]))
-                        logger.warning("gossip child: %s", msg[1])
-                    else:
-                        logger.debug("gossip: unknown message %r from child", kind)
-                except Exception:
-                    logger.exception("gossip: bad message from child")
-        finally:
-            proc = self._proc
-            if not self._closed and proc is not None:
-                wait([proc.sentinel], 1.0)  # let it be reaped, for the exit code
-                logger.warning(
-                    "gossip child is gone (exit code %s); gossip disabled", proc.exitcode
-                )
-            self._mark_dead()
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                kind = msg[0]
+                if kind == "message":
+                    self._messages.put(GossipMessage(str(msg[1]), bytes(msg[2]), str(msg[3])))
+                elif kind == "connected":
+                    self._deliver_reply(("connected", str(msg[1])), msg)
+                elif kind == "peers":
+                    self._deliver_reply(("peers",), msg)
+                elif kind == "error":
+                    self.errors.append(str(msg[1]))
+                    logger.warning("gossip child: %s", msg[1])
+                else:
+                    logger.debug("gossip: unknown message %r from child", kind)
+            except Exception:
+                logger.exception("gossip: bad message from child")
 
     def _mark_dead(self) -> None:
         with self._state_lock:
@@ -424,3 +438,11 @@ class GossipProcess:
                 box.put_nowait(_CLOSED)
         if first:
             self._messages.put(_CLOSED)
+
+
+def _port_of(maddrs: Sequence[str]) -> int:
+    """The TCP port of the first ``/tcp/<port>`` multiaddr; 0 if there is none."""
+    for maddr in maddrs:
+        if m := re.search(r"/tcp/(\d+)", maddr):
+            return int(m.group(1))
+    return 0

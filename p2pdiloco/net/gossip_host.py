@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,6 +33,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
@@ -57,6 +59,8 @@ OUTBOX_SIZE = 1024
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # After a dial succeeds, wait this long (at most) for the pubsub stream with the peer.
 PUBSUB_STREAM_WAIT = 5.0
+# A peer sending garbage is logged at most once per this many seconds.
+GARBAGE_LOG_INTERVAL = 60.0
 
 
 class _ParentGone(Exception):
@@ -65,6 +69,45 @@ class _ParentGone(Exception):
 
 def _within_size(_forwarder: ID, msg: Any) -> bool:
     return len(msg.data) <= MAX_MESSAGE_BYTES
+
+
+class _SafePubsub(Pubsub):
+    """py-libp2p's Pubsub with a peer's bad input contained to that peer.
+
+    py-libp2p lets an undecodable RPC (``DecodeError``) or a failure while handling one escape
+    the stream handler, which brings the whole host down: one 6-byte frame killed the child.
+    Here the stream is reset, the peer dropped and the event logged (once a minute per peer);
+    the host goes on. The peer may reconnect: gossip scoring, not this, decides who is banned.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.garbage: dict[str, int] = {}  # peer id -> bad RPCs and messages dropped
+        self._logged_at: dict[str, float] = {}
+
+    async def stream_handler(self, stream: Any) -> None:
+        try:
+            await super().stream_handler(stream)
+        except Exception as e:
+            peer_id = stream.muxed_conn.peer_id
+            self._count(peer_id, f"dropped a malformed pubsub RPC ({type(e).__name__}: {e})")
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            self._handle_dead_peer(peer_id)
+
+    async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except Exception as e:
+            self._count(msg_forwarder, f"dropped a bad message ({type(e).__name__}: {e})")
+
+    def _count(self, peer_id: ID, what: str) -> None:
+        peer = peer_id.to_base58() if isinstance(peer_id, ID) else str(peer_id)
+        self.garbage[peer] = n = self.garbage.get(peer, 0) + 1
+        now = time.monotonic()
+        if now - self._logged_at.get(peer, -GARBAGE_LOG_INTERVAL) >= GARBAGE_LOG_INTERVAL:
+            self._logged_at[peer] = now
+            logger.warning("gossip: peer %s %s; %d so far", peer, what, n)
 
 
 class _Child:
@@ -208,7 +251,7 @@ async def _amain(
             # topic (default 10/s); bursts of one announcement per peer are legitimate here.
             max_messages_per_topic_per_second=100.0,
         )
-        pubsub = Pubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
+        pubsub = _SafePubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
     except Exception as e:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         raise
