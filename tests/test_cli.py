@@ -99,6 +99,12 @@ def test_simulate_json_on_a_text_directory(text_dir: Path) -> None:
         assert m["tokens"] == 2 * 6 * 2 * 4 * 64
     assert result["bytes_ratio"] == pytest.approx(6.0)
     assert result["corpus"]["documents"] == 6
+    assert set(result) >= {  # the keys docs/cli.md promises
+        "model", "parameters", "device", "learners", "inner_steps", "rounds", "fragments",
+        "corpus", "diloco", "baseline", "peak_memory_bytes", "aggregation", "adversaries",
+        "attack", "accepted_deltas", "rejected_deltas", "loss_ratio", "bytes_ratio",
+    }  # fmt: skip
+    assert "tokens_per_second" in result["diloco"] and "eval_losses" in result["baseline"]
     # stdout is the JSON alone; progress goes to stderr, a line per step chunk and per eval.
     progress = out.stderr.splitlines()
     for needle in (

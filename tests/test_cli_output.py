@@ -268,3 +268,27 @@ def test_models_and_keys_json_keys(tmp_path: Path) -> None:
     assert run_cli("keys", "new", "--identity", str(key)).returncode == 0
     shown = json.loads(run_cli("keys", "show", "--identity", str(key), "--json").stdout)
     assert set(shown) == {"peer_id", "public_key", "path"}
+
+
+def test_json_documents_keep_the_keys_of_docs_cli_md() -> None:
+    """The documents behind ``--json`` of status --leaderboard, demo and doctor (``simulate``,
+    ``status``, ``models`` and ``keys show`` are checked end to end)."""
+    from p2pdiloco.demo import DemoResult
+    from p2pdiloco.ledger import Ledger, LedgerEntry
+    from p2pdiloco.preflight import Finding
+
+    entry = LedgerEntry(PEERS[0], accepted=3, tokens=300, rejected=1, last_version=3)
+    ledger = Ledger(versions=3, entries=[entry]).to_dict()
+    assert set(ledger) == {"versions", "total_tokens", "peers", "ignored"}
+    assert set(ledger["peers"][0]) == {
+        "rank", "peer_id", "accepted", "tokens", "rejected", "last_version", "share",
+    }  # fmt: skip
+    demo = DemoResult(
+        versions=1, loss_start=5.0, loss_end=4.0, seconds=1.0, run_id="ab", committee={1: []},
+        peers={}, rejected={},
+    ).to_dict()  # fmt: skip
+    assert set(demo) == {
+        "versions", "loss_start", "loss_end", "seconds", "run_id", "committee", "peers",
+        "rejected", "workdir",
+    }  # fmt: skip
+    assert set(Finding("disk", "ok", "fine").as_dict()) == {"check", "severity", "detail", "fix"}
