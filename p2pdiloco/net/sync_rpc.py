@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 SYNC_PROTOCOL = "/p2pdiloco/sync/1"
 REQUEST_TIMEOUT = 30.0
+LINGER_S = 2.0  # how long a refused, partly read request's stream stays open for the reply
+MAX_LINGERING = 64  # refused streams held open at once; beyond, closed at once (reply may be lost)
 # Bytes of sync traffic this process sent and received (both roles), for dashboards and metrics.
 TRAFFIC = {"up": 0, "down": 0}
 
@@ -126,17 +128,20 @@ async def serve(
     the largest request the limits allow), answering ``busy`` over a cap."""
     largest = max((sum(v) for v in frame_limits.values()), default=0)
     budget = StreamBudget(stream_limits or StreamLimits.for_request(largest))
+    lingering = [0]  # refused streams held open for their reply (at most MAX_LINGERING)
 
     async def on_stream(
         info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = str(info.peer_id)
         ticket: Ticket | None = None
+        unread = True  # refused before the whole request was read
         try:
             control = await read_control(reader, REQUEST_TIMEOUT)
             op, limits = check_request(frame_limits, control)
             ticket = budget.open(peer)
             frames = await read_request(reader, peer, op, limits, ticket, screen)
+            unread = False
             TRAFFIC["down"] += sum(len(f) for f in frames)
             reply, out = await handler(op, peer, control, frames)
             TRAFFIC["up"] += sum(len(f) for f in out)
@@ -160,9 +165,57 @@ async def serve(
                 ticket.close()
         with contextlib.suppress(Exception):  # the caller went away: nothing to do
             await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
+            if unread and lingering[0] < MAX_LINGERING:
+                lingering[0] += 1
+                try:
+                    await _linger(reader)
+                finally:
+                    lingering[0] -= 1
         writer.close()
 
     await p2p.add_binary_stream_handler(SYNC_PROTOCOL, on_stream)
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """After refusing a request not yet read in full: let the caller read the refusal before the
+    stream closes (closing with unread bytes resets it, and the reset loses the reply). The rest
+    is read and dropped 64 KiB at a time, for at most ``LINGER_S`` seconds or until the caller
+    closes; nothing is kept."""
+    deadline = asyncio.get_running_loop().time() + LINGER_S
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        if not await asyncio.wait_for(reader.read(64 * 1024), left):
+            return
+
+
+async def _send_then_reply(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float
+) -> dict[str, Any]:
+    """Flush the request while already reading the reply: a server that refuses a request
+    before reading all of it (``busy``, a bad header) answers and closes, and that answer must
+    win over the broken pipe the rest of our write then meets. If the write broke and no reply
+    came, the write's error is raised (the call is ``unreachable``, not ``malformed``)."""
+    reply = asyncio.ensure_future(read_control(reader, timeout))
+    drain = asyncio.ensure_future(asyncio.wait_for(writer.drain(), timeout))
+    try:
+        await asyncio.wait({reply, drain}, return_when=asyncio.FIRST_COMPLETED)
+        broken: BaseException | None = None
+        if not reply.done():
+            try:
+                await drain
+            except (ConnectionError, OSError) as e:
+                broken = e
+        try:
+            return await reply
+        except FrameError:
+            if broken is not None:
+                raise broken from None
+            raise
+    finally:
+        for task in (reply, drain):
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: an early reply makes the broken drain expected
 
 
 async def call(
@@ -200,8 +253,7 @@ async def call(
         for f in frames:
             write_frame(writer, f)
         TRAFFIC["up"] += sum(len(f) for f in frames)
-        await asyncio.wait_for(writer.drain(), timeout)
-        reply = await read_control(reader, timeout)
+        reply = await _send_then_reply(reader, writer, timeout)
         count = reply.get("frames", 0)
         if not isinstance(count, int) or not 0 <= count <= 64:
             raise RpcError(f"{peer_id} sent a malformed reply", code=Reason.MALFORMED)
