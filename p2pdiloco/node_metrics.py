@@ -44,6 +44,16 @@ class _NodeCollector(Collector):
         yield GaugeMetricFamily(
             "p2pdiloco_on_committee", "1 while this node is a syncer", int(s["on_committee"])
         )
+        yield GaugeMetricFamily(
+            "p2pdiloco_stalled",
+            "1 while no certificate came within grace + agree_timeout of sending a delta",
+            int(s["stalled"] is not None),
+        )
+        yield GaugeMetricFamily(
+            "p2pdiloco_stalled_seconds",
+            "seconds waited for the awaited certificate while stalled (0 otherwise)",
+            s["stalled_seconds"],
+        )
 
 
 def serve_metrics(

@@ -64,6 +64,7 @@ class NodeView:
         rv, tv = self.running.views()
         snap.version = rv.version
         snap.paused_reason = rv.paused_reason
+        snap.stalled = rv.stalled
         phase = "paused" if rv.paused_reason else tv.phase if tv is not None else rv.phase
         snap.state = _STATES.get(phase, "idle" if phase.startswith("idle") else phase)
         H = self.running.manifest.inner_steps
@@ -110,4 +111,6 @@ class NodeView:
             "peers_direct": snap.peers_direct,
             "peers_relayed": snap.peers_relayed,
             "on_committee": self.running is not None and self.running.views()[0].on_committee,
+            "stalled": snap.stalled,  # None, or "stalled: no certificate for version ..."
+            "stalled_seconds": self.running.views()[0].stalled_s if self.running else 0.0,
         }

@@ -63,6 +63,9 @@ class DashboardSnapshot:
     model: str | None = None  # registered model name (peer-supplied)
     state: str = "connecting"  # one of STATE_STYLES' keys; free text is shown unstyled
     paused_reason: str | None = None  # shown when state == "paused"
+    # "stalled: no certificate for version 12 for 95 s (waiting on committee …)"; None while
+    # certificates come within the run's grace + agree_timeout of sending a delta
+    stalled: str | None = None
     version: int = 0  # global certified version held
     # round progress
     inner_step: int = 0  # inner steps done in this round
@@ -144,6 +147,19 @@ class DashboardSnapshot:
         snap.committee_duty = "none this round"
         snap.up_rate = snap.down_rate = 0.0
         snap.events = [*snap.events, "12:04:02 lost all peers; pausing training"]
+        return snap
+
+    @classmethod
+    def example_stalled(cls) -> DashboardSnapshot:
+        """The example waiting, past grace + agree_timeout, for a committee that cannot certify."""
+        snap = cls.example()
+        snap.state = "waiting for certificate"
+        snap.inner_step = snap.inner_steps
+        snap.eta_seconds = 0.0
+        snap.stalled = (
+            "stalled: no certificate for version 13 for 95 s (waiting on committee …a1b2c3d4, "
+            "…c3d4e5f6, …e5f6a7b8; unreachable: …c3d4e5f6, …e5f6a7b8)"
+        )
         return snap
 
 
@@ -239,6 +255,8 @@ def _header(snap: DashboardSnapshot) -> Text:
     line.append(str(snap.version), style="bold")
     if snap.state == "paused" and snap.paused_reason:
         line.append("\n↳ " + clean(snap.paused_reason), style="yellow")
+    if snap.stalled:
+        line.append("\n↳ " + clean(snap.stalled), style="bold red")
     return line
 
 
@@ -247,7 +265,10 @@ def _training_panel(snap: DashboardSnapshot) -> Panel:
     grid.add_row("Peer", Text(clean(snap.peer_id)))
     progress = _progress_bar(snap.inner_step, snap.inner_steps)
     progress.append("  ·  ", style="dim")
-    progress.append(_eta_text(snap.eta_seconds))
+    if snap.stalled:  # the ETA reads "0s" forever while a stalled round never ends
+        progress.append("stalled", style="bold red")
+    else:
+        progress.append(_eta_text(snap.eta_seconds))
     grid.add_row("Round", progress)
     grid.add_row("Speed", Text(_rate(snap.tokens_per_second)))
     loss = Text()
@@ -340,6 +361,8 @@ def plain_line(snap: DashboardSnapshot) -> str:
         f"peers {snap.peers_direct} direct {snap.peers_relayed} relayed",
         f"deltas {snap.accepted} accepted {snap.rejected} rejected",
     ]
+    if snap.stalled:
+        parts.append(clean(snap.stalled))
     return " | ".join(parts)
 
 

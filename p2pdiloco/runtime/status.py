@@ -3,6 +3,11 @@
 ``Tally`` is mutated on the runtime's loop only. ``RuntimeView`` is a frozen copy made after
 each change; the dashboard, the metrics endpoint and the status file read views, never the
 tally. Contributions (accepted deltas, tokens, shares) come from verified certificates only.
+
+A stall: a node that sent a delta on version v expects the certificate of v+1 within the run's
+``grace + agree_timeout`` (the round closes at the latest ``grace`` after it opened, which is
+before our delta arrived, and each leader that fails to propose costs ``agree_timeout``). Past
+that, the view says ``stalled: ...`` with what the node waits for (:func:`stall_text`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,15 @@ class Tally:
     events: deque[str] = field(default_factory=lambda: deque(maxlen=50))
     eval_losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
     paused_reason: str | None = None
+    stall_after: float = 0.0  # seconds without a certificate after sending; 0: never stalled
+    waiting_since: float | None = None  # monotonic time of the first delta sent on this version
+    stall_logged: bool = False  # the stall of this version has its event line
+
+    def on_sent(self) -> None:
+        """A delta was handed to the committee: the stall clock starts if it is not running."""
+        self.sent += 1
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
 
     def event(self, text: str) -> None:
         log.info(text)
@@ -55,6 +70,7 @@ class Tally:
 
     def record_chain(self, chain: list[Certificate], me: str) -> set[str]:
         """Count the receipts of newly applied certificates; every digest they merged."""
+        self.waiting_since, self.stall_logged = None, False  # nothing awaited until a delta
         merged = set()
         for c in chain:
             for a in c.body.accepted:
@@ -73,8 +89,19 @@ class Tally:
         committee_version: int,
         me: str,
         rejections: tuple[dict[str, Any], ...],
+        statuses: Mapping[str, str] | None = None,
+        now: float | None = None,
     ) -> RuntimeView:
+        """``statuses``: each syncer's answer to the delta in flight ("error": unreachable)."""
         total = sum(self.tokens_by_peer.values())
+        now = time.monotonic() if now is None else now
+        waited = now - self.waiting_since if self.waiting_since is not None else 0.0
+        stalled = 0 < self.stall_after < waited
+        unreachable = [p for p, s in (statuses or {}).items() if s == "error"]
+        stall = stall_text(version + 1, waited, committee, unreachable) if stalled else None
+        if stall is not None and not self.stall_logged:
+            self.stall_logged = True
+            self.event(stall)
         ranked = sorted(self.tokens_by_peer.items(), key=lambda kv: (-kv[1], kv[0]))
         return RuntimeView(
             phase=self.phase,
@@ -93,6 +120,8 @@ class Tally:
             eval_losses=tuple(self.eval_losses),
             paused_reason=self.paused_reason,
             rejections=rejections[-200:],
+            stalled=stall,
+            stalled_s=round(waited, 1) if stalled else 0.0,
         )
 
 
@@ -114,6 +143,8 @@ class RuntimeView:
     eval_losses: tuple[float, ...] = ()
     paused_reason: str | None = None
     rejections: tuple[dict[str, Any], ...] = ()
+    stalled: str | None = None  # "stalled: no certificate for version ... (waiting on ...)"
+    stalled_s: float = 0.0  # seconds waited for that certificate, while stalled
 
     def status_json(self, peer_id: str, run_id: str, trainer: Any) -> bytes:
         """``status.json``: one object for monitors, the demo and the tests."""
@@ -133,10 +164,31 @@ class RuntimeView:
                 "tokens_accepted": self.tokens_accepted,
                 "tokens_trained": t.tokens_trained if t is not None else 0,
                 "last_loss": t.last_loss if t is not None else None,
+                "tokens_per_second": t.tokens_per_second if t is not None else 0.0,
+                "stalled": self.stalled,
+                "stalled_s": self.stalled_s,
                 "downloads": list(self.downloads),
                 "rejections": list(self.rejections),
             }
         ).encode()
+
+
+def short_peer(peer_id: str) -> str:
+    """How a peer id is shown in one line of text: its last 8 characters after an ellipsis."""
+    return "…" + peer_id[-8:]
+
+
+def stall_text(
+    version: int, seconds: float, committee: Sequence[str], unreachable: Sequence[str] = ()
+) -> str:
+    """``stalled: no certificate for version 12 for 95 s (waiting on committee …a1b2c3d4, …;
+    unreachable: …)``: what a stalled node waits for, in one line."""
+    waits = ", ".join(map(short_peer, committee)) or "an unknown committee"
+    text = f"stalled: no certificate for version {version} for {seconds:.0f} s (waiting on "
+    text += f"committee {waits}" if committee else waits
+    if unreachable:
+        text += f"; unreachable: {', '.join(map(short_peer, unreachable))}"
+    return text + ")"
 
 
 def write_quietly(path: Path, data: bytes) -> None:

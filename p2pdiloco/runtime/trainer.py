@@ -36,6 +36,7 @@ from p2pdiloco.sync.learner_machine import (
     Drop,
     LearnerAction,
     LearnerMachine,
+    LearnerPhase,
     Rebase,
     Send,
     Train,
@@ -288,8 +289,12 @@ class Trainer:
 
     def _publish(self, phase: str | None = None) -> None:
         c, m = self._c, self.machine
+        phase = phase or m.phase.value
+        # The speed of the last chunk while the learner works; a node that stopped training
+        # (target version reached, or failed) announces none in its heartbeat.
+        training = phase not in ("failed", LearnerPhase.IDLE.value)
         self.view = TrainerView(
-            phase=phase or m.phase.value,
+            phase=phase,
             version=self.state.version,
             inner_step=m.trained,
             sent=m.sent,
@@ -297,7 +302,7 @@ class Trainer:
             tokens_trained=c.tokens_trained,
             last_loss=c.last_loss,
             step_seconds=c.step_seconds,
-            tokens_per_second=c.tokens_per_second,
+            tokens_per_second=c.tokens_per_second if training else 0.0,
             losses=tuple(c.losses),
             events=tuple(c.events),
             error=self._error,
