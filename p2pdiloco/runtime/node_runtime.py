@@ -92,7 +92,7 @@ class NodeRuntime:
         self.corpus = corpus
         self.chain = ChainStore(cfg.state_dir, run_id)
         self.service: SyncService | None = None
-        self.tally = Tally()
+        self.tally = Tally(stall_after=manifest.rules.grace + manifest.rules.agree_timeout)
         self.view = RuntimeView()
         self.deliver: Callable[[TrainerEvent], None] | None = None  # set by attach()
         self.trainer_view: Callable[[], Any] = lambda: None
@@ -329,7 +329,7 @@ class NodeRuntime:
         todo, backoff = list(committee), 1.0
         codes: list[Reason] = []
         ff: int | None = None
-        self.tally.sent += 1
+        self.tally.on_sent()
         for _ in range(20):
             targets = todo
             replies = await asyncio.gather(*(self._submit_to(p, sub) for p in targets))
@@ -484,6 +484,7 @@ class NodeRuntime:
             committee_version=committee.version if committee is not None else 0,
             me=self.me,
             rejections=tuple(svc.rejections) if svc is not None else (),
+            statuses=self._pending.statuses if self._pending is not None else None,
         )
 
     async def write_status(self) -> None:
