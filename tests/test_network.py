@@ -122,6 +122,10 @@ def test_bootstrap_answers_http_within_10s(tmp_path: Path) -> None:
         assert "/tcp/31337/p2p/12D3KooW" in out
         code, metrics = http_get("http://127.0.0.1:8080/metrics")
         assert code == 200 and b"p2pdiloco_peers" in metrics
+        code, page = http_get(
+            "http://127.0.0.1:8080/"
+        )  # the web page (tests/test_bootstrap_observe)
+        assert code == 200 and b'<table id="runs">' in page and b'<table id="peers">' in page
         assert http_get("http://127.0.0.1:8080/nope")[0] == 404
     finally:
         assert proc.stop() == 0

@@ -21,12 +21,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from p2pdiloco import __version__
 from p2pdiloco.net import keys
+from p2pdiloco.net.cert_records import read_certificates
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import NetworkState, collect_state
 from p2pdiloco.net.gossip import GossipError, GossipProcess
 from p2pdiloco.net.http_api import HTTPApi
+from p2pdiloco.net.observe import NetworkWatch, install_noise_filter
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import serve_dialback
+from p2pdiloco.net.web_page import render_page
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
 from p2pdiloco.protocol.signing import seal
@@ -74,10 +77,12 @@ class BootstrapServer:
             "p2pdiloco_rejected_records", "invalid records dropped", registry=self.registry
         )
         self.m_polls = Counter("p2pdiloco_state_polls", "DHT state polls", registry=self.registry)
+        self.watch = NetworkWatch()  # event lines and the leaderboard (refresh thread only)
 
     def start(self) -> None:
         """Bring up DHT, dial-back, gossip and HTTP. Raises NetworkError/OSError on failure."""
         cfg = self.cfg
+        install_noise_filter()  # before the DHT forks: its child inherits the filter
         self.dht = DHTPlane(
             self.identity,
             initial_peers=cfg.initial_peers,
@@ -105,6 +110,7 @@ class BootstrapServer:
             healthy=self.healthy,
             state=self.state,
             registry=self.registry,
+            page=render_page,
         )
         self.http.start()
         self._refresh()
@@ -162,7 +168,16 @@ class BootstrapServer:
             return
         self.m_polls.inc()
         self.m_rejected.inc(len(state.rejected))
-        self._state = state.to_dict()
+        new = state.to_dict()
+        for run in state.runs:
+            if not run.incompatible:
+                self.watch.add_certificates(run.run_id, read_certificates(self.dht, run.run_id))
+        new["leaderboards"] = {
+            r["run_id"]: self.watch.leaderboard(r["run_id"]) for r in new["runs"]
+        }
+        for line in self.watch.update(new):
+            log.info("%s", line)
+        self._state = new
         self.m_runs.set(len(self._state["runs"]))
         self.m_peers.set(len(self._state["peers"]))
         self.m_up.set(1 if self.healthy() else 0)

@@ -318,6 +318,9 @@ def run_child(
     conn: Connection, seed: bytes, listen_host: str, port: int, topics: list[str]
 ) -> None:
     """Entry point of the gossip child process; returns when told to close or orphaned."""
+    from p2pdiloco.net.observe import install_noise_filter
+
+    install_noise_filter()  # py-libp2p logs every failed dial; one summary line per minute
     try:
         trio.run(_amain, conn, bytes(seed), listen_host, port, list(topics))
     except* (EOFError, BrokenPipeError, ConnectionResetError):

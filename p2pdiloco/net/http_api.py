@@ -1,7 +1,8 @@
 """Health, state and metrics over HTTP for bootstrap servers (and, later, nodes).
 
 ``GET /healthz`` → 200 ``ok`` while the DHT is alive, 503 otherwise; ``GET /api/v1/state`` →
-JSON from the state callback; ``GET /metrics`` → Prometheus text. Anything else is 404; only GET
+JSON from the state callback; ``GET /metrics`` → Prometheus text; ``GET /`` → the HTML page of
+the page callback, when one is given (the bootstrap's, ``net/web_page.py``). Anything else is 404; only GET
 and HEAD are served, requests are small and handled on their own threads.
 """
 
@@ -30,6 +31,7 @@ class HTTPApi:
         healthy: Callable[[], bool],
         state: Callable[[], dict[str, Any]],
         registry: CollectorRegistry,
+        page: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
         api = self
 
@@ -46,6 +48,7 @@ class HTTPApi:
                 log.debug("http %s %s", self.address_string(), fmt % args)
 
         self._healthy, self._state, self._registry = healthy, state, registry
+        self._page = page
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="http")
@@ -72,6 +75,9 @@ class HTTPApi:
             elif path == "/api/v1/state":
                 body = json.dumps(self._state(), indent=2).encode() + b"\n"
                 self._send(req, 200, body, "application/json", head)
+            elif path == "/" and self._page is not None:
+                page = self._page(self._state()).encode()
+                self._send(req, 200, page, "text/html; charset=utf-8", head)
             elif path == "/metrics":
                 self._send(req, 200, generate_latest(self._registry), CONTENT_TYPE_LATEST, head)
             else:

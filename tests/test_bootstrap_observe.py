@@ -1,0 +1,137 @@
+"""The bootstrap's observable surface in process: event lines, aggregated noise, and the web
+page served over HTTP on loopback (parsed with the stdlib HTML parser)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+from html.parser import HTMLParser
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from p2pdiloco.net.http_api import HTTPApi
+from p2pdiloco.net.observe import NetworkWatch, NoiseFilter
+from p2pdiloco.net.web_page import render_page
+
+RUN = "3f9a2c1b" * 8
+P1, P2, P3 = ("12D3KooW" + c * 44 for c in "abc")
+EVIL = '<script>alert("x")</script>'
+
+
+def peer(pid: str, version: int, tps: float = 1500.0, island: str = "home") -> dict[str, Any]:
+    return {"peer_id": pid, "run_id": RUN, "island": island, "roles": ["learner"],
+            "reachability": "direct", "version": version, "throughput_tps": tps,
+            "last_seen_s": 1.0}  # fmt: skip
+
+
+def state(*peers: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "time": 1.8e9,
+        "runs": [{"run_id": RUN, "name": "demo", "model": "gemma-tiny", "peers": len(peers),
+                  "latest_version": max((p["version"] for p in peers), default=0),
+                  "throughput_tps": sum(p["throughput_tps"] for p in peers),
+                  "incompatible": None}],
+        "peers": list(peers),
+        "bootstraps": [],
+        "rejected_records": [],
+    }  # fmt: skip
+
+
+def test_noise_is_one_line_then_one_summary_per_period() -> None:
+    now = [0.0]
+    f = NoiseFilter(period=60.0, clock=lambda: now[0])
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("libp2p.transport.tcp", logging.ERROR, "x", 1, msg, (), None)
+
+    assert f.filter(rec("Failed to open TCP stream: [Errno 111] 0.0.0.0:4001"))
+    passed = [f.filter(rec("Failed to open TCP stream: refused")) for _ in range(71)]
+    assert not any(passed)
+    assert f.filter(rec("peer joined"))  # anything else passes untouched
+    now[0] = 61.0
+    summary = rec("Failed to open TCP stream: last one")
+    assert f.filter(summary)
+    assert summary.getMessage().startswith("72 connection errors in the last 61 s (latest: ")
+
+
+def test_events_one_line_each_and_a_lone_claim_is_not_a_certified_version() -> None:
+    watch = NetworkWatch()
+    assert watch.update(state(peer(P1, 0))) == ["watching 1 run(s) with 1 live peer(s)"]
+    assert watch.update(state(peer(P1, 0), peer(P2, 0))) == [
+        f"peer …{P2[-8:]} joined run demo (direct, island home)"
+    ]
+    assert watch.update(state(peer(P1, 99), peer(P2, 0))) == []  # one peer's claim
+    assert watch.update(state(peer(P1, 3), peer(P2, 3))) == [
+        "run demo: version 3 certified (announced by 2 of 2 peers)"
+    ]
+    assert watch.update(state(peer(P2, 3))) == [f"peer …{P1[-8:]} left run demo"]
+    assert watch.update(state(peer(P2, 3))) == []
+
+
+class Tables(HTMLParser):
+    """Tables by id → rows of cell texts; every start tag seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self.tags: list[str] = []
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        if tag == "table":
+            self._table = dict(attrs).get("id") or ""
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table is not None:
+            self.tables[self._table].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None and self._table is not None:
+            self.tables[self._table][-1].append("".join(self._cell))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def test_web_page_served_at_root_shows_runs_peers_throughput_and_leaderboard() -> None:
+    st = state(peer(P1, 4, 1200.0, island=EVIL), peer(P2, 4, 800.0))
+    st["server"] = {"peer_id": P3, "version": "0.1.0", "uptime_s": 12.0}
+    st["leaderboards"] = {RUN: [
+        {"rank": 1, "peer_id": P1, "accepted": 3, "tokens": 6144, "share": 0.75},
+        {"rank": 2, "peer_id": P2, "accepted": 1, "tokens": 2048, "share": 0.25},
+    ]}  # fmt: skip
+    api = HTTPApi(
+        "127.0.0.1", 0, healthy=lambda: True, state=lambda: st, registry=CollectorRegistry(),
+        page=render_page,
+    )  # fmt: skip
+    api.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{api.port}/", timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+            body = r.read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{api.port}/api/v1/state", timeout=10) as r:
+            assert json.loads(r.read())["peers"][0]["island"] == EVIL  # same data, as JSON
+    finally:
+        api.close()
+    page = Tables()
+    page.feed(body)
+    assert "script" not in page.tags and "<script>" not in body
+    assert "&lt;script&gt;" in body
+    runs = page.tables["runs"]
+    assert runs[0] == ["run", "name", "model", "peers", "version", "tokens/s", "note"]
+    assert runs[1][:6] == [RUN[:12], "demo", "gemma-tiny", "2", "4", "2000"]
+    peers = {row[0]: row for row in page.tables["peers"][1:]}
+    assert peers[f"…{P1[-8:]}"][3] == EVIL  # shown as text, never as markup
+    assert peers[f"…{P1[-8:]}"][6] == "1200" and peers[f"…{P2[-8:]}"][6] == "800"
+    board = page.tables[f"leaderboard-{RUN[:12]}"]
+    assert board[1] == ["1", f"…{P1[-8:]}", "3", "6,144", "75.0%"]
+    assert P3 in body  # the bootstrap's own id in the header
