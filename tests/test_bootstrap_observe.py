@@ -57,6 +57,9 @@ def test_noise_is_one_line_then_one_summary_per_period() -> None:
 
 
 def test_events_one_line_each_and_a_lone_claim_is_not_a_certified_version() -> None:
+    empty = NetworkWatch()
+    assert empty.update({**state(), "runs": []}) == ["watching 0 run(s) with 0 live peer(s)"]
+    assert empty.update(state()) == [f"run published: demo ({RUN[:12]})"]
     watch = NetworkWatch()
     assert watch.update(state(peer(P1, 0))) == ["watching 1 run(s) with 1 live peer(s)"]
     assert watch.update(state(peer(P1, 0), peer(P2, 0))) == [

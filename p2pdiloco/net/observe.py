@@ -93,10 +93,11 @@ class NetworkWatch:
         self._versions: dict[str, int] = {}  # run id → newest version announced by ≥ 2 peers
         self._seen: set[tuple[str, int]] = set()  # (run id, version) counted in the board
         self.board: dict[str, dict[str, dict[str, int]]] = {}  # run → peer → counts
+        self._started = False
 
     def update(self, state: dict[str, Any]) -> list[str]:
         """One line per event since the previous snapshot; the first one gives a summary."""
-        first = not self._runs and not self._peers
+        first, self._started = not self._started, True
         lines: list[str] = []
         runs = {r["run_id"]: str(r["name"]) for r in state["runs"] if not r.get("incompatible")}
         for run_id, name in runs.items():
@@ -126,7 +127,7 @@ class NetworkWatch:
                     f"(announced by {sum(v >= version for v in held)} of {len(held)} peers)"
                 )
             self._versions[run_id] = max(version, self._versions.get(run_id, 0))
-        if first and (runs or peers):
+        if first:
             lines.append(f"watching {len(runs)} run(s) with {len(peers)} live peer(s)")
         self._runs.update(runs)
         self._peers = set(peers)
