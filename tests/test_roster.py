@@ -14,12 +14,13 @@ from p2pdiloco.protocol.certificates import (
     CertificateBody,
     RosterEntry,
     assemble,
+    content_json,
     parse_certificate,
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest, run_id_of
-from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
+from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync import committee
 from p2pdiloco.sync.roster import (
     MAX_ROSTER,
@@ -237,9 +238,8 @@ def test_same_body_different_signatures_same_committee() -> None:
     four = certificate(roster, signers=4)
     assert three.raw != four.raw and three.body == four.body
     assert beacon_of(RUN, three) == beacon_of(RUN, four)
-    assert beacon_of(RUN, three) == committee.beacon(
-        RUN, canonical_json(three.body.model_dump(mode="json"))
-    )
+    # over the certified content: the body without its view, committee and quorum
+    assert beacon_of(RUN, three) == committee.beacon(RUN, content_json(three.body))
     assert committee_for(RUN, m, three) == committee_for(RUN, m, four)
     info = committee_for(RUN, m, four)
     assert info.version == 9 and len(info.members) == 4 and info.quorum == m.quorum == 3

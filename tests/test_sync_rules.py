@@ -15,6 +15,7 @@ from p2pdiloco.protocol.records import (
     PROTOCOL_VERSION,
     IncompatibleProtocol,
     RunManifest,
+    SyncRules,
     parse_manifest,
     run_id_of,
 )
@@ -125,7 +126,15 @@ def test_rule_defaults() -> None:
         "grace": 60.0,
         "linger": 3.0,
         "agree_timeout": 20.0,
+        "view_timeout": None,
     }
+    assert manifest().rules.view_timeout_s == 3 * (60.0 + 20.0)
+
+
+def test_a_view_timeout_inside_one_round_is_refused() -> None:
+    with pytest.raises(ValueError, match="view_timeout must exceed"):
+        SyncRules(grace=10.0, agree_timeout=5.0, view_timeout=15.0)
+    assert SyncRules(grace=10.0, agree_timeout=5.0, view_timeout=16.0).view_timeout_s == 16.0
 
 
 def test_manifest_rules_round_trip() -> None:
@@ -139,6 +148,7 @@ def test_manifest_rules_round_trip() -> None:
         "grace": 30.0,
         "linger": 0.0,
         "agree_timeout": 10.0,
+        "view_timeout": 90.0,
     }
     run_id, m = parse({"rules": rules})
     assert m.rules.model_dump(mode="json") == rules

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from p2pdiloco.protocol.identity import Identity, public_key_from_peer_id, verify
+from p2pdiloco.protocol.identity import Identity, verify_hex
 from p2pdiloco.protocol.records import NonNegInt
 from p2pdiloco.protocol.signing import (
     InvalidRecord,
@@ -33,11 +32,11 @@ from p2pdiloco.protocol.signing import (
     schema_error_reason,
     signing_message,
 )
+from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, parse_timeout_cert
 
 CERTIFICATE_KIND = "certificate"
 MAX_CERTIFICATE_BYTES = 1024 * 1024
 MAX_ROSTER = 1024
-_SIG = re.compile(r"[0-9a-f]{128}")
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 # Printable only: reasons end up in logs, terminals and dashboards.
 Reason = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
@@ -80,6 +79,9 @@ class CertificateBody(_Strict):
     run: Hex64
     version: int = Field(ge=1, le=2**63 - 1)
     base_version: int = Field(ge=0)
+    # Which committee of this version signs: 0 is the elected one, j > 0 the one that took
+    # over after views 0 … j − 1 timed out (the certificate carries their timeout certificates).
+    view: int = Field(default=0, ge=0, lt=MAX_VIEWS)
     state_hash: Hex64
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
@@ -122,19 +124,24 @@ def body_digest(body: CertificateBody) -> str:
     return hashlib.sha256(canonical_json(body.model_dump(mode="json"))).hexdigest()
 
 
+# What a committee certifies, apart from who certifies it: a later view that re-certifies a
+# locked content (protocol.view_change) produces another body with the same content.
+_SIGNER_FIELDS = frozenset({"view", "committee", "quorum"})
+
+
+def content_json(body: CertificateBody) -> bytes:
+    """Canonical JSON of the body without its view, committee and quorum."""
+    return canonical_json(body.model_dump(mode="json", exclude=set(_SIGNER_FIELDS)))
+
+
+def content_digest(body: CertificateBody) -> str:
+    """Hex sha256 of :func:`content_json`: equal for every view that certifies one content."""
+    return hashlib.sha256(content_json(body)).hexdigest()
+
+
 def sign_body(identity: Identity, body: CertificateBody) -> str:
     """A syncer's signature (hex) over the certificate body."""
     return identity.sign(_body_message(body)).hex()
-
-
-def _verify_message(peer_id: object, message: bytes, sig_hex: object) -> bool:
-    # Lowercase hex only, as in envelopes: one text form per signature.
-    if not isinstance(peer_id, str) or not isinstance(sig_hex, str) or not _SIG.fullmatch(sig_hex):
-        return False
-    try:
-        return verify(public_key_from_peer_id(peer_id), message, bytes.fromhex(sig_hex))
-    except Exception:  # malformed peer id or hex from an untrusted certificate
-        return False
 
 
 def verify_body_signature(peer_id: str, body: CertificateBody, sig_hex: str) -> bool:
@@ -143,7 +150,7 @@ def verify_body_signature(peer_id: str, body: CertificateBody, sig_hex: str) -> 
     Never raises: a malformed peer id or signature (any type) is simply false. Says nothing
     about committee membership; check that separately.
     """
-    return _verify_message(peer_id, _body_message(body), sig_hex)
+    return verify_hex(peer_id, _body_message(body), sig_hex)
 
 
 @dataclass(frozen=True)
@@ -151,16 +158,26 @@ class Certificate:
     body: CertificateBody
     signers: tuple[str, ...]  # committee members whose signatures verified
     raw: bytes
+    # Timeout certificates of views 0 … body.view − 1, votes verified; that each proves its
+    # view's timeout is checked against the chain (sync.roster.verify_successor).
+    views: tuple[TimeoutCert, ...] = ()
 
     def receipts(self, peer_id: str) -> list[Accepted]:
         return [a for a in self.body.accepted if a.peer_id == peer_id]
 
 
-def assemble(body: CertificateBody, signatures: dict[str, str]) -> bytes:
-    """Wire bytes of a certificate from a body and collected signatures (not verified here)."""
-    return canonical_json(
-        {"body": body.model_dump(mode="json"), "sigs": dict(sorted(signatures.items()))}
-    )
+def assemble(
+    body: CertificateBody, signatures: dict[str, str], views: tuple[TimeoutCert, ...] = ()
+) -> bytes:
+    """Wire bytes of a certificate from a body, collected signatures and, for a body of view
+    j > 0, the timeout certificates of views 0 … j − 1 (not verified here)."""
+    obj: dict[str, object] = {
+        "body": body.model_dump(mode="json"),
+        "sigs": dict(sorted(signatures.items())),
+    }
+    if views:
+        obj["views"] = [tc.wire() for tc in views]
+    return canonical_json(obj)
 
 
 def parse_certificate(
@@ -181,10 +198,10 @@ def parse_certificate(
         raise InvalidRecord("certificate is not UTF-8 JSON") from None
     if (
         not isinstance(obj, dict)
-        or set(obj) != {"body", "sigs"}
+        or set(obj) - {"views"} != {"body", "sigs"}
         or not isinstance(obj["sigs"], dict)
     ):
-        raise InvalidRecord("certificate must be an object with 'body' and 'sigs'")
+        raise InvalidRecord("certificate must be an object with 'body', 'sigs' (and 'views')")
     try:
         body = CertificateBody.model_validate(obj["body"])
     except ValidationError as e:
@@ -196,11 +213,23 @@ def parse_certificate(
     signers = [
         peer
         for peer, sig in sorted(obj["sigs"].items())
-        if peer in members and _verify_message(peer, msg, sig)
+        if peer in members and verify_hex(peer, msg, sig)
     ]
     if len(signers) < body.quorum:
         raise InvalidRecord(
             f"certificate for version {body.version} has {len(signers)} valid committee "
             f"signatures, needs {body.quorum}"
         )
-    return Certificate(body=body, signers=tuple(signers), raw=raw)
+    return Certificate(body, tuple(signers), raw, _views(body, obj.get("views", [])))
+
+
+def _views(body: CertificateBody, wire: object) -> tuple[TimeoutCert, ...]:
+    """The timeout certificates a view-j body needs: exactly views 0 … j − 1, in order."""
+    if not isinstance(wire, list) or len(wire) != body.view:
+        raise InvalidRecord(
+            f"certificate of view {body.view} must carry {body.view} timeout certificates"
+        )
+    views = tuple(parse_timeout_cert(body.run, body.version, tc) for tc in wire)
+    if [tc.view for tc in views] != list(range(body.view)):
+        raise InvalidRecord("a certificate's timeout certificates must be views 0, 1, … in order")
+    return views

@@ -171,6 +171,20 @@ def verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
     return True
 
 
+def verify_hex(peer_id: object, message: bytes, sig_hex: object) -> bool:
+    """True iff ``sig_hex`` (128 lowercase hex: one text form per signature) is ``peer_id``'s
+    valid signature of ``message``. Never raises: any malformed input from an untrusted
+    certificate or vote (wrong types, a bad peer id or hex) is simply False."""
+    if not isinstance(peer_id, str) or not isinstance(sig_hex, str) or len(sig_hex) != 128:
+        return False
+    if sig_hex.strip("0123456789abcdef"):
+        return False
+    try:
+        return verify(public_key_from_peer_id(peer_id), message, bytes.fromhex(sig_hex))
+    except Exception:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------
 # the node identity
 

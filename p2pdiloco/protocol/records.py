@@ -158,6 +158,28 @@ class SyncRules(_Strict):
     linger: float = Field(default=3.0, ge=0, le=3_600)
     # Seconds without a proposal before the next committee member takes the lead.
     agree_timeout: float = Field(default=20.0, gt=0, le=3_600)
+    # Seconds a committee member waits for a certificate after opening a view of a round before
+    # it votes to hand the version to the next view's committee (protocol.view_change); None:
+    # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
+    view_timeout: float | None = Field(default=None, gt=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _view_after_round(self) -> SyncRules:
+        if self.view_timeout is not None and self.view_timeout <= self.grace + self.agree_timeout:
+            raise ValueError("view_timeout must exceed grace + agree_timeout")
+        return self
+
+    @property
+    def view_timeout_s(self) -> float:
+        """The view timeout in seconds, the default filled in."""
+        if self.view_timeout is not None:
+            return self.view_timeout
+        return 3 * (self.grace + self.agree_timeout)
+
+    @property
+    def give_up_after(self) -> float:
+        """Seconds a learner waits on an undecided delta: long enough for two view changes."""
+        return max(4 * (self.grace + self.agree_timeout), 3 * self.view_timeout_s)
 
 
 class RunManifest(_Strict):

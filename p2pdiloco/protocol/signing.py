@@ -30,8 +30,9 @@ from p2pdiloco.protocol.identity import (
 )
 
 # The run protocol (manifest fields and their meaning): a manifest of another version is
-# refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``.
-PROTOCOL_VERSION = 2
+# refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``. 3: views
+# (a certificate names its view and carries the timeout certificates of earlier views).
+PROTOCOL_VERSION = 3
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

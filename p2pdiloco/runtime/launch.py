@@ -106,7 +106,7 @@ class RunningNode:
             inner_steps=H,
             chunk=max(1, H // 4) if H % 4 == 0 else H,
             version=state.version,
-            give_up_after=4 * (self.manifest.rules.grace + self.manifest.rules.agree_timeout),
+            give_up_after=self.manifest.rules.give_up_after,
             stop_at=cfg.until_version,
         )
         local = load_local(cfg.state_dir, self.run_id)

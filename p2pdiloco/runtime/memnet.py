@@ -126,7 +126,7 @@ class MemoryNetwork:
             )  # fmt: skip
             machine = LearnerMachine(
                 inner_steps=self.inner_steps, chunk=1, version=state.version,
-                give_up_after=4 * (self.rules["grace"] + self.rules["agree_timeout"]),
+                give_up_after=self.manifest.rules.give_up_after,
             )  # fmt: skip
             node.trainer = Trainer(
                 learner, machine, state, identity=identity, run_id=self.run_id,

@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.cert_records import cert_version, newest_signed
@@ -35,17 +34,17 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
+from p2pdiloco.runtime.evaluator import Evaluator
 from p2pdiloco.runtime.plane import Plane, Presence
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
 from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
+from p2pdiloco.sync.committee_msgs import request_limits
 from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert
 from p2pdiloco.sync.roster import committee_for
-from p2pdiloco.sync.service import SyncService, request_limits
-from p2pdiloco.train.data import PackedCorpus, eval_batches
-from p2pdiloco.train.inner import evaluate
-from p2pdiloco.train.models import build_model, param_state
+from p2pdiloco.sync.service import SyncService
+from p2pdiloco.train.data import PackedCorpus
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,8 @@ class RuntimeConfig:
 @dataclass
 class _Pending:
     sub: Submission
-    statuses: dict[str, str] = field(default_factory=dict)
+    statuses: dict[str, str] = field(default_factory=dict)  # syncer → its latest answer
+    delivering: bool = False  # a delivery is under way (the poller starts none beside it)
 
 
 class NodeRuntime:
@@ -101,9 +101,10 @@ class NodeRuntime:
         self._pending: _Pending | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._eval_model: torch.nn.Module | None = None
-        self._eval_rows: list[torch.Tensor] = []
-        self._eval_busy = False
+        self.evaluator = Evaluator(
+            manifest, corpus if cfg.evaluate else None, cfg.max_eval_params,
+            self.tally.eval_losses.append,
+        )  # fmt: skip
         self._apply_lock = asyncio.Lock()
         self._retries: dict[tuple[int, int], int] = {}  # cleared whenever a version applies
 
@@ -283,7 +284,8 @@ class NodeRuntime:
             f"{', '.join(m[-8:] for m in cert.body.committee)}; {len(cert.body.accepted)} deltas "
             f"merged{', ours among them' if any(a.peer_id == self.me for a in cert.body.accepted) else ''})"
         )
-        self._spawn_eval(new)
+        assert self._loop is not None
+        self.evaluator.spawn(new, self._loop)
         self._publish_view()
         await self.write_status()
 
@@ -321,11 +323,19 @@ class NodeRuntime:
                 log.exception("sending a submission failed")
 
     async def _deliver_submission(self, pending: _Pending) -> None:
-        """Send to every committee member, again to those that say "later" (retryable codes),
-        until each has answered or the version moved on. Reports one summary to the trainer:
-        accepted by at least one syncer, or refused by every one that answered."""
+        pending.delivering = True
+        try:
+            await self._deliver(pending)
+        finally:
+            pending.delivering = False
+
+    async def _deliver(self, pending: _Pending) -> None:
+        """Send to every member of the current view's committee not asked yet, again to those
+        that say "later" (retryable codes), until each has answered or the version moved on.
+        Reports one summary to the trainer: accepted by at least one syncer, or refused by every
+        one that answered."""
         sub = pending.sub
-        committee = committee_for(self.run_id, self.manifest, self.chain.cert).members
+        committee = [m for m in self._committee_now() if m not in pending.statuses]
         todo, backoff = list(committee), 1.0
         codes: list[Reason] = []
         ff: int | None = None
@@ -359,6 +369,14 @@ class NodeRuntime:
         if self.deliver is not None and (accepted or codes):
             self.deliver(Reply(sub.digest, accepted > 0, None if accepted else codes[0], ff))
 
+    def _committee_now(self) -> tuple[str, ...]:
+        """The committee a submission on the current version goes to: that of the view this
+        node knows of, or expects after as many view timeouts without a certificate."""
+        st = self.service.views.state if self.service is not None else None
+        if st is None:
+            return committee_for(self.run_id, self.manifest, self.chain.cert).members
+        return st.committee(st.expected_view(time.monotonic())).members
+
     async def _submit_to(self, peer: str, sub: Submission) -> tuple[str, Reason | None, int | None]:
         """(status, code, fast-forward hint) of one syncer's answer; status "error" when it
         could not be reached."""
@@ -387,14 +405,16 @@ class NodeRuntime:
             if pending is None or self.chain.version > pending.sub.base_version:
                 continue
             try:
+                fresh = [m for m in self._committee_now() if m not in pending.statuses]
+                if fresh and not pending.delivering:
+                    await self._deliver_submission(pending)  # a later view's committee
                 await self._poll_certificate(pending.sub.base_version + 1)
                 await self._poll_receipt(pending)
             except Exception:
                 log.exception("polling failed")
 
     async def _poll_certificate(self, version: int) -> None:
-        committee = committee_for(self.run_id, self.manifest, self.chain.cert)
-        peers = [m for m in committee.members if m != self.me]
+        peers = [m for m in self._committee_now() if m != self.me]
         peers += [p for p in self.plane.peers_holding(version) if p not in peers]
         for peer in peers[:6]:
             try:
@@ -443,37 +463,6 @@ class NodeRuntime:
         return newest
 
     # -- views ---------------------------------------------------------------------------------
-
-    def _spawn_eval(self, state: CertifiedState) -> None:
-        """Eval loss of a certified version for the dashboard, when the model is small enough
-        for it to be cheap (a few batches on a separate copy, in a worker thread)."""
-        if not self.cfg.evaluate or self.corpus is None or self._eval_busy:
-            return
-        if sum(t.numel() for t in state.params.values()) > self.cfg.max_eval_params:
-            return
-        self._eval_busy = True
-
-        def run() -> float | None:
-            if self._eval_model is None:
-                self._eval_model = build_model(self.manifest.model, seed=self.manifest.seed)
-                assert self.corpus is not None
-                self._eval_rows = eval_batches(
-                    self.corpus, batch_size=self.manifest.inner.batch_size, max_batches=2
-                )
-            if not self._eval_rows:
-                return None
-            with torch.no_grad():
-                for n, p in param_state(self._eval_model).items():
-                    p.copy_(state.params[n])
-            return evaluate(self._eval_model, self._eval_rows)
-
-        def done(fut: asyncio.Future[float | None]) -> None:
-            self._eval_busy = False
-            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-                self.tally.eval_losses.append(float(fut.result()))  # type: ignore[arg-type]
-
-        assert self._loop is not None
-        self._loop.run_in_executor(None, run).add_done_callback(done)
 
     def _publish_view(self) -> None:
         svc = self.service

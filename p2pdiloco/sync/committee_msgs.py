@@ -21,6 +21,7 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envelope, seal
 from p2pdiloco.protocol.submissions import SubmissionHeader
+from p2pdiloco.protocol.view_change import MAX_VIEWS
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo, next_roster, roster_of
 from p2pdiloco.sync.weights import plausible_claim
@@ -46,12 +47,18 @@ class Proposal:
     version: int
     attempt: int
     digests: tuple[str, ...]
+    view: int = 0
 
 
 def seal_proposal(
-    identity: Identity, run_id: str, version: int, attempt: int, digests: tuple[str, ...]
+    identity: Identity,
+    run_id: str,
+    version: int,
+    attempt: int,
+    digests: tuple[str, ...],
+    view: int = 0,
 ) -> bytes:
-    body = {"version": version, "attempt": attempt, "digests": list(digests)}
+    body = {"version": version, "view": view, "attempt": attempt, "digests": list(digests)}
     return seal(identity, PROPOSAL_KIND, run_id, body)
 
 
@@ -62,8 +69,11 @@ def open_proposal(raw: bytes, run_id: str) -> Proposal:
         raise BadMessage(Reason.INVALID_SIGNATURE, f"invalid proposal: {e}", e.signer) from None
     b = env.body
     version, attempt, digests = b.get("version"), b.get("attempt"), b.get("digests")
+    view = b.get("view")
     if not (
         isinstance(version, int)
+        and isinstance(view, int)
+        and 0 <= view < MAX_VIEWS
         and isinstance(attempt, int)
         and 0 <= attempt < 2**31
         and isinstance(digests, list)
@@ -71,7 +81,7 @@ def open_proposal(raw: bytes, run_id: str) -> Proposal:
         and all(isinstance(d, str) and len(d) == 64 for d in digests)
     ):
         raise BadMessage(Reason.MALFORMED, "proposal body malformed", env.signer)
-    return Proposal(env.signer, version, attempt, tuple(digests))
+    return Proposal(env.signer, version, attempt, tuple(digests), view)
 
 
 def signature_message(me: str, body: CertificateBody, sig: str) -> bytes:
@@ -102,6 +112,7 @@ def certificate_body(
     headers: dict[str, SubmissionHeader],
     accepted_digests: list[str],
     rejected: dict[str, str],
+    view: int = 0,
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
@@ -121,6 +132,7 @@ def certificate_body(
         run=run_id,
         version=base.version + 1,
         base_version=base.version,
+        view=view,
         state_hash=new_state_hash,
         committee=list(committee.members),
         quorum=committee.quorum,
@@ -130,3 +142,22 @@ def certificate_body(
             roster_of(manifest, base.cert), new_version=base.version + 1, accepted=accepted
         ),
     )
+
+
+MAX_SIGNATURE_BYTES = 1 << 20
+MAX_VOTE_BYTES = 256 * 1024  # a view vote with MAX_VIEWS − 1 timeout certificates of 64 votes
+
+
+def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:
+    """Per-op request frame limits of the sync protocol (docs/protocol.md, Sync transport)."""
+    return {
+        "submit": (16 * 1024, max_payload),
+        "propose": (MAX_PROPOSAL_BYTES,),
+        "sign": (MAX_SIGNATURE_BYTES,),
+        "vote": (MAX_VOTE_BYTES,),
+        "fetch": (),
+        "receipt": (),
+        "cert": (),
+        "index": (),
+        "chunk": (),
+    }

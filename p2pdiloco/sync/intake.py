@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -112,3 +113,15 @@ class Intake:
         except CodecError as e:
             return Reason.MALFORMED, f"malformed payload: {e}"
         return None
+
+
+@dataclass
+class Held:
+    """An accepted submission, kept by a syncer until the round that merges it is over."""
+
+    sub: ParsedSubmission
+    raw: bytes
+    payload: bytes
+    # Came from a fellow syncer or an earlier view, not (yet) from the learner itself: a copy
+    # the learner sends is then accepted once more, not refused as a replay.
+    fetched: bool = False

@@ -21,9 +21,12 @@ from p2pdiloco.protocol.certificates import (
     Accepted,
     Certificate,
     RosterEntry,
+    content_digest,
+    content_json,
 )
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, timeout_lock
 from p2pdiloco.sync import committee
 
 __all__ = [
@@ -123,25 +126,36 @@ def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEnt
 
 
 def beacon_of(run_id: str, cert: Certificate | None) -> bytes:
-    """The election beacon after ``cert``: over its canonical *body*, not its bytes.
+    """The election beacon after ``cert``: over its certified *content*, not its bytes.
 
     Syncers assemble different signature subsets for one body, and a certificate's bytes
-    include the signatures; hashing the body gives every node the same beacon.
+    include the signatures; a later view re-certifying a locked content signs another body
+    (view, committee) with the same content. Hashing the content gives every node the same
+    beacon, whichever of those certificates it holds.
     """
-    body = canonical_json(cert.body.model_dump(mode="json")) if cert is not None else None
-    return committee.beacon(run_id, body)
+    return committee.beacon(run_id, content_json(cert.body) if cert is not None else None)
 
 
-def committee_for(run_id: str, manifest: RunManifest, cert: Certificate | None) -> CommitteeInfo:
-    """The committee of the round after ``cert`` (after genesis when None).
+def committee_for(
+    run_id: str, manifest: RunManifest, cert: Certificate | None, view: int = 0
+) -> CommitteeInfo:
+    """The committee of view ``view`` of the round after ``cert`` (after genesis when None).
 
-    Elected by :func:`committee.elect` over :func:`roster_of` with :func:`beacon_of`, committee
-    size from the manifest. The quorum is the manifest's when the committee is full, else
-    ⌊2m/3⌋+1 of the m members found (a young run with a short roster). Raises ValueError if
-    ``cert`` belongs to another run (a caller bug: ``parse_certificate(run_id=...)`` checks it).
+    View 0 is elected by :func:`committee.elect` over :func:`roster_of` with
+    :func:`beacon_of`, committee size from the manifest. Later views (the committees that take
+    over once earlier views timed out, ``protocol.view_change``) slide a window of k over the
+    election's full ranking (view 0's members first, then every other candidate in score
+    order): view j starts at j × (k − q + 1), so each view replaces more members than can block
+    a quorum, its first member leads, and after a few views every candidate has sat. The same
+    (certificate, view) gives the same committee on every node. The quorum is the manifest's
+    when the committee is full, else ⌊2m/3⌋+1 of the m members found (a young run with a short
+    roster). Raises ValueError if ``cert`` belongs to another run (a caller bug:
+    ``parse_certificate(run_id=...)`` checks it) or ``view`` is out of range.
     """
     if cert is not None and cert.body.run != run_id:
         raise ValueError("certificate is for another run")
+    if not 0 <= view < MAX_VIEWS:
+        raise ValueError(f"view {view} out of range")
     base = cert.body.version if cert is not None else 0
     candidates = [
         committee.Candidate(
@@ -152,17 +166,38 @@ def committee_for(run_id: str, manifest: RunManifest, cert: Certificate | None) 
         )
         for e in roster_of(manifest, cert)
     ]
+    beacon = beacon_of(run_id, cert)
+    k = manifest.committee_size
     members = committee.elect(
-        candidates,
-        version=base,
-        beacon_bytes=beacon_of(run_id, cert),
-        rules=committee.CommitteeRules(size=manifest.committee_size),
+        candidates, version=base, beacon_bytes=beacon, rules=committee.CommitteeRules(size=k)
     )
-    if len(members) == manifest.committee_size:
-        q = manifest.quorum
-    else:
-        q = committee.quorum(len(members))
+    if view:
+        everyone = committee.CommitteeRules(size=len(candidates))
+        ranked = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=everyone)
+        ranking = members + [p for p in ranked if p not in members]
+        step = k - manifest.quorum + 1
+        start = (view * step) % len(ranking)
+        members = [ranking[(start + i) % len(ranking)] for i in range(min(k, len(ranking)))]
+    q = manifest.quorum if len(members) == k else committee.quorum(len(members))
     return CommitteeInfo(version=base + 1, members=tuple(members), quorum=q)
+
+
+def chain_lock(
+    run_id: str, manifest: RunManifest, prev: Certificate | None, tcs: Sequence[TimeoutCert]
+) -> str | None:
+    """The content every later view of the version after ``prev`` must certify, given the
+    timeout certificates of its views 0 … len(tcs) − 1 (None: free). Raises InvalidRecord if one
+    does not prove its view's timeout, or two lock different contents."""
+    lock: str | None = None
+    for tc in tcs:
+        info = committee_for(run_id, manifest, prev, tc.view)
+        ok, locked = timeout_lock(tc, info.members, info.quorum)
+        if not ok:
+            raise InvalidRecord(f"the votes for view {tc.view} do not prove that it timed out")
+        if locked is not None and lock is not None and locked != lock:
+            raise InvalidRecord(f"view {tc.view} locks another content than an earlier view")
+        lock = lock or locked
+    return lock
 
 
 def verify_successor(
@@ -173,14 +208,16 @@ def verify_successor(
     :func:`parse_certificate` only counts signatures of the committee the body itself names, so
     on its own it accepts a body in which anyone names themselves the committee. This closes
     the chain: run, ``base_version`` = prev's version (0 for genesis), ``version`` = base + 1,
-    committee (in election order) and quorum = :func:`committee_for`, and roster =
+    committee (in election order) and quorum = :func:`committee_for` of the body's view, every
+    earlier view's timeout certificate valid against that view's committee and the body's
+    content the one they lock, if any (:func:`chain_lock`), and roster =
     :func:`next_roster` of prev's roster and ``cert``'s receipts. Raises InvalidRecord naming
     the first mismatch; apply nothing from a certificate that fails.
     """
     body = cert.body
     if body.run != run_id:
         raise InvalidRecord(f"certificate is for run {body.run[:12]}, expected {run_id[:12]}")
-    info = committee_for(run_id, manifest, prev)
+    info = committee_for(run_id, manifest, prev, body.view)
     if (body.base_version, body.version) != (info.version - 1, info.version):
         raise InvalidRecord(
             f"certificate moves {body.base_version} -> {body.version}, "
@@ -190,6 +227,12 @@ def verify_successor(
         raise InvalidRecord(
             f"certificate for version {body.version} names a committee or quorum "
             "other than the elected one"
+        )
+    lock = chain_lock(run_id, manifest, prev, cert.views)
+    if lock is not None and content_digest(body) != lock:
+        raise InvalidRecord(
+            f"certificate for version {body.version} (view {body.view}) certifies another "
+            f"content than the one an earlier view locked ({lock[:12]})"
         )
     expected = next_roster(
         roster_of(manifest, prev), new_version=body.version, accepted=body.accepted

@@ -110,6 +110,7 @@ class SyncerRound:
     own_hash: str | None = None  # the state this syncer signed; set once per version
     last_hash: str | None = None  # the state of this syncer's latest successful merge
     signatures: dict[str, str] = field(default_factory=dict)  # syncer → state hash
+    abandoned: bool = False  # voted to hand the version to the next view: signs nothing more
 
     def __post_init__(self) -> None:
         if self.me not in self.params.committee:
@@ -119,11 +120,20 @@ class SyncerRound:
         if self.params.max_inputs < 1 or self.params.max_dropped < 0:
             raise ValueError("max_inputs must be ≥ 1 and max_dropped ≥ 0")
         self.attempt_opened_at = self.params.opened_at
+        if (
+            self.params.locked is not None
+        ):  # agreed already: what an earlier view may have certified
+            self.phase, self.input_set = Phase.AGREEING, self.params.locked
+            self.closed_at = self.params.opened_at
 
     # -- events ----------------------------------------------------------------------------
 
     def on_submission(self, sub: Submission, now: float) -> list[Action]:
-        """Screen one submission header; accepted ones wait for the attempt to close."""
+        """Screen one submission header; accepted ones wait for the attempt to close. One of
+        the agreed input set that this syncer still lacks is taken as if fetched."""
+        agreed = self.input_set is not None and sub.digest in self.input_set
+        if agreed and self.phase is Phase.AGREEING and sub.digest not in self.accepted:
+            return self.on_fetched(sub)
         refusal = self._screen(sub)
         if refusal is not None:
             actions: list[Action] = [Reject(sub.peer_id, *refusal)]
@@ -143,6 +153,8 @@ class SyncerRound:
         """Time passed: close at the grace deadline; rotate the leader if agreement stalls."""
         if self.phase is Phase.COLLECTING:
             return self._maybe_close(now)
+        if self.params.locked is not None:
+            return []  # nobody proposes a locked set
         if self.phase is Phase.AGREEING and self.leader(now) == self.me and self.accepted:
             return self._propose()
         return []
@@ -158,8 +170,8 @@ class SyncerRound:
         if attempt != self.attempt:
             text = f"proposal for attempt {attempt}, this syncer is in attempt {self.attempt}"
             return [Reject(sender, Reason.NO_OPEN_ROUND, text)]
-        if self.phase not in (Phase.COLLECTING, Phase.AGREEING):
-            return []
+        if self.phase not in (Phase.COLLECTING, Phase.AGREEING) or self.params.locked is not None:
+            return []  # a locked round's set is fixed; a proposal changes nothing
         if sender != self.leader(now):
             text = "proposal from a syncer that is not the current leader"
             return [Reject(sender, Reason.NOT_LEADER, text)]
@@ -189,6 +201,8 @@ class SyncerRound:
         if sub.digest not in self.input_set:
             text = "fetched submission is not in the agreed input set"
             return [Reject(sub.peer_id, Reason.NOT_IN_INPUT_SET, text)]
+        if sub.digest in self.accepted:
+            return []  # the learner's own copy came first
         refusal = self._screen(sub, allow_after_close=True)
         if refusal is not None:
             return [Reject(sub.peer_id, *refusal)]
@@ -206,8 +220,8 @@ class SyncerRound:
             return []
         self.phase = Phase.SIGNING
         self.last_hash = state_hash
-        if self.own_hash is not None:
-            return []  # at most one signature per version, whatever later attempts compute
+        if self.own_hash is not None or self.abandoned:
+            return []  # at most one signature per view, whatever later attempts compute
         self.own_hash = state_hash
         actions: list[Action] = [Sign(self.params.version + 1, state_hash)]
         return actions + self.on_signature(self.me, state_hash)
@@ -232,6 +246,7 @@ class SyncerRound:
             self.phase not in (Phase.AGREEING, Phase.AGGREGATING, Phase.SIGNING)
             or self.input_set is None
             or attempt not in (None, self.attempt)
+            or self.params.locked is not None  # nothing else may be certified: the view times out
         ):
             return []
         failed = self.input_set
@@ -269,15 +284,32 @@ class SyncerRound:
         self.phase = Phase.CERTIFIED
         return [Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)]
 
+    def abandon(self) -> str | None:
+        """This syncer votes to hand the version to the next view (``sync/views.py``): from
+        now on it signs nothing in this round. Returns the state it signed here, if any, which
+        its vote must report."""
+        self.abandoned = True
+        return self.own_hash
+
     # -- views -----------------------------------------------------------------------------
 
     def leader(self, now: float) -> str:
-        """Committee member expected to propose at ``now``: member ``attempt`` (mod k), then
-        the next one after each ``agree_timeout`` without agreement."""
-        start = self.closed_at if self.closed_at is not None else now
-        turn = max(0, int((now - start) // self.params.agree_timeout))
+        """The one member that proposes in this attempt: member ``attempt`` (mod k). There is
+        no rotation by time (two members whose clocks disagree on whose turn it is would each
+        sign their own set): a silent leader makes the members vote for the next view
+        (``leader_silent``), whose committee has another leader."""
         committee = self.params.committee
-        return committee[(self.attempt + turn) % len(committee)]
+        return committee[self.attempt % len(committee)]
+
+    def leader_silent(self, now: float) -> bool:
+        """True once this attempt closed ``agree_timeout`` ago and no input set was proposed
+        or adopted here: the driver votes to leave the view early."""
+        return (
+            self.phase is Phase.AGREEING
+            and self.input_set is None
+            and self.closed_at is not None
+            and now >= self.closed_at + self.params.agree_timeout
+        )
 
     def weights(self, digests: tuple[str, ...]) -> tuple[float, ...]:
         """Merge weights of accepted ``digests``, in their order (``merge_weights``: tokens

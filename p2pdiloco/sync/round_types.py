@@ -49,6 +49,9 @@ class RoundParams:
     # Memory bounds (local, not consensus): a full round refuses with BUSY and closes.
     max_inputs: int = 4096  # accepted submissions held; also the proposal's digest bound
     max_dropped: int = 16384  # dropped digests remembered (oldest forgotten first)
+    # A later view bound to re-certify a locked content (protocol.view_change): its input set.
+    # The round starts agreed on it: no collecting, no proposal, no further attempts.
+    locked: tuple[str, ...] | None = None
 
     @property
     def min_learners(self) -> int:

@@ -11,6 +11,8 @@ from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.roster import CommitteeInfo
+from p2pdiloco.sync.round_types import RoundParams
 
 
 class UnsupportedManifest(UserError):
@@ -50,3 +52,35 @@ def check_supported(manifest: RunManifest) -> None:
             "p2pdiloco's network syncs one fragment (the whole model) per round; "
             "use fragments=1 (fragments are simulated only: p2pdiloco simulate --fragments)"
         )
+
+
+def round_params(
+    run_id: str,
+    manifest: RunManifest,
+    version: int,
+    committee: CommitteeInfo,
+    active_learners: int,
+    now: float,
+    locked: tuple[str, ...] | None = None,
+) -> RoundParams:
+    """Every parameter of the round on certified ``version``: the consensus ones from the
+    signed manifest (its ``rules``, the token bound and H), the committee of the view, the
+    learners alive (heartbeats, or the roster: live heartbeats lag at start-up; at least 1)."""
+    r, inner = manifest.rules, manifest.inner
+    return RoundParams(
+        run_id=run_id,
+        version=version,
+        committee=committee.members,
+        quorum=committee.quorum,
+        active_learners=max(1, active_learners),
+        opened_at=now,
+        grace=r.grace,
+        min_fraction=r.min_quorum_fraction,
+        staleness=r.staleness,
+        max_tokens_per_step=inner.batch_size * inner.seq_len,
+        max_steps=manifest.inner_steps,
+        weight_cap=r.weight_cap,
+        agree_timeout=r.agree_timeout,
+        linger=r.linger,
+        locked=locked,
+    )

@@ -17,12 +17,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
-from p2pdiloco.protocol.certificates import CertificateBody, assemble, body_digest, sign_body
-from p2pdiloco.protocol.certificates import parse_certificate as _parse_cert
+from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
@@ -33,16 +31,14 @@ from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.committee_msgs import (
-    MAX_PROPOSAL_BYTES,
     BadMessage,
     certificate_body,
     open_proposal,
     open_signature,
     seal_proposal,
-    signature_message,
 )
-from p2pdiloco.sync.intake import Intake, Refusal
-from p2pdiloco.sync.roster import CommitteeInfo, committee_for, roster_of
+from p2pdiloco.sync.intake import Held, Intake, Refusal
+from p2pdiloco.sync.roster import CommitteeInfo, roster_of
 from p2pdiloco.sync.round import (
     Action,
     Aggregate,
@@ -53,44 +49,21 @@ from p2pdiloco.sync.round import (
     Fetch,
     Propose,
     Reject,
-    RoundParams,
     Sign,
     Standing,
     Submission,
     SyncerRound,
 )
+from p2pdiloco.sync.rules import round_params
+from p2pdiloco.sync.signatures import RoundSignatures
+from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
 
 log = logging.getLogger(__name__)
 
-MAX_SIGNATURE_BYTES = 1 << 20
 MAX_BUFFERED = 256  # early proposals/signatures kept for a round this syncer has not opened
 MAX_REJECTIONS_KEPT = 1000
 MAX_FAST_FORWARD_KEPT = 4096
-
-
-@dataclass
-class _Held:
-    """An accepted submission, kept until the round that merges it is over."""
-
-    sub: ParsedSubmission
-    raw: bytes
-    payload: bytes
-    fetched: bool = False  # came from a fellow syncer, not (yet) from the learner itself
-
-
-def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:
-    """Per-op request frame limits of the sync protocol (docs/protocol.md, Sync transport)."""
-    return {
-        "submit": (16 * 1024, max_payload),
-        "propose": (MAX_PROPOSAL_BYTES,),
-        "sign": (MAX_SIGNATURE_BYTES,),
-        "fetch": (),
-        "receipt": (),
-        "cert": (),
-        "index": (),
-        "chunk": (),
-    }
 
 
 class SyncService:
@@ -122,16 +95,15 @@ class SyncService:
         self.current: CertifiedState | None = None
         self.committee: CommitteeInfo | None = None
         self.round: SyncerRound | None = None
-        self.held: dict[str, _Held] = {}  # bounded by the round's max_inputs
+        self.held: dict[str, Held] = {}  # bounded by the round's max_inputs
         self.seen = ReplayGuard.for_staleness(self.rules.staleness)
         self.fast_forward: dict[str, int] = {}
-        self.bodies: dict[str, CertificateBody] = {}  # by state hash, this round only
-        self.sigs: dict[str, dict[str, str]] = {}  # state hash → signer → signature
-        self.results: dict[str, CertifiedState] = {}
+        self.signatures = RoundSignatures()  # this round's bodies, signatures, merged states
         self.buffered: list[tuple[int, str, str, list[bytes]]] = []
         self.rejections: BoundedLog[dict[str, Any]] = BoundedLog(MAX_REJECTIONS_KEPT)
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.views = ViewDriver(identity, run_id, manifest, self._send, self._spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -143,20 +115,10 @@ class SyncService:
         self.current = state
         self.seen.advance(state.version)
         self.held.clear()
-        self.bodies.clear()
-        self.sigs.clear()
-        self.results.clear()
+        self.signatures.clear()
         self.fast_forward.clear()
-        self.committee = committee_for(self.run_id, self.manifest, state.cert)
-        self.round = None
-        if self.me in self.committee.members:
-            self.round = SyncerRound(self._round_params(state, self.committee), self.me)
-            log.info(
-                "on the committee for version %d (%d members, quorum %d)",
-                state.version + 1,
-                len(self.committee.members),
-                self.committee.quorum,
-            )
+        self.views.reset(state.cert, time.monotonic())
+        self._open_view([])
         early = [b for b in self.buffered if b[0] == state.version + 1]
         self.buffered = [b for b in self.buffered if b[0] > state.version + 1]
         for _, op, peer, frames in early:
@@ -165,31 +127,55 @@ class SyncService:
             except RpcRefused as e:
                 log.info("buffered %s from %s refused: %s", op, peer, e)
 
-    def _round_params(self, state: CertifiedState, committee: CommitteeInfo) -> RoundParams:
-        r, inner = self.rules, self.manifest.inner
-        return RoundParams(
-            run_id=self.run_id,
-            version=state.version,
-            committee=committee.members,
-            quorum=committee.quorum,
-            # Live heartbeats lag at start-up; the roster (peers merged recently) does not.
-            active_learners=max(
-                1, self.active_learners(), len(roster_of(self.manifest, state.cert))
-            ),
-            opened_at=time.monotonic(),
-            grace=r.grace,
-            min_fraction=r.min_quorum_fraction,
-            staleness=r.staleness,
-            max_tokens_per_step=inner.batch_size * inner.seq_len,
-            max_steps=self.manifest.inner_steps,
-            weight_cap=r.weight_cap,
-            agree_timeout=r.agree_timeout,
-            linger=r.linger,
-        )
+    def _open_view(self, carry: list[Held]) -> None:
+        """Open the round of the node's current view if it sits on that view's committee, with
+        the submissions it held in the view before (still for the same base version); a view
+        bound to an earlier view's lock opens on exactly that input set and fetches what it
+        lacks from the lock's signers. Off the committee, it keeps serving what it holds."""
+        st = self.views.state
+        assert self.current is not None and st is not None
+        self.committee, self.round = st.committee(), None
+        if self.me not in self.committee.members:
+            return
+        locked = st.locked_inputs()
+        if st.lock is not None and locked is None:
+            log.error("view %d of version %d is locked on %s, whose inputs this node has not "
+                      "heard: it waits for them", st.view, st.version, st.lock[:12])  # fmt: skip
+            return
+        active = max(self.active_learners(), len(roster_of(self.manifest, self.current.cert)))
+        params = round_params(self.run_id, self.manifest, self.current.version, self.committee,
+                              active, time.monotonic(), locked)  # fmt: skip
+        self.round = rnd = SyncerRound(params, self.me)
+        self.held.clear()
+        log.info(
+            "on the committee for version %d, view %d (%d members, quorum %d)%s",
+            st.version, st.view, len(self.committee.members), self.committee.quorum,
+            "" if locked is None else f", re-certifying {st.lock[:12] if st.lock else ''}",
+        )  # fmt: skip
+        for held in carry:
+            if locked is not None and held.sub.digest not in locked:
+                continue
+            held.fetched = True  # its learner re-sends it to this view: that copy is no replay
+            actions = rnd.on_submission(self._submission(held.sub), time.monotonic())
+            if not any(isinstance(a, Reject) for a in actions):
+                self.held[held.sub.digest] = held
+            self._execute(actions, held.sub.digest)
+        missing = tuple(d for d in locked or () if d not in rnd.accepted)
+        for holder in st.holders()[:3] if missing else []:
+            self._spawn(self._fetch(missing, holder))
+
+    def _enter_view(self) -> None:
+        """The node moved to a later view of the same version (its votes proved the timeout)."""
+        carry = list(self.held.values())
+        self.signatures.clear()
+        self._open_view(carry)
 
     def tick(self) -> None:
+        now = time.monotonic()
+        if self.views.tick(now, self.round, self.signatures.bodies):
+            self._enter_view()
         if self.round is not None:
-            self._execute(self.round.on_tick(time.monotonic()))
+            self._execute(self.round.on_tick(now))
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -207,6 +193,8 @@ class SyncService:
             return self._on_proposal(peer, frames)
         if op == "sign":
             return self._on_signature(peer, frames)
+        if op == "vote":
+            return self._on_vote(peer, frames)
         if op == "fetch":
             held = self.held.get(str(control.get("digest")))
             if held is None:
@@ -247,15 +235,17 @@ class SyncService:
         h = sub.header
         self.seen.add(sub.digest, h.base_version)
         if self.round is None:
-            text = f"not on the committee for version {self.current.version + 1}"
+            later = self.views.state is not None and self.views.state.member_soon()
+            code = Reason.NO_OPEN_ROUND if later else Reason.NOT_ON_COMMITTEE  # later: retry
+            text = f"not on the committee of this view of version {self.current.version + 1}"
             ff = self.current.version if h.base_version < self.current.version else None
-            return {"status": "rejected", "code": Reason.NOT_ON_COMMITTEE.value, "reason": text,
+            return {"status": "rejected", "code": code.value, "reason": text,
                     "fast_forward": ff}, []  # fmt: skip
         rnd = self.round
         actions = rnd.on_submission(self._submission(sub), time.monotonic())
         rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
         if not rejected:
-            self.held[sub.digest] = _Held(sub, raw, rest[0])
+            self.held[sub.digest] = Held(sub, raw, rest[0])
         self._execute(actions, sub.digest)
         if rejected:
             return {
@@ -283,8 +273,12 @@ class SyncService:
             raise RpcRefused(e.code, str(e)) from None
         if self._buffer_if_early(prop.version, "propose", peer, frames):
             return {"buffered": True}, []
+        view = self.views.state.view if self.views.state is not None else 0
         if self.round is None or self.current is None or prop.version != self.current.version + 1:
             raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {prop.version}")
+        if prop.view != view:  # a later view: retry once this node is in it; an earlier: over
+            code = Reason.NO_OPEN_ROUND if prop.view > view else Reason.ROUND_CLOSED
+            raise RpcRefused(code, f"proposal for view {prop.view}; this syncer is in {view}")
         actions = self.round.on_proposal(
             prop.signer, prop.digests, time.monotonic(), attempt=prop.attempt
         )
@@ -306,17 +300,25 @@ class SyncService:
             raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {body.version}")
         if body.run != self.run_id or body.base_version != self.current.version:
             raise RpcRefused(Reason.WRONG_RUN, "signature for another run or base version")
+        if self.views.state is not None and body.view != self.views.state.view:
+            raise RpcRefused(Reason.NO_OPEN_ROUND, f"signature for view {body.view}")
         if tuple(body.committee) != self.round.params.committee:
             self._reject(
                 signer, None, Reason.WRONG_COMMITTEE, "signed a body naming another committee"
             )
             raise RpcRefused(Reason.WRONG_COMMITTEE, "wrong committee")
-        digest = body_digest(body)
-        if digest not in self.bodies and len(self.bodies) >= 2 * len(self.round.params.committee):
-            raise RpcRefused(Reason.BUSY, "too many distinct bodies this round")
-        self.bodies.setdefault(digest, body)
-        self.sigs.setdefault(digest, {})[signer] = sig
+        digest = self.signatures.add(signer, body, sig, len(self.round.params.committee))
         self._execute(self.round.on_signature(signer, digest))
+        return {}, []
+
+    def _on_vote(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        try:
+            moved = self.views.on_vote(frames[0] if frames else b"", time.monotonic())
+        except BadMessage as e:
+            self._reject(peer, None, e.code, str(e))
+            raise RpcRefused(e.code, str(e)) from None
+        if moved:
+            self._enter_view()
         return {}, []
 
     def _buffer_if_early(self, version: int, op: str, peer: str, frames: list[bytes]) -> bool:
@@ -379,7 +381,8 @@ class SyncService:
     async def _propose(self, digests: tuple[str, ...], attempt: int) -> None:
         assert self.current is not None
         version = self.current.version + 1
-        raw = seal_proposal(self.identity, self.run_id, version, attempt, digests)
+        view = self.views.state.view if self.views.state is not None else 0
+        raw = seal_proposal(self.identity, self.run_id, version, attempt, digests, view)
         log.info("proposing %d submissions for version %d (attempt %d)", len(digests), version,
                  attempt)  # fmt: skip
         await asyncio.gather(*(self._send(p, "propose", raw) for p in self._others()))
@@ -403,7 +406,7 @@ class SyncService:
             if rnd is not self.round or rnd is None:
                 return
             self.seen.add(d, sub.header.base_version)
-            self.held[d] = _Held(sub, frames[0], frames[1], fetched=True)
+            self.held[d] = Held(sub, frames[0], frames[1], fetched=True)
             self._execute(rnd.on_fetched(self._submission(sub)), d)
 
     async def _aggregate(self, action: Aggregate) -> None:
@@ -430,14 +433,17 @@ class SyncService:
         headers = {d: self.held[d].sub.header for d in action.digests}
         for d, r in sorted(result.rejected.items()):
             self._reject(headers[d].peer_id, d, Reason.SCREENED_OUT, f"screened out: {r}")
+        view = self.views.state.view if self.views.state is not None else 0
         body = certificate_body(
             self.run_id, self.manifest, base, committee, state.state_hash, headers,
-            result.accepted, result.rejected,
+            result.accepted, result.rejected, view=view,
         )  # fmt: skip
-        digest = body_digest(body)
-        self.bodies[digest] = body
-        self.results[digest] = state
-        self.sigs.setdefault(digest, {})[self.me] = sign_body(self.identity, body)
+        lock = self.views.state.lock if self.views.state is not None else None
+        if lock is not None and content_digest(body) != lock:
+            log.error("version %d: merge differs from the locked content %s; not signing",
+                      body.version, lock[:12])  # fmt: skip
+            return
+        digest = self.signatures.own(self.identity, body, state)
         log.info(
             "merged version %d: %d accepted, %d screened out (%s), state %s",
             body.version,
@@ -463,25 +469,19 @@ class SyncService:
         return result, state
 
     async def _send_signature(self, digest: str) -> None:
-        msg = signature_message(self.me, self.bodies[digest], self.sigs[digest][self.me])
+        msg = self.signatures.message(self.me, digest)
         await asyncio.gather(*(self._send(p, "sign", msg) for p in self._others()))
 
     def _finish(self, done: Done) -> None:
-        body = self.bodies[done.state_hash]
-        raw = assemble(body, {s: self.sigs[done.state_hash][s] for s in done.signers})
-        cert = _parse_cert(raw, run_id=self.run_id)
-        state = self.results.get(done.state_hash)
-        if state is not None:
-            state.cert = cert
-        log.info(
-            "version %d certified by %d/%d syncers%s",
-            body.version,
-            len(done.signers),
-            len(body.committee),
-            ""
-            if done.agreed_with_quorum
-            else " (this syncer's merge differed, failed or was late)",
+        tcs = tuple(self.views.state.tcs) if self.views.state is not None else ()
+        raw, cert, state = self.signatures.certificate(
+            done.state_hash, done.signers, tcs, self.run_id
         )
+        late = (
+            "" if done.agreed_with_quorum else " (this syncer's merge differed, failed or was late)"
+        )
+        log.info("version %d certified by %d/%d syncers (view %d)%s", cert.body.version,
+                 len(done.signers), len(cert.body.committee), cert.body.view, late)  # fmt: skip
         self.on_certified(raw, state)
 
     def _record_clip(self, clip: Clipped) -> None:

@@ -1,0 +1,158 @@
+"""The syncer service's view change: when to vote, the ``vote`` message, and moving on.
+
+``SyncService`` owns one ``ViewDriver``; it resets it on every certified version, ticks it, and
+hands it the ``vote`` requests fellow nodes send. The driver signs this node's vote when its
+view times out (the round then signs nothing more in that view), sends it to the committees of
+the view and of the next one, and tells the service when the node has moved to a new view, so
+the service opens that view's round. The protocol is in ``protocol/view_change.py``; the
+sans-IO state in ``sync/views.py``.
+
+Vote message (one frame, canonical JSON, at most ``MAX_VOTE_BYTES``):
+``{"version": v + 1, "view": j, "voter": peer id, "vote": {"signed", "sig"},
+"views": [timeout certificates of views 0 … j − 1], "body": the body the voter signed or null,
+"lock": a body of the content the earlier views locked, or null}``. The bodies are checked
+against the signed content digests before they are believed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
+from p2pdiloco.protocol.view_change import (
+    MAX_VIEWS,
+    TimeoutCert,
+    ViewVote,
+    parse_timeout_cert,
+    parse_vote,
+    sign_vote,
+)
+from p2pdiloco.sync.committee_msgs import MAX_VOTE_BYTES, BadMessage
+from p2pdiloco.sync.round import SyncerRound
+from p2pdiloco.sync.views import ViewState
+
+log = logging.getLogger(__name__)
+
+
+_KEYS = {"version", "view", "voter", "vote", "views", "body", "lock"}
+
+
+def vote_message(
+    vote: ViewVote,
+    tcs: list[TimeoutCert],
+    body: CertificateBody | None,
+    lock: CertificateBody | None,
+) -> bytes:
+    return canonical_json(
+        {"version": vote.version, "view": vote.view, "voter": vote.voter,
+         "vote": vote.wire(), "views": [tc.wire() for tc in tcs],
+         "body": body.model_dump(mode="json") if body is not None else None,
+         "lock": lock.model_dump(mode="json") if lock is not None else None}
+    )  # fmt: skip
+
+
+def _body(obj: object) -> CertificateBody | None:
+    return None if obj is None else CertificateBody.model_validate(obj)
+
+
+@dataclass(frozen=True)
+class VoteMessage:
+    vote: ViewVote
+    tcs: list[TimeoutCert]
+    body: CertificateBody | None  # what the voter signed (content digest = vote.signed)
+    lock: CertificateBody | None  # a body of the content the earlier views locked
+
+
+def open_vote(raw: bytes, run_id: str) -> VoteMessage:
+    """A vote message, every signature in it checked; BadMessage (one line) if it is not one."""
+    try:
+        if len(raw) > MAX_VOTE_BYTES:
+            raise InvalidRecord(f"vote message of {len(raw)} bytes exceeds {MAX_VOTE_BYTES}")
+        msg = json.loads(raw.decode("utf-8"))
+        if not isinstance(msg, dict) or set(msg) != _KEYS:
+            raise InvalidRecord(f"a vote message needs {', '.join(sorted(_KEYS))}")
+        version, view, views = msg["version"], msg["view"], msg["views"]
+        if not isinstance(version, int) or not isinstance(view, int) or not isinstance(views, list):
+            raise InvalidRecord("a vote message's version and view are ints, views a list")
+        if len(views) >= MAX_VIEWS:
+            raise InvalidRecord("a vote message carries too many timeout certificates")
+        vote = parse_vote(run_id, version, view, msg["voter"], msg["vote"])
+        tcs = [parse_timeout_cert(run_id, version, tc) for tc in views]
+        body, lock = _body(msg["body"]), _body(msg["lock"])
+        if (body is None) != (vote.signed is None) or (
+            body is not None and content_digest(body) != vote.signed
+        ):
+            raise InvalidRecord("a vote's body must be the content it says it signed")
+    except (InvalidRecord, UnicodeDecodeError, ValueError, RecursionError) as e:
+        code = Reason.INVALID_SIGNATURE if "verify" in str(e) else Reason.MALFORMED
+        raise BadMessage(code, f"invalid vote: {str(e)[:200]}") from None
+    return VoteMessage(vote, tcs, body, lock)
+
+
+class ViewDriver:
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        manifest: RunManifest,
+        send: Callable[[str, str, bytes], Awaitable[None]],
+        spawn: Callable[[Awaitable[None]], None],
+    ) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.manifest = manifest
+        self.send = send
+        self.spawn = spawn
+        self.state: ViewState | None = None
+
+    def reset(self, base: Certificate | None, now: float) -> ViewState:
+        """A new certified version: its successor's round starts in view 0."""
+        self.state = ViewState(self.run_id, self.manifest, base, self.identity.peer_id, now)
+        return self.state
+
+    def tick(
+        self, now: float, rnd: SyncerRound | None, bodies: Mapping[str, CertificateBody]
+    ) -> bool:
+        """Vote if this node's view timed out (``bodies``: the round's bodies by digest, to
+        name the content it signed); True if that vote moved the node to a new view."""
+        st = self.state
+        if st is None or not st.due(now, rnd is not None and rnd.leader_silent(now)):
+            return False
+        own = rnd.abandon() if rnd is not None else None
+        body = bodies[own] if own is not None else None
+        signed = content_digest(body) if body is not None else None
+        vote = sign_vote(self.identity, self.run_id, st.version, st.view, signed)
+        tcs, recipients = list(st.tcs), st.recipients(st.view)
+        log.warning(
+            "no certificate for version %d in view %d after %.0f s: voting to hand it to view %d "
+            "(%s)", st.version, st.view, now - st.opened_at, st.view + 1,
+            "signed nothing" if signed is None else f"signed {signed[:12]}",
+        )  # fmt: skip
+        lock = st.bodies.get(st.lock) if st.lock is not None else None
+        raw = vote_message(vote, tcs, body, lock)
+        for peer in recipients:
+            self.spawn(self.send(peer, "vote", raw))
+        return st.cast(vote, now, body)
+
+    def on_vote(self, raw: bytes, now: float) -> bool:
+        """A fellow node's vote message (BadMessage if invalid); True if this node moved on."""
+        msg = open_vote(raw, self.run_id)
+        st = self.state
+        if st is None or msg.vote.version != st.version:
+            return False
+        moved = st.adopt(msg.tcs, now, msg.lock)
+        return st.add(msg.vote, now, msg.body) or moved
+
+    def status(self) -> dict[str, Any]:
+        st = self.state
+        if st is None:
+            return {"view": 0, "votes": 0}
+        return {"view": st.view, "votes": len(st.votes.get(st.view, {}))}
