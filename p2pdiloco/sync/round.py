@@ -302,14 +302,15 @@ class SyncerRound:
         return committee[self.attempt % len(committee)]
 
     def leader_silent(self, now: float) -> bool:
-        """True once this attempt closed ``agree_timeout`` ago and no input set was proposed
-        or adopted here: the driver votes to leave the view early."""
-        return (
-            self.phase is Phase.AGREEING
-            and self.input_set is None
-            and self.closed_at is not None
-            and now >= self.closed_at + self.params.agree_timeout
-        )
+        """True once no input set was proposed or adopted here ``agree_timeout`` after this
+        attempt closed here and after the leader's own grace deadline (the leader may close
+        later than this syncer, at the latest ``grace`` after the attempt opened): the driver
+        votes to leave the view early."""
+        if self.phase is not Phase.AGREEING or self.input_set is not None:
+            return False
+        closed = self.closed_at if self.closed_at is not None else now
+        deadline = max(closed, self.attempt_opened_at + self.params.grace)
+        return now >= deadline + self.params.agree_timeout
 
     def weights(self, digests: tuple[str, ...]) -> tuple[float, ...]:
         """Merge weights of accepted ``digests``, in their order (``merge_weights``: tokens
