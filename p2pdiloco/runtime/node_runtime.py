@@ -263,7 +263,13 @@ class NodeRuntime:
             new, computed.cert = computed, cert
         else:
             self.tally.phase = "downloading"
-            dl = await download_state(self.transport, cert, peers)
+            v = cert.body.version
+            dl = await download_state(
+                self.transport,
+                cert,
+                peers,
+                lambda d, t, s: self.tally.download_progress(v, d, t, s),
+            )
             new = dl.state
             self.tally.record_download(cert.body.version, dict(dl.chunks_by_peer))
         # Serve it at once (peers download from the signers), then make it durable.

@@ -41,6 +41,17 @@ class Tally:
     stall_after: float = 0.0  # seconds without a certificate after sending; 0: never stalled
     waiting_since: float | None = None  # monotonic time of the first delta sent on this version
     stall_logged: bool = False  # the stall of this version has its event line
+    progress_at: float = 0.0  # when the last download progress line was logged
+
+    def download_progress(self, version: int, done: int, total: int, seconds: float) -> None:
+        """A state download's bytes and rate: the phase shows it, one log line every 2 s."""
+        rate = done / seconds / 1e6 if seconds > 0 else 0.0
+        self.phase = f"downloading v{version} {done / 1e6:.1f}/{total / 1e6:.1f} MB"
+        now = time.monotonic()
+        if done >= total or now - self.progress_at >= 2.0:
+            self.progress_at = now
+            log.info("downloading the state of version %d: %.1f of %.1f MB at %.1f MB/s",
+                     version, done / 1e6, total / 1e6, rate)  # fmt: skip
 
     def on_sent(self) -> None:
         """A delta was handed to the committee: the stall clock starts if it is not running."""

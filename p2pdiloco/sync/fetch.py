@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -154,8 +155,14 @@ async def walk_chain(
         chain.append(cert)
 
 
-async def download_state(transport: Transport, cert: Certificate, peers: Sequence[str]) -> Download:
-    """The state certified by ``cert``, chunks spread over ``peers`` and verified one by one."""
+async def download_state(
+    transport: Transport,
+    cert: Certificate,
+    peers: Sequence[str],
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Download:
+    """The state certified by ``cert``, chunks spread over ``peers`` and verified one by one.
+    ``progress(bytes_done, bytes_total, seconds)`` is called after every verified chunk."""
     version, state_hash = cert.body.version, cert.body.state_hash
     index = None
     for peer in peers:
@@ -174,8 +181,10 @@ async def download_state(transport: Transport, cert: Certificate, peers: Sequenc
     by_peer: Counter[str] = Counter()
     limits = {peer: asyncio.Semaphore(PER_PEER_PARALLEL) for peer in holders}
     failed: set[str] = set()
+    started, done, total = time.monotonic(), 0, index.chunk_bytes * len(chunks)
 
     async def get(i: int) -> None:
+        nonlocal done
         order = holders[i % len(holders) :] + holders[: i % len(holders)]
         for peer in order:
             if peer in failed and len(failed) < len(holders):
@@ -195,6 +204,9 @@ async def download_state(transport: Transport, cert: Certificate, peers: Sequenc
                     continue
             chunks[i] = frames[0]
             by_peer[peer] += 1
+            done += len(frames[0])
+            if progress is not None:
+                progress(done, max(total, done), time.monotonic() - started)
             return
         raise SyncError(f"no peer served a valid chunk {i} of version {version}")
 
