@@ -206,3 +206,19 @@ def test_sign_flip_sends_minus_four_times_the_honest_delta(
         atol = 4 * good[n].abs().max().item() / 127 + 1e-6
         torch.testing.assert_close(bad[n], -4 * good[n], rtol=0, atol=atol)
         assert torch.dot(bad[n].reshape(-1), good[n].reshape(-1)) < 0
+
+
+def test_a_delta_not_merged_gives_back_its_error_feedback_residual(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    learner.train(1)
+    first = learner.outgoing(0, base, tokens=1, loss=1.0)  # merged: its residual stays
+    kept = {n: t.clone() for n, t in learner.feedback.residual.items()}
+    assert kept and first.residual_before == {}
+    learner.train(1)
+    second = learner.outgoing(0, base, tokens=1, loss=1.0)
+    assert any(not torch.equal(learner.feedback.residual[n], kept[n]) for n in kept)
+    learner.unsend(second)  # refused or dropped: nothing of it reached the global model
+    for n in kept:
+        assert torch.equal(learner.feedback.residual[n], kept[n])

@@ -219,6 +219,8 @@ class Trainer:
             self._drain(wait=action.seconds)
         elif isinstance(action, Rebase):
             new = self._new_state
+            if action.anchor_sent and not action.merged and self._sent is not None:
+                self.learner.unsend(self._sent)  # the certificate did not merge it
             self.learner.rebase(
                 new.params, self.state.params, self._sent if action.anchor_sent else None
             )
@@ -228,6 +230,7 @@ class Trainer:
             self._event(f"rebased onto version {new.version}")
         elif isinstance(action, Drop):
             if self._sent is not None:  # the sent part is dropped, later progress kept
+                self.learner.unsend(self._sent)
                 self.learner.rebase(self.state.params, self.state.params, self._sent)
                 self._sent = None
             self._event(f"delta on version {self.state.version} not merged ({action.code})")

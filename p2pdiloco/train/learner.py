@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +55,9 @@ class Outgoing:
     tokens: int
     loss: float
     sent_params: dict[str, torch.Tensor]  # θ_local when the delta was taken
+    # The error-feedback residual before this delta was compressed (the same tensors, not
+    # copies: compress replaces residuals): restored if the delta is not merged.
+    residual_before: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Learner:
@@ -150,6 +153,7 @@ class Learner:
         delta = {n: base[n].float() - local[n] for n in names}
         if self.attacker is not None:
             delta = self.attacker.transform(delta, None, base_version)
+        before = dict(self.feedback.residual)
         encoded = {n: self.feedback.compress(n, delta[n]) for n in names}
         out = Outgoing(
             base_version=base_version,
@@ -158,9 +162,15 @@ class Learner:
             tokens=tokens,
             loss=loss,
             sent_params={n: t.clone() for n, t in local.items()},
+            residual_before=before,
         )
         self.steps_since_send = 0
         return out
+
+    def unsend(self, sent: Outgoing) -> None:
+        """``sent`` will not be merged: its error-feedback residual goes back to what it was
+        before that delta, so the next delta carries no part of work that was thrown away."""
+        self.feedback.residual = dict(sent.residual_before)
 
     @torch.no_grad()
     def rebase(
