@@ -8,7 +8,9 @@ certified it rebases instead of restarting:
                                                          the sent delta is in θ_{v+1}, or was
                                                          refused and is dropped (carrying a
                                                          refused delta forward would make every
-                                                         later one an outlier too)
+                                                         later one an outlier too), and
+                                                         its error-feedback residual is put
+                                                         back to what it was before it
     not sent  θ_local ← θ_{new} + (θ_local − θ_v)       a newer version arrived mid-stretch:
                                                          carry all local progress onto it
 
