@@ -429,6 +429,8 @@ def summarize(
             refused.add((r.get("peer_id", ""), digest or r.get("reason", ""), r.get("round")))
     for peer, _, _ in refused:
         rejected[peer] += 1
+    # Share of each learner's wall time spent in inner steps (its status file; issue 10).
+    util = {s.get("peer_id"): float(s.get("utilization") or 0.0) for s in statuses}
     peers = {
         n.name: {
             "peer_id": n.identity.peer_id,
@@ -436,6 +438,7 @@ def summarize(
             "accepted": accepted[n.identity.peer_id],
             "rejected": rejected[n.identity.peer_id],
             "tokens": tokens[n.identity.peer_id],
+            "utilization": util.get(n.identity.peer_id, 0.0),
         }
         for n in nodes
     }

@@ -74,6 +74,7 @@ class NodeView:
                 max(0, H - tv.inner_step) * tv.step_seconds if tv.step_seconds else None
             )
             snap.tokens_per_second = tv.tokens_per_second
+            snap.utilization = tv.utilization
             snap.loss_local = list(tv.losses)
             snap.rejected = tv.lost
         snap.inner_steps = H

@@ -72,5 +72,7 @@ def test_a_healthy_committee_never_changes_view(tmp_path: Path) -> None:
             check_chains(net)
             for raw in net.nodes[0].runtime.chain.certs.values():
                 assert parse_certificate(raw, run_id=net.run_id).body.view == 0
+            # Compute utilization (share of wall time in inner steps) is measured and reported.
+            assert all(n.trainer and 0 < n.trainer.view.utilization <= 1 for n in net.nodes)
 
     run(main())

@@ -67,6 +67,7 @@ def test_demo_certifies_versions_and_every_node_contributes() -> None:
     assert set(clean["committee"]) >= {"1", "2", "3"}
     assert all(p["accepted"] >= 2 and p["adversary"] is None for p in clean["peers"].values())
     assert all(p["rejected"] == 0 for p in clean["peers"].values())
+    assert all(0 < p["utilization"] <= 1 for p in clean["peers"].values())
 
 
 def _forge_signature(raw: bytes) -> bytes:

@@ -72,6 +72,7 @@ class DashboardSnapshot:
     inner_steps: int = 0  # H
     eta_seconds: float | None = None  # estimated seconds to the next sync
     tokens_per_second: float = 0.0  # local training throughput
+    utilization: float = 0.0  # share of wall time in inner steps (runtime.trainer)
     loss_local: list[float] = field(default_factory=list)  # recent train losses, newest last
     loss_global: list[float] = field(default_factory=list)  # eval loss per certified version
     # network
@@ -270,7 +271,8 @@ def _training_panel(snap: DashboardSnapshot) -> Panel:
     else:
         progress.append(_eta_text(snap.eta_seconds))
     grid.add_row("Round", progress)
-    grid.add_row("Speed", Text(_rate(snap.tokens_per_second)))
+    speed = f"{_rate(snap.tokens_per_second)}  ·  {100 * snap.utilization:.0f}% of time training"
+    grid.add_row("Speed", Text(speed))
     loss = Text()
     spark = sparkline(snap.loss_local)
     local, global_ = _last_finite(snap.loss_local), _last_finite(snap.loss_global)
@@ -357,6 +359,7 @@ def plain_line(snap: DashboardSnapshot) -> str:
         f"version {snap.version}",
         f"step {snap.inner_step}/{snap.inner_steps}",
         _rate(snap.tokens_per_second),
+        f"compute {100 * snap.utilization:.0f}%",
         f"loss {local:.3f}" if local is not None else "loss -",
         f"peers {snap.peers_direct} direct {snap.peers_relayed} relayed",
         f"deltas {snap.accepted} accepted {snap.rejected} rejected",

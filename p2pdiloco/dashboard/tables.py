@@ -138,6 +138,7 @@ def demo_summary(result: dict[str, Any], width: int = 80) -> RenderableType:
         Column("accepted", "right"),
         Column("rejected", "right"),
         Column("tokens", "right", drop=3),
+        Column("compute", "right", drop=4),  # share of wall time in inner steps
     ]
     cells: list[list[Cell]] = [
         [
@@ -150,6 +151,7 @@ def demo_summary(result: dict[str, Any], width: int = 80) -> RenderableType:
             str(p["accepted"]),
             str(p["rejected"]),
             human_count(p["tokens"]),
+            f"{100 * p.get('utilization', 0.0):.0f}%",
         ]
         for name, p in result["peers"].items()
     ]

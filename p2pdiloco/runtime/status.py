@@ -176,6 +176,7 @@ class RuntimeView:
                 "tokens_trained": t.tokens_trained if t is not None else 0,
                 "last_loss": t.last_loss if t is not None else None,
                 "tokens_per_second": t.tokens_per_second if t is not None else 0.0,
+                "utilization": round(t.utilization, 4) if t is not None else 0.0,
                 "stalled": self.stalled,
                 "stalled_s": self.stalled_s,
                 "downloads": list(self.downloads),

@@ -97,6 +97,9 @@ class TrainerView:
     losses: tuple[float, ...] = ()
     events: tuple[str, ...] = ()
     error: str | None = None
+    # Share of wall time spent in inner steps, from the first chunk to the latest one (waits
+    # for the network in between count against it; idling after the last version does not).
+    utilization: float = 0.0
 
 
 @dataclass
@@ -108,6 +111,13 @@ class _Counters:
     tokens_per_second: float = 0.0
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=48))
     events: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    train_seconds: float = 0.0  # wall time inside inner steps
+    first_at: float | None = None  # monotonic start of the first chunk
+    last_at: float = 0.0  # monotonic end of the latest chunk
+
+    def utilization(self) -> float:
+        span = self.last_at - self.first_at if self.first_at is not None else 0.0
+        return min(1.0, self.train_seconds / span) if span > 0 else 0.0
 
 
 class Trainer:
@@ -240,9 +250,13 @@ class Trainer:
     _new_state: CertifiedState
 
     def _train(self, steps: int) -> None:
-        st = self.learner.train(steps)
-        self.machine.on_trained(st.steps)
         c = self._c
+        start = time.monotonic()
+        c.first_at = start if c.first_at is None else c.first_at
+        st = self.learner.train(steps)
+        c.last_at = time.monotonic()
+        c.train_seconds += c.last_at - start
+        self.machine.on_trained(st.steps)
         c.tokens_trained += st.tokens
         c.tokens_since_send += st.tokens
         c.last_loss = st.loss_last
@@ -309,4 +323,5 @@ class Trainer:
             losses=tuple(c.losses),
             events=tuple(c.events),
             error=self._error,
+            utilization=c.utilization(),
         )
