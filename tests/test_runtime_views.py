@@ -76,3 +76,31 @@ def test_a_healthy_committee_never_changes_view(tmp_path: Path) -> None:
             assert all(n.trainer and 0 < n.trainer.view.utilization <= 1 for n in net.nodes)
 
     run(main())
+
+
+def test_a_syncer_that_restarts_mid_round_does_not_freeze_a_two_node_run(tmp_path: Path) -> None:
+    """The reported rejoin: k = 2, q = 2; one node stops, the other is left alone on the
+    committee, then the first comes back from its state directory. Its late round must not
+    leave the two signing different states for good: the run certifies on."""
+
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=2, rules=RULES) as net:
+            await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 on both")
+            gone = net.nodes[1]
+            await net.stop(gone)
+            alone = net.nodes[0]
+            start = alone.version
+            svc = alone.runtime.service
+            assert svc is not None
+            # The absence outlasts a view: the lone member gives up on it (votes) first.
+            await net.wait_for(
+                lambda: bool(svc.views.state and svc.views.state.voted), 2 * VIEW_TIMEOUT + 30
+            )
+            back = await net.restart(gone)
+            await net.wait_for(lambda: net.min_version() >= start + 2, 6 * VIEW_TIMEOUT + 60,
+                               "two more versions on both")  # fmt: skip
+            check_chains(net)
+            assert all(len(h) == 1 for h in signed_per_view(net).values())
+            assert back.version >= start + 2
+
+    run(main())
