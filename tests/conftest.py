@@ -38,3 +38,15 @@ def _kill_leftover_children() -> Iterator[None]:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     psutil.wait_procs(leftovers, timeout=10)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one intra-op thread for the test: whole nodes in one process each train on
+    their own thread, and oversubscribing 2 cores makes every round slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,22 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.runtime.status import short_peer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_learners_announce_their_tokens_per_second(tmp_path: Path) -> None:

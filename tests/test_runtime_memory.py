@@ -8,24 +8,16 @@ syncers never sign two states for one version, nodes converge), never one schedu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
 from p2pdiloco.sync.fetch import verify_next
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(coro: Any) -> Any:

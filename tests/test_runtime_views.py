@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.roster import committee_for
-from tests.test_runtime_memory import _one_thread, check_chains, run  # noqa: F401
+from tests.test_runtime_memory import check_chains, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VIEW_TIMEOUT = 10.0
 RULES = {"grace": 4.0, "agree_timeout": 2.0, "view_timeout": VIEW_TIMEOUT}

@@ -9,7 +9,6 @@ token counts. Parameters and outer momentum must match bit for bit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,13 +30,7 @@ from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.outer import OuterConfig
 from p2pdiloco.train.simulate import merge_fragment
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("rule", ["mean", "trimmed_mean", "median"])
