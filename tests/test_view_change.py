@@ -234,3 +234,19 @@ def test_view_state_ignores_votes_for_other_versions_views_and_committees() -> N
         assert s.add(vote, 1.0) is False
     assert s.votes == {}
     assert IDS  # the identities behind PEERS sign every vote above
+
+
+def test_view_state_keeps_only_the_body_of_a_proven_lock() -> None:
+    m, prev = big_run()
+    v0 = committee_for(RUN, m, prev, 0)
+    first = view_cert(m, prev, 0, [])
+    c = content_digest(first.body)
+    s = ViewState(RUN, m, prev, PEERS[0], opened_at=0.0)
+    junk = view_cert(m, prev, 0, [], state_hash="77" * 32).body
+    assert s.adopt([], 1.0, junk) is False and s.bodies == {}  # no lock proven: not kept
+    locked = tc_of(0, 2, {p: c for p in v0.members[:2]})  # two dead, two signed c
+    assert s.adopt([locked], 2.0, junk) is True and s.lock == c
+    assert s.bodies == {} and s.locked_inputs() is None  # the junk body is not the lock's
+    s.adopt([], 3.0, first.body)
+    assert s.locked_inputs() == tuple(sorted(a.digest for a in first.body.accepted))
+    assert s.holders() == sorted(v0.members[:2])

@@ -130,9 +130,8 @@ class ViewState:
         self, tcs: list[TimeoutCert], now: float, lock_body: CertificateBody | None = None
     ) -> bool:
         """Timeout certificates of earlier views (carried by a vote message) and the body of
-        their lock: each valid one for the current view moves this node on. True if it moved."""
-        if lock_body is not None:
-            self.bodies.setdefault(content_digest(lock_body), lock_body)
+        their lock: each valid one for the current view moves this node on. True if it moved.
+        The body is kept only if it is the proven lock's (so a sender cannot fill memory)."""
         moved = False
         for tc in tcs:
             if tc.view == self.view and self.view + 1 < MAX_VIEWS and self._try(tc, now):
@@ -140,7 +139,11 @@ class ViewState:
                 for v in tc.votes:
                     if v.signed is not None:
                         self.signers.setdefault(v.signed, set()).add(v.voter)
-        return self._advance(now) or moved
+        moved = self._advance(now) or moved
+        lock = self.lock
+        if lock is not None and lock_body is not None and content_digest(lock_body) == lock:
+            self.bodies.setdefault(lock, lock_body)
+        return moved
 
     def locked_inputs(self) -> tuple[str, ...] | None:
         """The input set of the locked content (None: free, or its body not known yet)."""
