@@ -20,7 +20,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
 from p2pdiloco.protocol.identity import Identity
@@ -150,9 +149,3 @@ class ViewDriver:
             return False
         moved = st.adopt(msg.tcs, now, msg.lock)
         return st.add(msg.vote, now, msg.body) or moved
-
-    def status(self) -> dict[str, Any]:
-        st = self.state
-        if st is None:
-            return {"view": 0, "votes": 0}
-        return {"view": st.view, "votes": len(st.votes.get(st.view, {}))}
