@@ -26,12 +26,16 @@ Phases of the round that turns certified version v into v+1:
 Attempts. A syncer that cannot merge the agreed set (screening refused every delta, or a local
 error) calls ``on_merge_failed``: it signs nothing for that set, drops its submissions (they
 are refused if sent again) and opens attempt n+1 in COLLECTING with a fresh grace period.
-Leadership of attempt n starts at committee member n mod k and rotates to the next member every
-``agree_timeout`` without a proposal. Proposals name their attempt; one for another attempt is
-refused with NO_OPEN_ROUND (retryable), never adopted. Signatures do not name the attempt, so
-they count in every phase: if the others merged and reached quorum, a syncer that failed still
-learns the certified hash (``Done(agreed_with_quorum=False)``). A syncer signs at most one state
-per version: once it has signed, a later attempt that aggregates to another hash signs nothing.
+Committee member n mod k, and only it, leads attempt n: no rotation by time (members whose
+clocks disagree on whose turn it is would each sign their own set); a silent leader
+(``leader_silent``) makes the driver vote for the next view (``sync/views.py``, ADR 0012), and
+a round of a later view may be ``locked`` to the input set an earlier view may have certified.
+Proposals name their attempt; one for another attempt is refused with NO_OPEN_ROUND
+(retryable), never adopted. Signatures do not name the attempt, so they count in every phase:
+if the others merged and reached quorum, a syncer that failed still learns the certified hash
+(``Done(agreed_with_quorum=False)``). A syncer signs at most one state in a round (one view of
+a version): once it has signed, a later attempt that aggregates to another hash signs nothing,
+and once it voted to leave the view (``abandon``) it signs nothing more.
 
 Claims. A header's tokens must fit its steps (steps × batch × seq_len) or it is refused with
 BAD_CLAIM; a steps claim above one delta's worth (``max_steps``, the manifest's H) is clipped,
@@ -150,7 +154,7 @@ class SyncerRound:
         return clipped + self._maybe_close(now)
 
     def on_tick(self, now: float) -> list[Action]:
-        """Time passed: close at the grace deadline; rotate the leader if agreement stalls."""
+        """Time passed: close at the grace deadline; the leader proposes once closed."""
         if self.phase is Phase.COLLECTING:
             return self._maybe_close(now)
         if self.params.locked is not None:
