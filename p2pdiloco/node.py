@@ -210,6 +210,7 @@ class Node:
             gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
             reachability=self.reachability.status,  # type: ignore[arg-type]
             seq=self._seq,
+            stalled_s=round(max(0.0, presence.stalled_s), 1),
         )
         return seal(self.identity, "heartbeat", self.run.run_id, hb.model_dump(mode="json"))
 

@@ -69,10 +69,17 @@ def test_a_committee_that_cannot_certify_shows_stalled_within_grace_plus_timeout
             unreachable = view.stalled.partition("unreachable: ")[2]
             assert all(short_peer(n.peer_id) not in unreachable for n in net.nodes[:2])
             assert any(e.endswith(view.stalled) for e in view.events)
+            # ... and its heartbeat says so: `status` and the bootstrap page show the run stalled.
+            await net.wait_for(
+                lambda: net.directory.presence[watcher.peer_id].stalled_s > 0, 10, "presence"
+            )
 
             for node in gone:  # the committee is whole again: a certificate ends the stall
                 await net.restart(node)
             await net.wait_for(lambda: watcher.version >= 1, 90, "version 1 after the restart")
             await net.wait_for(lambda: watcher.runtime.view.stalled is None, 5, "stall cleared")
+            await net.wait_for(
+                lambda: net.directory.presence[watcher.peer_id].stalled_s == 0, 10, "presence"
+            )
 
     asyncio.run(main())

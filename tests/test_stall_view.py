@@ -104,3 +104,45 @@ def test_metrics_expose_stalled_and_its_seconds() -> None:
         assert values["p2pdiloco_stalled"] == flag
         assert values["p2pdiloco_stalled_seconds"] == seconds
         assert values["p2pdiloco_tokens_per_second"] == 1500.0
+
+
+def _heartbeat(version: int, stalled_s: float):  # type: ignore[no-untyped-def]
+    from p2pdiloco.protocol.identity import Identity
+    from p2pdiloco.protocol.records import Hardware, Heartbeat
+
+    return Heartbeat(
+        peer_id=Identity.generate().peer_id, island="i", roles=["learner"],
+        hardware=Hardware(device="cpu", name="c", memory_gb=1.0, count=1), throughput_tps=1.0,
+        version=version, addrs=[], gossip_addrs=[], reachability="direct", seq=1,
+        stalled_s=stalled_s,
+    )  # fmt: skip
+
+
+def test_a_run_is_stalled_when_half_its_live_peers_say_so() -> None:
+    from p2pdiloco.net.discovery import run_stall
+
+    assert run_stall([]) is None
+    assert run_stall([_heartbeat(12, 0.0), _heartbeat(12, 0.0)]) is None
+    assert run_stall([_heartbeat(12, 95.0), _heartbeat(12, 0.0), _heartbeat(11, 0.0)]) is None
+    assert run_stall([_heartbeat(12, 95.0), _heartbeat(12, 80.0), _heartbeat(11, 0.0)]) == (
+        "no certificate for version 13 for 95 s (2 of 3 live peers waiting)"
+    )
+
+
+def test_status_and_the_bootstrap_page_show_a_stalled_run() -> None:
+    from p2pdiloco.dashboard.status import status_view
+    from p2pdiloco.net.web_page import render_page
+
+    run = {
+        "run_id": "ab" * 32, "name": "r", "model": "gemma-tiny", "peers": 3,
+        "latest_version": 12, "throughput_tps": 0.0, "incompatible": None,
+        "stalled": "no certificate for version 13 for 95 s (2 of 3 live peers waiting)",
+    }  # fmt: skip
+    state = {"time": 0.0, "runs": [run], "peers": [], "bootstraps": [], "rejected_records": []}
+    console = Console(width=100, record=True, file=io.StringIO(), color_system=None)
+    console.print(status_view(state, 100))
+    flat = " ".join(console.export_text().split())
+    assert f"run {'ab' * 6} stalled: no certificate for version 13 for 95 s" in flat
+    assert "stalled: no certificate for version 13 for 95 s" in render_page(state)
+    healthy = {**state, "runs": [{**run, "stalled": None}]}
+    assert "stalled" not in render_page(healthy)

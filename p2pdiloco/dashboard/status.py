@@ -34,6 +34,11 @@ def status_view(state: dict[str, Any], width: int = 80) -> RenderableType:
         ]
         for r in state["runs"]
     ]
+    stalls = [
+        Text(f"run {r['run_id'][:12]} stalled: {r['stalled']}", style="bold yellow")
+        for r in state["runs"]
+        if r.get("stalled")
+    ]
     peer_columns = [
         Column("peer"),
         Column("run", drop=4),
@@ -58,6 +63,7 @@ def status_view(state: dict[str, Any], width: int = 80) -> RenderableType:
     parts: list[RenderableType] = [
         Text("Runs", style="bold"),
         fitted_table(run_columns, run_cells, width),
+        *stalls,
         Text(),
         Text("Peers", style="bold"),
         fitted_table(peer_columns, peer_cells, width),

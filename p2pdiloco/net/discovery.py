@@ -16,7 +16,12 @@ from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.membership import Membership
-from p2pdiloco.protocol.records import IncompatibleProtocol, RunManifest, parse_manifest
+from p2pdiloco.protocol.records import (
+    Heartbeat,
+    IncompatibleProtocol,
+    RunManifest,
+    parse_manifest,
+)
 from p2pdiloco.protocol.signing import InvalidRecord
 
 log = logging.getLogger(__name__)
@@ -46,8 +51,25 @@ class RunInfo:
             "peers": len(live),
             "latest_version": max((v.heartbeat.version for v in live), default=0),
             "throughput_tps": sum(v.heartbeat.throughput_tps for v in live),
+            "stalled": run_stall([v.heartbeat for v in live]),
             "incompatible": self.incompatible or None,
         }
+
+
+def run_stall(live: list[Heartbeat]) -> str | None:
+    """``no certificate for version N for S s (k of m live peers waiting)`` when at least half
+    of a run's live peers announce that they have waited past the run's stall threshold; None
+    while it certifies. S is the median wait the waiting peers announce (a hint: heartbeats are
+    signed claims, each peer speaks only for itself)."""
+    waiting = sorted(hb.stalled_s for hb in live if hb.stalled_s > 0)
+    if not waiting or 2 * len(waiting) < len(live):
+        return None
+    version = max(hb.version for hb in live) + 1
+    seconds = waiting[len(waiting) // 2]
+    return (
+        f"no certificate for version {version} for {seconds:.0f} s "
+        f"({len(waiting)} of {len(live)} live peers waiting)"
+    )
 
 
 @dataclass
@@ -71,6 +93,7 @@ class NetworkState:
                         "reachability": hb.reachability,
                         "version": hb.version,
                         "throughput_tps": hb.throughput_tps,
+                        "stalled_s": hb.stalled_s,
                         "hardware": hb.hardware.model_dump(),
                         "addrs": list(hb.addrs),
                         "gossip_addrs": list(hb.gossip_addrs),

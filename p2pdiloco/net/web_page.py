@@ -41,6 +41,10 @@ def _table(table_id: str, head: Sequence[str], rows: Iterable[Sequence[object]])
     return "".join(out)
 
 
+def _stalled(run: dict[str, Any]) -> str:
+    return f"stalled: {run['stalled']}" if run.get("stalled") else ""
+
+
 def render_page(state: dict[str, Any]) -> str:
     """The whole page for one state snapshot (see ``NetworkState.to_dict`` and the bootstrap's
     additions: ``server``, ``leaderboards``)."""
@@ -72,7 +76,7 @@ def render_page(state: dict[str, Any]) -> str:
                     r.get("peers", 0),
                     r.get("latest_version", 0),
                     f"{r.get('throughput_tps', 0.0):.0f}",
-                    r.get("incompatible") or "",
+                    r.get("incompatible") or _stalled(r),
                 )
                 for r in runs
             ),

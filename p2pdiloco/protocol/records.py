@@ -79,6 +79,10 @@ class Heartbeat(_Strict):
     gossip_addrs: list[Multiaddr] = Field(max_length=32)  # py-libp2p gossip host
     reachability: Literal["direct", "relayed", "unknown"]
     seq: NonNegInt
+    # Seconds the node has waited for the certificate of version + 1 once past the run's stall
+    # threshold (grace + agree_timeout after sending); 0 while rounds certify. `status` shows a
+    # run whose live peers report it as stalled.
+    stalled_s: NonNegFloat = 0.0
 
     @model_validator(mode="after")
     def _roles_unique(self) -> Self:

@@ -220,7 +220,7 @@ class NodeRuntime:
     def _presence(self) -> Presence:
         tv = self.trainer_view()
         tps = float(getattr(tv, "tokens_per_second", 0.0) or 0.0)
-        return Presence(self.chain.version, self._roles(), tps)
+        return Presence(self.chain.version, self._roles(), tps, self.view.stalled_s)
 
     def _roles(self) -> tuple[str, ...]:
         svc = self.service

@@ -22,6 +22,7 @@ class Presence:
     version: int
     roles: tuple[str, ...]
     throughput_tps: float
+    stalled_s: float = 0.0  # seconds waited for the next certificate, once stalled; else 0
 
 
 class Plane(Protocol):
