@@ -7,8 +7,10 @@ import json
 import logging
 import urllib.request
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from p2pdiloco.net.http_api import HTTPApi
@@ -138,3 +140,17 @@ def test_web_page_served_at_root_shows_runs_peers_throughput_and_leaderboard() -
     board = page.tables[f"leaderboard-{RUN[:12]}"]
     assert board[1] == ["1", f"…{P1[-8:]}", "3", "6,144", "75.0%"]
     assert P3 in body  # the bootstrap's own id in the header
+
+
+def test_a_bootstrap_and_a_node_on_one_machine_have_their_own_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer
+    from p2pdiloco.protocol.identity import Identity, default_identity_path
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    node = Identity.load_or_create(default_identity_path())
+    server = BootstrapServer(BootstrapConfig())  # nothing starts before start()
+    assert server.identity_path == tmp_path / "p2pdiloco" / "bootstrap.key"
+    assert server.identity.peer_id != node.peer_id
+    assert BootstrapServer(BootstrapConfig()).identity.peer_id == server.identity.peer_id  # kept

@@ -26,7 +26,8 @@ def bootstrap(
         list[str] | None, typer.Option(help="Public multiaddr to advertise (repeatable).")
     ] = None,
     identity: Annotated[
-        Path | None, typer.Option(help="Key file [default: XDG data path].")
+        Path | None,
+        typer.Option(help="Key file [default: ~/.local/share/p2pdiloco/bootstrap.key]."),
     ] = None,
     peer: Annotated[
         list[str] | None, typer.Option(help="Another bootstrap's multiaddr to peer with.")

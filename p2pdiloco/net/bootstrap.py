@@ -48,7 +48,7 @@ class BootstrapConfig:
     http_host: str = "0.0.0.0"
     http_port: int = 8080  # health/state/metrics; 0 picks a free port
     announce: list[str] = field(default_factory=list)  # public multiaddrs to advertise
-    identity: Path | None = None  # key file; default: the XDG data path
+    identity: Path | None = None  # key file; default: bootstrap.key beside a node's identity.key
     initial_peers: list[str] = field(default_factory=list)  # other bootstraps to peer with
     refresh_interval: float = keys.HEARTBEAT_INTERVAL  # own heartbeat and state poll period
 
@@ -58,7 +58,8 @@ class BootstrapServer:
 
     def __init__(self, cfg: BootstrapConfig) -> None:
         self.cfg = cfg
-        self.identity_path = cfg.identity or default_identity_path()
+        # Its own file: a node and a bootstrap on one machine must never share a peer id.
+        self.identity_path = cfg.identity or default_identity_path().with_name("bootstrap.key")
         self.identity = Identity.load_or_create(self.identity_path)
         self.started = time.time()
         self._stop = threading.Event()
