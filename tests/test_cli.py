@@ -148,6 +148,7 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
         (["--compression", "int2"], "codec 'int2'"),
         (["--weight-cap", "2"], "invalid sync rule weight_cap"),
         (["--grace", "0"], "invalid sync rule grace"),
+        (["--time-budget", "0"], "invalid run setting time_budget"),
     ],
 )
 def test_run_create_refuses_rules_before_signing_or_network(
@@ -187,6 +188,7 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
     assert manifest["rules"]["aggregation"] == "trimmed_mean"
     assert manifest["rules"]["aggregation_params"] == {"f": 1.0}
     assert manifest["rules"]["screen_norm_factor"] == 3.0
+    assert manifest["time_budget"] is None  # H steps per delta unless the creator sets a budget
     text = run_cli("run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run")
     assert text.returncode == 0, text.stderr
     # The whole signed manifest is printed, not only its id.

@@ -38,6 +38,14 @@ def create(
     data: Annotated[str, typer.Option(help="Data source every learner reads.")] = "embedded",
     seed: Annotated[int, typer.Option(help="Run seed (init, data order).")] = 0,
     inner_steps: Annotated[int, typer.Option(help="Inner steps per round (H).")] = 500,
+    time_budget: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Seconds of inner steps per round (mixed hardware): each learner sends after "
+            "this long or H steps, whichever comes first [default: H steps only].",
+        ),
+    ] = None,
     inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
     batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
@@ -119,6 +127,7 @@ def create(
         data=data,
         seed=seed,
         inner_steps=inner_steps,
+        time_budget=time_budget,
         committee_size=committee_size,
         quorum=quorum if quorum is not None else default_quorum(committee_size),
         inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},

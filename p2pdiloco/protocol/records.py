@@ -203,6 +203,9 @@ class RunManifest(_Strict):
     committee_size: int = Field(ge=1, le=64)
     quorum: int = Field(ge=1, le=64)
     inner_steps: int = Field(ge=1, le=10**7)
+    # Seconds of inner steps per delta (mixed hardware): a learner sends once it has trained this
+    # long or ``inner_steps`` steps, whichever comes first; None: every delta is H steps.
+    time_budget: float | None = Field(default=None, gt=0, le=86_400)
     inner: InnerParams = Field(default_factory=InnerParams)
     outer: OuterParams = Field(default_factory=OuterParams)
     compression: RuleName = "none"  # delta codec, one of ``p2pdiloco.compress.CODECS``

@@ -108,6 +108,7 @@ class RunningNode:
             version=state.version,
             give_up_after=self.manifest.rules.give_up_after,
             stop_at=cfg.until_version,
+            time_budget=self.manifest.time_budget,
         )
         local = load_local(cfg.state_dir, self.run_id)
         same_base = local is not None and int(local.get("base_version", -1)) == state.version

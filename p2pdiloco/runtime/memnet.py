@@ -67,6 +67,8 @@ class MemoryNetwork:
         attackers: Mapping[int, str] | None = None,
         learners: int | None = None,  # the first ``learners`` nodes train; all serve and sync
         seed: int = 0,
+        time_budget: float | None = None,  # the manifest's seconds of training per delta
+        slowdown: Mapping[int, float] | None = None,  # node index: each of its steps takes ×s
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -78,6 +80,8 @@ class MemoryNetwork:
         self.attackers = dict(attackers or {})
         self.learners = nodes if learners is None else learners
         self.seed = seed
+        self.time_budget = time_budget
+        self.slowdown = dict(slowdown or {})
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -94,6 +98,7 @@ class MemoryNetwork:
             data="embedded",
             seed=self.seed,
             inner_steps=self.inner_steps,
+            time_budget=self.time_budget,
             committee_size=self.k,
             compression=self.compression,
             genesis_committee=[i.peer_id for i in ids[: self.k]],
@@ -124,9 +129,13 @@ class MemoryNetwork:
                 self.manifest, self.corpus, me, state.params, device=torch.device("cpu"),
                 attack=AttackConfig(attack) if attack else None, base_version=state.version,
             )  # fmt: skip
+            index = next((i for i, n in enumerate(self.nodes) if n.name == name), len(self.nodes))
+            if self.slowdown.get(index, 1.0) > 1.0:
+                _throttle(learner, self.slowdown[index])
             machine = LearnerMachine(
                 inner_steps=self.inner_steps, chunk=1, version=state.version,
                 give_up_after=self.manifest.rules.give_up_after,
+                time_budget=self.manifest.time_budget,
             )  # fmt: skip
             node.trainer = Trainer(
                 learner, machine, state, identity=identity, run_id=self.run_id,
@@ -189,3 +198,17 @@ class MemoryNetwork:
 def _small_corpus() -> PackedCorpus:
     tokenizer = load_tokenizer(get_spec("gemma-tiny").tokenizer)
     return build_corpus("embedded", tokenizer, seq_len=32, max_bytes=2**20)
+
+
+def _throttle(learner: Learner, factor: float) -> None:
+    """Make each of ``learner``'s steps take ``factor`` times as long (a slower island): after
+    every chunk, sleep (factor − 1) × the chunk's time."""
+    train = learner.train
+
+    def slow(steps: int):  # type: ignore[no-untyped-def]
+        start = time.monotonic()
+        out = train(steps)
+        time.sleep((factor - 1.0) * (time.monotonic() - start))
+        return out
+
+    learner.train = slow  # type: ignore[method-assign]

@@ -256,7 +256,7 @@ class Trainer:
         st = self.learner.train(steps)
         c.last_at = time.monotonic()
         c.train_seconds += c.last_at - start
-        self.machine.on_trained(st.steps)
+        self.machine.on_trained(st.steps, c.last_at - start)
         c.tokens_trained += st.tokens
         c.tokens_since_send += st.tokens
         c.last_loss = st.loss_last

@@ -16,6 +16,13 @@ A certificate that lands while no delta is in flight rebases the stretch under w
 (all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
 wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
 ``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
+
+With a time budget (the manifest's ``time_budget``) a stretch also ends once it has trained that
+many seconds since the last send or the last certified version, however few steps fit: every
+learner sends about one budget after a round opened, so a slow island sends a smaller delta to
+the same round rather than missing it, and its merge weight follows the tokens it trained. ``inner_steps``
+stays the most steps one delta may hold (and claim). The chunks of a budgeted stretch are sized
+from the measured seconds per step so the stretch ends close to the budget.
 """
 
 from __future__ import annotations
@@ -96,7 +103,10 @@ class LearnerMachine:
     version: int  # the certified version the learner trains from
     give_up_after: float = 300.0  # seconds a delta may stay undecided
     stop_at: int | None = None  # stop training once this version is applied
+    time_budget: float | None = None  # seconds of training per stretch (manifest); None: H only
     trained: int = 0  # steps since the last send
+    trained_seconds: float = 0.0  # seconds spent training those steps
+    seconds_per_step: float | None = None  # measured over the last chunks (budget sizing)
     in_flight: InFlight | None = None
     sent: int = field(default=0)
     merged: int = field(default=0)
@@ -105,6 +115,8 @@ class LearnerMachine:
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.chunk < 1:
             raise ValueError("inner_steps and chunk must be at least 1")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError("time_budget must be positive")
 
     @property
     def phase(self) -> LearnerPhase:
@@ -112,9 +124,17 @@ class LearnerMachine:
             return LearnerPhase.IDLE
         if self.in_flight is None:
             return LearnerPhase.TRAINING
-        if self.trained >= self.inner_steps:
+        if self.stretch_done:
             return LearnerPhase.WAITING
         return LearnerPhase.IN_FLIGHT
+
+    @property
+    def stretch_done(self) -> bool:
+        """H steps trained since the last send, or (budgeted) at least one step and the budget."""
+        if self.trained >= self.inner_steps:
+            return True
+        budget = self.time_budget
+        return budget is not None and self.trained > 0 and self.trained_seconds >= budget
 
     # -- what to do now ------------------------------------------------------------------------
 
@@ -127,17 +147,34 @@ class LearnerMachine:
             if now - self.in_flight.sent_at < self.give_up_after:
                 return [Wait(0.2)]
             return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
-        if self.in_flight is None and self.trained >= self.inner_steps:
+        if self.in_flight is None and self.stretch_done:
             self.in_flight = InFlight(self.version, now)
             self.sent += 1
-            steps, self.trained = self.trained, 0
+            steps, self.trained, self.trained_seconds = self.trained, 0, 0.0
             return [Send(self.version, steps)]
-        return [Train(min(self.chunk, self.inner_steps - self.trained))]
+        return [Train(self._chunk())]
+
+    def _chunk(self) -> int:
+        """Steps of the next Train: a chunk, never past H, and (budgeted) about what still fits
+        in the budget at the measured pace (one step while the pace is unknown)."""
+        steps = min(self.chunk, self.inner_steps - self.trained)
+        if self.time_budget is None:
+            return steps
+        if self.seconds_per_step is None:
+            return 1
+        left = self.time_budget - self.trained_seconds
+        return max(1, min(steps, int(left / max(self.seconds_per_step, 1e-9) + 0.5)))
 
     # -- events --------------------------------------------------------------------------------
 
-    def on_trained(self, steps: int) -> None:
+    def on_trained(self, steps: int, seconds: float = 0.0) -> None:
+        """``steps`` inner steps were trained in ``seconds`` (wall time of the chunk)."""
         self.trained += steps
+        self.trained_seconds += max(0.0, seconds)
+        if steps > 0 and seconds > 0:
+            pace = seconds / steps
+            old = self.seconds_per_step
+            self.seconds_per_step = pace if old is None else 0.5 * old + 0.5 * pace
 
     def on_sent(self, digest: str) -> None:
         """The delta of the last ``Send`` was sealed as submission ``digest``."""
@@ -181,6 +218,9 @@ class LearnerMachine:
             self.lost += not merged
         seek = version * self.inner_steps if version > self.version + 1 else None
         self.version, self.in_flight = version, None
+        # A budget is per round: it restarts when a version lands, so every learner sends about
+        # one budget after the round opened and the slow ones meet the same round close.
+        self.trained_seconds = 0.0
         return [Rebase(version, anchor_sent=fly is not None, merged=merged, seek_step=seek)]
 
     def _lose(self, code: Reason) -> list[LearnerAction]:

@@ -1,0 +1,50 @@
+"""Rounds that fit mixed hardware (issue 10 item 4): with the manifest's time budget, a learner
+three times slower than the others still contributes to most rounds, with a smaller delta whose
+merge weight follows the tokens it trained. Whole nodes in one process (``runtime.memnet``)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.protocol.certificates import parse_certificate
+from p2pdiloco.runtime.memnet import MemoryNetwork
+from p2pdiloco.sync.weights import merge_weights
+from tests.test_runtime_memory import check_chains
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BUDGET = 1.0  # seconds of training per delta
+CAP = 0.5  # weight cap of the run: not binding for four learners of which one is slow
+
+
+def test_a_three_times_slower_learner_contributes_to_most_rounds_by_its_tokens(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with MemoryNetwork(
+            tmp_path, nodes=4, inner_steps=10_000, time_budget=BUDGET, slowdown={3: 3.0},
+            rules={"weight_cap": CAP},
+        ) as net:  # fmt: skip
+            await net.wait_for(lambda: net.min_version() >= 6, 240, "version 6 everywhere")
+            check_chains(net)
+            slow = net.nodes[3].peer_id
+            certs = [
+                parse_certificate(raw, run_id=net.run_id)
+                for v, raw in sorted(net.nodes[0].runtime.chain.certs.items())
+                if v >= 2  # the first round opens while the nodes start
+            ]
+            with_slow = [c for c in certs if any(a.peer_id == slow for a in c.body.accepted)]
+            assert len(with_slow) > len(certs) / 2, "the slow learner missed most rounds"
+            for cert in with_slow:
+                tokens = {a.peer_id: a.tokens for a in cert.body.accepted}
+                fast = [t for p, t in tokens.items() if p != slow]
+                assert fast and tokens[slow] < 0.75 * statistics.median(fast)  # a smaller delta
+                weights = merge_weights({p: (t, 0) for p, t in sorted(tokens.items())}, CAP)
+                for p, t in tokens.items():  # ... weighed by the tokens it really trained
+                    assert weights[p] / weights[slow] == pytest.approx(t / tokens[slow])
+
+    asyncio.run(main())
