@@ -222,3 +222,27 @@ def test_a_delta_not_merged_gives_back_its_error_feedback_residual(
     learner.unsend(second)  # refused or dropped: nothing of it reached the global model
     for n in kept:
         assert torch.equal(learner.feedback.residual[n], kept[n])
+
+
+def test_a_delta_not_merged_is_carried_whole_into_the_next_one(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    """What the trainer does when a certificate lands without our delta (ADR 0014): error
+    feedback given back, the sent steps counted again, rebase anchored at the old base."""
+    learner = _learner(manifest, corpus, base)
+    learner.train(2)
+    sent = learner.outgoing(0, base, tokens=1, loss=1.0)
+    learner.train(1)
+    local = _snapshot(learner)
+    new_base = {n: t + 0.01 for n, t in base.items()}  # version 1, merged from others' deltas
+    learner.unsend(sent)
+    learner.carry(sent)
+    learner.rebase(new_base, base, None)
+    assert learner.steps_since_send == 3
+    nxt = learner.outgoing(1, new_base, tokens=1, loss=1.0)
+    assert nxt.steps == 3
+    got = _decode(nxt, base, "int8")
+    for n in sorted(base):  # all the work since version 0, the sent part included
+        want = base[n].float() - local[n]
+        atol = 2 * want.abs().max().item() / 127 + 1e-6
+        torch.testing.assert_close(got[n], want, rtol=0, atol=atol)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, TIMING, Reason
 from p2pdiloco.sync.learner_machine import (
     CatchUp,
     Drop,
@@ -23,6 +23,8 @@ from p2pdiloco.sync.learner_machine import (
 H = 10
 CHUNK = 4
 NON_RETRYABLE = sorted(set(Reason) - RETRYABLE)
+FINAL = sorted(set(Reason) - RETRYABLE - TIMING)  # refusals that say the delta itself is bad
+LATE = sorted(TIMING - RETRYABLE)  # refusals that say it came too late
 
 
 def machine(**over: Any) -> LearnerMachine:
@@ -136,7 +138,7 @@ def test_accepted_reply_keeps_the_delta_in_flight() -> None:
     assert counters(m) == (1, 0, 0)
 
 
-@pytest.mark.parametrize("code", NON_RETRYABLE)
+@pytest.mark.parametrize("code", FINAL)
 def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     m = machine()
     sent(m)
@@ -145,6 +147,39 @@ def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     assert counters(m) == (1, 0, 1)
     assert m.version == 3  # a refusal never moves the base
     assert m.phase is LearnerPhase.TRAINING
+
+
+@pytest.mark.parametrize("code", LATE)
+def test_a_late_delta_stays_in_flight_and_the_next_certificate_carries_its_steps(
+    code: Reason,
+) -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=False, code=code, fast_forward=4) == [CatchUp(4)]
+    assert m.in_flight is not None and m.in_flight.late is code
+    assert counters(m) == (1, 0, 0)  # not settled by the refusal ...
+    m.on_trained(3)
+    [rebase] = m.on_certified(4, frozenset({"x"}))  # ... but by the certificate without it
+    assert rebase == Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=H)
+    assert m.trained == H + 3 and counters(m) == (1, 0, 1)
+    assert m.next_action(1.0) == [Send(4, H + 3)]  # its work goes into the next delta
+
+
+def test_a_delta_of_more_than_h_steps_is_not_carried_again() -> None:
+    m = machine()
+    sent(m)
+    m.on_certified(4, frozenset())  # carried: H steps
+    [send] = m.next_action(0.0)
+    assert send == Send(4, H)
+    m.on_trained(H)
+    m.on_sent("d2")
+    m.on_certified(5, frozenset())
+    assert m.trained == 2 * H  # d2 held H steps: carried, beside H new ones
+    [again] = m.next_action(0.0)
+    assert again == Send(5, 2 * H)
+    m.on_sent("d3")
+    [rebase] = m.on_certified(6, frozenset())
+    assert rebase.carried == 0 and m.trained == 0  # d3 held 2H steps: dropped, never 3H
 
 
 def test_refusal_without_a_code_drops_as_malformed() -> None:
@@ -250,12 +285,12 @@ def test_certificate_merging_our_delta_rebases_from_the_sent_parameters() -> Non
     assert m.phase is LearnerPhase.TRAINING
 
 
-def test_certificate_without_our_delta_counts_it_lost() -> None:
+def test_certificate_without_our_delta_counts_it_lost_and_carries_its_steps() -> None:
     m = machine()
     sent(m)
     actions = m.on_certified(4, frozenset({"x", "y"}))
-    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None)]
-    assert counters(m) == (1, 0, 1)
+    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=H)]
+    assert counters(m) == (1, 0, 1) and m.trained == H
 
 
 def test_certificate_before_on_sent_settles_the_delta_as_lost() -> None:
@@ -264,7 +299,7 @@ def test_certificate_before_on_sent_settles_the_delta_as_lost() -> None:
     [send] = m.next_action(0.0)
     assert isinstance(send, Send)
     actions = m.on_certified(4, frozenset({"d1"}))
-    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None)]
+    assert actions == [Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=H)]
     assert counters(m) == (1, 0, 1)
     m.on_sent("d1")  # late: the delta is already settled
     assert m.in_flight is None
@@ -400,7 +435,8 @@ def test_random_events_keep_the_invariants(seed: int) -> None:
             if isinstance(a, Send):
                 assert not outstanding, "two Sends without a settle in between"
                 assert a.base_version == m.version
-                assert a.steps == m.inner_steps
+                # H, plus the steps of one unmerged delta carried at most once
+                assert m.inner_steps <= a.steps <= 2 * m.inner_steps
                 outstanding = True
             elif isinstance(a, Drop):
                 assert outstanding, "Drop with nothing in flight"

@@ -1,6 +1,6 @@
 """Rounds that fit mixed hardware (issue 10 item 4): with the manifest's time budget, a learner
-three times slower than the others still contributes to most rounds, with a smaller delta whose
-merge weight follows the tokens it trained. Whole nodes in one process (``runtime.memnet``)."""
+three times slower than the others still contributes to most rounds, with fewer tokens in all,
+each delta weighed by the tokens it trained. Whole nodes in one process (``runtime.memnet``)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,16 @@ def test_a_three_times_slower_learner_contributes_to_most_rounds_by_its_tokens(
             ]
             with_slow = [c for c in certs if any(a.peer_id == slow for a in c.body.accepted)]
             assert len(with_slow) > len(certs) / 2, "the slow learner missed most rounds"
+            totals: dict[str, int] = {}
+            for cert in certs:
+                for a in cert.body.accepted:
+                    totals[a.peer_id] = totals.get(a.peer_id, 0) + a.tokens
+            fast = [t for p, t in totals.items() if p != slow]
+            # Fewer tokens in all (a late delta's work is carried into the next one, ADR 0014,
+            # so one certificate may credit it more than a fast learner's).
+            assert totals[slow] < 0.75 * statistics.median(fast)
             for cert in with_slow:
                 tokens = {a.peer_id: a.tokens for a in cert.body.accepted}
-                fast = [t for p, t in tokens.items() if p != slow]
-                assert fast and tokens[slow] < 0.75 * statistics.median(fast)  # a smaller delta
                 weights = merge_weights({p: (t, 0) for p, t in sorted(tokens.items())}, CAP)
                 for p, t in tokens.items():  # ... weighed by the tokens it really trained
                     assert weights[p] / weights[slow] == pytest.approx(t / tokens[slow])

@@ -42,6 +42,7 @@ from p2pdiloco.sync.learner_machine import (
     Train,
     Wait,
 )
+from p2pdiloco.sync.weights import plausible_claim
 from p2pdiloco.train.learner import Learner, Outgoing
 
 log = logging.getLogger(__name__)
@@ -228,12 +229,16 @@ class Trainer:
             self._publish()
             self._drain(wait=action.seconds)
         elif isinstance(action, Rebase):
-            new = self._new_state
-            if action.anchor_sent and not action.merged and self._sent is not None:
-                self.learner.unsend(self._sent)  # the certificate did not merge it
-            self.learner.rebase(
-                new.params, self.state.params, self._sent if action.anchor_sent else None
-            )
+            new, sent = self._new_state, self._sent
+            carry = action.carried > 0 and sent is not None
+            if action.anchor_sent and not action.merged and sent is not None:
+                self.learner.unsend(sent)  # the certificate did not merge it
+            if carry:  # ... and its work goes into the next delta: anchor at the old base
+                assert sent is not None
+                self.learner.carry(sent)
+                self._c.tokens_since_send += sent.tokens
+            anchor = sent if action.anchor_sent and not carry else None
+            self.learner.rebase(new.params, self.state.params, anchor)
             if action.seek_step is not None:  # skipped versions: follow the run's lr schedule
                 self.learner.seek(action.seek_step)
             self.state, self._sent = new, None
@@ -282,7 +287,10 @@ class Trainer:
         self.submit(sub)
 
     def _seal(self, out: Outgoing) -> Submission:
-        steps, tokens = max(1, out.steps), max(1, out.tokens)
+        # A delta holding carried work may span up to 2H steps; it claims at most one delta's
+        # worth (H), as every syncer would clip it (ADR 0010), so an honest claim is never cut.
+        H = self.manifest.inner_steps
+        steps, tokens = plausible_claim(max(1, out.steps), max(1, out.tokens), H)
         if self.inflate:
             inner = self.manifest.inner
             steps, tokens = INFLATED_STEPS, INFLATED_STEPS * inner.batch_size * inner.seq_len

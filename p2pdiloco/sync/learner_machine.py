@@ -7,10 +7,16 @@ and in the simulator.
 
     train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training up to H more steps
        ▲                                              │
-       │           certificate of v' > v ◀────────────┤ (ours merged or not: rebase onto v',
-       │                                              │  anchored at the sent parameters)
+       │           certificate of v' > v ◀────────────┤ (ours merged: rebase onto v' anchored at
+       │                                              │  the sent parameters; not merged: the
+       │                                              │  sent steps are carried into the next Δ)
        └──────── refused / dropped / given up ◀───────┘ (rebase onto v itself: the sent part
                                                          is dropped, later progress kept)
+
+A delta refused only for its timing (its round had closed, or it reached a syncer off the
+committee) stays in flight until the next certificate settles it: if that certificate did not
+merge it (a refused delta never is), its work is carried into the learner's next delta rather
+than thrown away (docs/adr/0014-late-deltas-are-carried.md).
 
 A certificate that lands while no delta is in flight rebases the stretch under way onto it
 (all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
@@ -30,7 +36,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, TIMING, Reason
 
 
 class LearnerPhase(enum.Enum):
@@ -68,6 +74,9 @@ class Rebase:
     anchor_sent: bool
     merged: bool  # our delta in flight is among the certified version's inputs
     seek_step: int | None
+    # Steps of the delta in flight that the certificate did not merge: carried into the next
+    # delta (rebase from the old base, error feedback restored), 0 when merged or none in flight.
+    carried: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,8 +101,10 @@ LearnerAction = Train | Send | Wait | Rebase | Drop | CatchUp
 class InFlight:
     base_version: int
     sent_at: float
+    steps: int = 0  # inner steps the delta covers
     digest: str | None = None  # set by ``on_sent``
     accepted_by_some: bool = False
+    late: Reason | None = None  # refused for its timing only: the next certificate settles it
 
 
 @dataclass
@@ -148,9 +159,9 @@ class LearnerMachine:
                 return [Wait(0.2)]
             return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
         if self.in_flight is None and self.stretch_done:
-            self.in_flight = InFlight(self.version, now)
-            self.sent += 1
             steps, self.trained, self.trained_seconds = self.trained, 0, 0.0
+            self.in_flight = InFlight(self.version, now, steps)
+            self.sent += 1
             return [Send(self.version, steps)]
         return [Train(self._chunk())]
 
@@ -194,10 +205,13 @@ class LearnerMachine:
             return []
         if code in RETRYABLE:
             return []  # the runtime sends it again
-        actions = self._lose(code or Reason.MALFORMED)
+        newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
-            actions.append(CatchUp(fast_forward))
-        return actions
+            newer.append(CatchUp(fast_forward))
+        if code in TIMING:  # too late, not bad: settled (and its work carried) by a certificate
+            fly.late = code
+            return newer
+        return [*self._lose(code or Reason.MALFORMED), *newer]
 
     def on_dropped(self, digest: str, code: Reason) -> list[LearnerAction]:
         """A syncer dropped our accepted delta (its round's merge failed, or it was screened out
@@ -213,15 +227,20 @@ class LearnerMachine:
             return []
         fly = self.in_flight
         merged = fly is not None and fly.digest is not None and fly.digest in merged_digests
+        carried = 0
         if fly is not None:
             self.merged += merged
             self.lost += not merged
+            # A delta of more than H steps (it already holds carried work) is not carried again:
+            # its sent part is dropped, so no delta grows past 2H steps.
+            carried = fly.steps if not merged and fly.steps <= self.inner_steps else 0
+            self.trained += carried  # its work goes into the next delta
         seek = version * self.inner_steps if version > self.version + 1 else None
         self.version, self.in_flight = version, None
         # A budget is per round: it restarts when a version lands, so every learner sends about
         # one budget after the round opened and the slow ones meet the same round close.
         self.trained_seconds = 0.0
-        return [Rebase(version, anchor_sent=fly is not None, merged=merged, seek_step=seek)]
+        return [Rebase(version, fly is not None, merged, seek, carried)]
 
     def _lose(self, code: Reason) -> list[LearnerAction]:
         self.in_flight = None

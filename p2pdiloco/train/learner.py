@@ -174,6 +174,11 @@ class Learner:
         before that delta, so the next delta carries no part of work that was thrown away."""
         self.feedback.residual = dict(sent.residual_before)
 
+    def carry(self, sent: Outgoing) -> None:
+        """``sent`` was not merged and its work stays in the parameters for the next delta
+        (rebase anchored at the old base): its steps count again toward the next delta."""
+        self.steps_since_send += sent.steps
+
     @torch.no_grad()
     def rebase(
         self,
