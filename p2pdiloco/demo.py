@@ -431,6 +431,7 @@ def summarize(
         rejected[peer] += 1
     # Share of each learner's wall time spent in inner steps (its status file; issue 10).
     util = {s.get("peer_id"): float(s.get("utilization") or 0.0) for s in statuses}
+    by_peer = {s.get("peer_id"): s for s in statuses}
     peers = {
         n.name: {
             "peer_id": n.identity.peer_id,
@@ -439,6 +440,8 @@ def summarize(
             "rejected": rejected[n.identity.peer_id],
             "tokens": tokens[n.identity.peer_id],
             "utilization": util.get(n.identity.peer_id, 0.0),
+            "train_seconds": float(by_peer.get(n.identity.peer_id, {}).get("train_seconds") or 0),
+            "sync_wait_s": float(by_peer.get(n.identity.peer_id, {}).get("sync_wait_s") or 0),
         }
         for n in nodes
     }

@@ -146,3 +146,16 @@ def test_status_and_the_bootstrap_page_show_a_stalled_run() -> None:
     assert "stalled: no certificate for version 13 for 95 s" in render_page(state)
     healthy = {**state, "runs": [{**run, "stalled": None}]}
     assert "stalled" not in render_page(healthy)
+
+
+def test_the_wait_from_send_to_certificate_is_summed_over_versions() -> None:
+    import time
+
+    tally = Tally(stall_after=100.0)
+    tally.on_sent()
+    tally.waiting_since = time.monotonic() - 5.0  # sent 5 s ago
+    tally.record_chain([], "me")
+    assert 5.0 <= tally.sync_wait_s < 6.0
+    tally.record_chain([], "me")  # a version with nothing sent adds nothing
+    assert tally.sync_wait_s < 6.0
+    assert view(tally, time.monotonic()).sync_wait_s == round(tally.sync_wait_s, 2)

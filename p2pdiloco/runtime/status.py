@@ -40,6 +40,9 @@ class Tally:
     paused_reason: str | None = None
     stall_after: float = 0.0  # seconds without a certificate after sending; 0: never stalled
     waiting_since: float | None = None  # monotonic time of the first delta sent on this version
+    # Seconds from each first send on a version to the next certified version, summed: what a
+    # learner without overlap would have spent blocked (bench/utilization.py).
+    sync_wait_s: float = 0.0
     stall_logged: bool = False  # the stall of this version has its event line
     progress_at: float = 0.0  # when the last download progress line was logged
 
@@ -81,6 +84,8 @@ class Tally:
 
     def record_chain(self, chain: list[Certificate], me: str) -> set[str]:
         """Count the receipts of newly applied certificates; every digest they merged."""
+        if self.waiting_since is not None:
+            self.sync_wait_s += time.monotonic() - self.waiting_since
         self.waiting_since, self.stall_logged = None, False  # nothing awaited until a delta
         merged = set()
         for c in chain:
@@ -133,6 +138,7 @@ class Tally:
             rejections=rejections[-200:],
             stalled=stall,
             stalled_s=round(waited, 1) if stalled else 0.0,
+            sync_wait_s=round(self.sync_wait_s, 2),
         )
 
 
@@ -156,6 +162,7 @@ class RuntimeView:
     rejections: tuple[dict[str, Any], ...] = ()
     stalled: str | None = None  # "stalled: no certificate for version ... (waiting on ...)"
     stalled_s: float = 0.0  # seconds waited for that certificate, while stalled
+    sync_wait_s: float = 0.0  # send → next certificate, summed over versions (Tally)
 
     def status_json(self, peer_id: str, run_id: str, trainer: Any) -> bytes:
         """``status.json``: one object for monitors, the demo and the tests."""
@@ -177,6 +184,8 @@ class RuntimeView:
                 "last_loss": t.last_loss if t is not None else None,
                 "tokens_per_second": t.tokens_per_second if t is not None else 0.0,
                 "utilization": round(t.utilization, 4) if t is not None else 0.0,
+                "train_seconds": round(t.train_seconds, 2) if t is not None else 0.0,
+                "sync_wait_s": self.sync_wait_s,
                 "stalled": self.stalled,
                 "stalled_s": self.stalled_s,
                 "downloads": list(self.downloads),

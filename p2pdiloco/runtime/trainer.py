@@ -101,6 +101,7 @@ class TrainerView:
     # Share of wall time spent in inner steps, from the first chunk to the latest one (waits
     # for the network in between count against it; idling after the last version does not).
     utilization: float = 0.0
+    train_seconds: float = 0.0  # wall time inside inner steps
 
 
 @dataclass
@@ -332,4 +333,5 @@ class Trainer:
             events=tuple(c.events),
             error=self._error,
             utilization=c.utilization(),
+            train_seconds=c.train_seconds,
         )
