@@ -149,6 +149,7 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
         (["--weight-cap", "2"], "invalid sync rule weight_cap"),
         (["--grace", "0"], "invalid sync rule grace"),
         (["--time-budget", "0"], "invalid run setting time_budget"),
+        (["--grace", "10", "--grace-min", "11"], "invalid sync rules: grace_min must not exceed"),
     ],
 )
 def test_run_create_refuses_rules_before_signing_or_network(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from p2pdiloco.protocol.reasons import RETRYABLE, TIMING, Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.sync.learner_machine import (
     CatchUp,
     Drop,
@@ -23,8 +23,8 @@ from p2pdiloco.sync.learner_machine import (
 H = 10
 CHUNK = 4
 NON_RETRYABLE = sorted(set(Reason) - RETRYABLE)
-FINAL = sorted(set(Reason) - RETRYABLE - TIMING)  # refusals that say the delta itself is bad
-LATE = sorted(TIMING - RETRYABLE)  # refusals that say it came too late
+LATE = [Reason.ROUND_CLOSED]  # a refusal that says it came too late: a certificate settles it
+FINAL = sorted(set(Reason) - RETRYABLE - set(LATE))  # the others drop it at once
 
 
 def machine(**over: Any) -> LearnerMachine:

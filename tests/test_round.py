@@ -134,6 +134,19 @@ def test_round_closes_at_grace_with_fewer_learners() -> None:
     assert set(c.done) == set(COMMITTEE)
 
 
+def test_an_adaptive_close_shortens_the_grace_and_never_lengthens_it() -> None:
+    c = Committee(params(close_after=5.0))  # the adaptive grace (sync.arrivals) said 5 s
+    c.submit(sub(0), now=1.0)
+    c.tick(4.9)
+    assert not c.done
+    c.tick(5.1)
+    assert set(c.done) == set(COMMITTEE)
+    late = Committee(params(close_after=600.0))  # never past the manifest's grace
+    late.submit(sub(0), now=1.0)
+    late.tick(61.0)
+    assert set(late.done) == set(COMMITTEE)
+
+
 def test_screening_rejects_and_fast_forwards() -> None:
     c = Committee(params())
     r = c.rounds["s1"]

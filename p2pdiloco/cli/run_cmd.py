@@ -78,6 +78,14 @@ def create(
     grace: Annotated[
         float, typer.Option(help="Seconds a round collects before closing with what it has.")
     ] = _r.grace,
+    grace_min: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Adaptive grace: close after 2 × the 90th percentile of recent arrival delays, "
+            "at least this and at most --grace [default: off].",
+        ),
+    ] = None,
     linger: Annotated[
         float, typer.Option(help="Seconds a round keeps collecting once enough learners sent.")
     ] = _r.linger,
@@ -117,6 +125,7 @@ def create(
         weight_cap=weight_cap,
         staleness=staleness,
         grace=grace,
+        grace_min=grace_min,
         linger=linger,
         agree_timeout=agree_timeout,
     )

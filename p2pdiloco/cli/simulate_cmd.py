@@ -45,7 +45,10 @@ def sync_rules(**fields: object) -> SyncRules:
     except ValidationError as e:
         err = e.errors(include_url=False, include_input=False)[0]
         where = ".".join(map(str, err["loc"]))
-        raise ConfigError(f"invalid sync rule {where}: {err['msg']}") from None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not where:  # a rule relating two fields: the message names them
+            raise ConfigError(f"invalid sync rules: {msg}") from None
+        raise ConfigError(f"invalid sync rule {where}: {msg}") from None
 
 
 _i = InnerConfig()

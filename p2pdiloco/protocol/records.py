@@ -158,6 +158,10 @@ class SyncRules(_Strict):
     min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
     # Seconds a round collects before closing with what it has (at least one submission).
     grace: float = Field(default=60.0, gt=0, le=86_400)
+    # Adaptive grace: with a lower bound set, a round closes with what it has after twice the
+    # 90th percentile of the last rounds' arrival delays, kept within [grace_min, grace]
+    # (sync.arrivals). None: always after ``grace``. Timeouts still count the full ``grace``.
+    grace_min: float | None = Field(default=None, gt=0, le=86_400)
     # Seconds a round keeps collecting after reaching min_quorum_fraction.
     linger: float = Field(default=3.0, ge=0, le=3_600)
     # Seconds without a proposal before the next committee member takes the lead.
@@ -166,6 +170,12 @@ class SyncRules(_Strict):
     # it votes to hand the version to the next view's committee (protocol.view_change); None:
     # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
     view_timeout: float | None = Field(default=None, gt=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _grace_bounds(self) -> SyncRules:
+        if self.grace_min is not None and self.grace_min > self.grace:
+            raise ValueError("grace_min must not exceed grace")
+        return self
 
     @model_validator(mode="after")
     def _view_after_round(self) -> SyncRules:

@@ -13,8 +13,8 @@ and in the simulator.
        └──────── refused / dropped / given up ◀───────┘ (rebase onto v itself: the sent part
                                                          is dropped, later progress kept)
 
-A delta refused only for its timing (its round had closed, or it reached a syncer off the
-committee) stays in flight until the next certificate settles it: if that certificate did not
+A delta refused because its round had closed stays in flight until the next certificate
+settles it (the runtime still offers it to a later view's committee): if that certificate did not
 merge it (a refused delta never is), its work is carried into the learner's next delta rather
 than thrown away (docs/adr/0014-late-deltas-are-carried.md).
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from p2pdiloco.protocol.reasons import RETRYABLE, TIMING, Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 
 
 class LearnerPhase(enum.Enum):
@@ -208,7 +208,7 @@ class LearnerMachine:
         newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
             newer.append(CatchUp(fast_forward))
-        if code in TIMING:  # too late, not bad: settled (and its work carried) by a certificate
+        if code is Reason.ROUND_CLOSED:  # too late, not bad: a certificate settles (carries) it
             fly.late = code
             return newer
         return [*self._lose(code or Reason.MALFORMED), *newer]

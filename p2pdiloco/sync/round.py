@@ -409,7 +409,8 @@ class SyncerRound:
             self.enough_at = now
         everyone = n >= p.active_learners
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
-        deadline = now >= self.attempt_opened_at + p.grace
+        close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
+        deadline = now >= self.attempt_opened_at + close_after
         if self.phase is not Phase.COLLECTING or n == 0 or not (everyone or lingered or deadline):
             return []
         self.phase = Phase.AGREEING

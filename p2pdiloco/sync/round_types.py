@@ -39,6 +39,10 @@ class RoundParams:
     active_learners: int  # learners alive at round start (heartbeats)
     opened_at: float  # when the round started collecting
     grace: float = 60.0  # seconds after an attempt opens at which it closes with what it has
+    # Seconds after which this syncer closes an attempt with what it has: ``grace``, or less
+    # under the adaptive grace (sync.arrivals); None: ``grace``. Deadlines that estimate when
+    # *another* syncer closes keep ``grace``, the bound every syncer shares.
+    close_after: float | None = None
     min_fraction: float = 0.6  # share of active learners that closes the round early
     staleness: int = 2  # oldest base version accepted: v − staleness
     max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps

@@ -62,6 +62,7 @@ def round_params(
     active_learners: int,
     now: float,
     locked: tuple[str, ...] | None = None,
+    close_after: float | None = None,
 ) -> RoundParams:
     """Every parameter of the round on certified ``version``: the consensus ones from the
     signed manifest (its ``rules``, the token bound and H), the committee of the view, the
@@ -83,4 +84,5 @@ def round_params(
         agree_timeout=r.agree_timeout,
         linger=r.linger,
         locked=locked,
+        close_after=close_after,
     )

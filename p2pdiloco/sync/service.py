@@ -6,9 +6,8 @@ carries out the actions it returns: reject (logged with the peer id and a ``Reas
 propose, fetch, merge (``sync.aggregator.merge_round`` in a worker thread), sign, assemble the
 certificate. Every rule that changes certified bytes comes from the signed manifest
 (``manifest.rules``); nothing local does. A merge that fails starts the round's next attempt
-instead of leaving it stuck. Every per-peer and per-submission structure is bounded.
-
-All methods run on the runtime's loop; nothing here is called from another thread.
+instead of leaving it stuck. Every per-peer and per-submission structure is bounded. All
+methods run on the runtime's loop; nothing here is called from another thread.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.arrivals import ArrivalWindow
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.committee_msgs import (
@@ -89,9 +89,7 @@ class SyncService:
         self.transport = transport
         self.active_learners = active_learners
         self.on_certified = on_certified
-        self.outer = OuterConfig(
-            lr=manifest.outer.lr, momentum=manifest.outer.momentum, nesterov=manifest.outer.nesterov
-        )
+        self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
         self.committee: CommitteeInfo | None = None
         self.round: SyncerRound | None = None
@@ -102,6 +100,7 @@ class SyncService:
         self.buffered: list[tuple[int, str, str, list[bytes]]] = []
         self.rejections: BoundedLog[dict[str, Any]] = BoundedLog(MAX_REJECTIONS_KEPT)
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
+        self.arrivals = ArrivalWindow(self.rules.grace, self.rules.grace_min)  # adaptive grace
         self._tasks: set[asyncio.Task[Any]] = set()
         self.views = ViewDriver(identity, run_id, manifest, self._send, self._spawn)
 
@@ -144,7 +143,8 @@ class SyncService:
             return
         active = max(self.active_learners(), len(roster_of(self.manifest, self.current.cert)))
         params = round_params(self.run_id, self.manifest, self.current.version, self.committee,
-                              active, time.monotonic(), locked)  # fmt: skip
+                              active, time.monotonic(), locked,
+                              self.arrivals.next_round())  # fmt: skip
         self.round = rnd = SyncerRound(params, self.me)
         self.held.clear()
         log.info(
@@ -246,6 +246,7 @@ class SyncService:
         rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
         if not rejected:
             self.held[sub.digest] = Held(sub, raw, rest[0])
+            self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)
         self._execute(actions, sub.digest)
         if rejected:
             return {
