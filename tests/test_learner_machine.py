@@ -23,8 +23,6 @@ from p2pdiloco.sync.learner_machine import (
 H = 10
 CHUNK = 4
 NON_RETRYABLE = sorted(set(Reason) - RETRYABLE)
-LATE = [Reason.ROUND_CLOSED]  # a refusal that says it came too late: a certificate settles it
-FINAL = sorted(set(Reason) - RETRYABLE - set(LATE))  # the others drop it at once
 
 
 def machine(**over: Any) -> LearnerMachine:
@@ -138,7 +136,7 @@ def test_accepted_reply_keeps_the_delta_in_flight() -> None:
     assert counters(m) == (1, 0, 0)
 
 
-@pytest.mark.parametrize("code", FINAL)
+@pytest.mark.parametrize("code", NON_RETRYABLE)
 def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     m = machine()
     sent(m)
@@ -147,22 +145,6 @@ def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     assert counters(m) == (1, 0, 1)
     assert m.version == 3  # a refusal never moves the base
     assert m.phase is LearnerPhase.TRAINING
-
-
-@pytest.mark.parametrize("code", LATE)
-def test_a_late_delta_stays_in_flight_and_the_next_certificate_carries_its_steps(
-    code: Reason,
-) -> None:
-    m = machine()
-    sent(m)
-    assert m.on_reply("d1", accepted=False, code=code, fast_forward=4) == [CatchUp(4)]
-    assert m.in_flight is not None and m.in_flight.late is code
-    assert counters(m) == (1, 0, 0)  # not settled by the refusal ...
-    m.on_trained(3)
-    [rebase] = m.on_certified(4, frozenset({"x"}))  # ... but by the certificate without it
-    assert rebase == Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=H)
-    assert m.trained == H + 3 and counters(m) == (1, 0, 1)
-    assert m.next_action(1.0) == [Send(4, H + 3)]  # its work goes into the next delta
 
 
 def test_a_delta_of_more_than_h_steps_is_not_carried_again() -> None:

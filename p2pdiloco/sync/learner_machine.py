@@ -13,22 +13,10 @@ and in the simulator.
        └──────── refused / dropped / given up ◀───────┘ (rebase onto v itself: the sent part
                                                          is dropped, later progress kept)
 
-A delta refused because its round had closed stays in flight until the next certificate
-settles it (the runtime still offers it to a later view's committee): if that certificate did not
-merge it (a refused delta never is), its work is carried into the learner's next delta rather
-than thrown away (docs/adr/0014-late-deltas-are-carried.md).
-
-A certificate that lands while no delta is in flight rebases the stretch under way onto it
-(all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
-wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
-``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
-
-With a time budget (the manifest's ``time_budget``) a stretch also ends once it has trained that
-many seconds since the last send or the last certified version, however few steps fit: every
-learner sends about one budget after a round opened, so a slow island sends a smaller delta to
-the same round rather than missing it, and its merge weight follows the tokens it trained. ``inner_steps``
-stays the most steps one delta may hold (and claim). The chunks of a budgeted stretch are sized
-from the measured seconds per step so the stretch ends close to the budget.
+A delta that a certificate did not merge (held by some syncers, but outside the agreed input
+set: syncers never merge it later) has its work carried into the learner's next delta rather
+than thrown away (docs/adr/0014-late-deltas-are-carried.md). A refused one is dropped at once,
+so the learner's next delta goes out without waiting (a later view's committee needs it).
 """
 
 from __future__ import annotations
@@ -104,7 +92,6 @@ class InFlight:
     steps: int = 0  # inner steps the delta covers
     digest: str | None = None  # set by ``on_sent``
     accepted_by_some: bool = False
-    late: Reason | None = None  # refused for its timing only: the next certificate settles it
 
 
 @dataclass
@@ -208,9 +195,6 @@ class LearnerMachine:
         newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
             newer.append(CatchUp(fast_forward))
-        if code is Reason.ROUND_CLOSED:  # too late, not bad: a certificate settles (carries) it
-            fly.late = code
-            return newer
         return [*self._lose(code or Reason.MALFORMED), *newer]
 
     def on_dropped(self, digest: str, code: Reason) -> list[LearnerAction]:
