@@ -389,3 +389,88 @@ def test_local_hf_tokenizer(tmp_path: Path, corpus_dir: Path) -> None:
     assert c.tokenizer_name == tok.name
     assert int(c.train_NS.max()) < tok.vocab_size
     assert c.num_train_rows > 0 and c.num_eval_rows > 0
+
+
+class _Clock:
+    """A monotonic clock that moves 3 s on every reading: every check is past the interval."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 3.0
+        return self.now
+
+
+class _WordTokenizer:
+    """Not a ByteTokenizer (so documents go through the batched encoder); encodes as one."""
+
+    name = "words"
+
+    def __init__(self) -> None:
+        self._byte = ByteTokenizer()
+        self.vocab_size, self.pad_id = self._byte.vocab_size, self._byte.pad_id
+        self.bos_id, self.eos_id = self._byte.bos_id, self._byte.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._byte.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._byte.decode(ids)
+
+
+def test_a_long_corpus_preparation_logs_its_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from p2pdiloco.train import data, sources
+
+    for i in range(600):
+        (tmp_path / f"doc{i:03d}.txt").write_text(f"document {i} " * 20)
+    clock = _Clock()
+    monkeypatch.setattr(sources.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(data.time, "monotonic", clock.monotonic)
+    with caplog.at_level(logging.INFO, logger="p2pdiloco.train"):
+        corpus = build_corpus(str(tmp_path), _WordTokenizer(), seq_len=16)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(ln.startswith("reading ") and " documents, " in ln and "MB so far" in ln
+               for ln in lines)  # fmt: skip
+    assert "tokenizing with words: 256 of 600 documents" in lines
+    assert corpus.num_documents == 600
+
+
+def test_a_tokenizer_download_says_it_starts_and_ends(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub path (no network here: ``from_pretrained`` stands in for the hub and its own
+    per-file progress bars)."""
+    import logging
+    from types import SimpleNamespace
+
+    import transformers
+
+    from p2pdiloco.train import tokenizer as tk
+
+    class Fake(SimpleNamespace):
+        def __len__(self) -> int:
+            return 300
+
+    calls = []
+
+    def from_pretrained(hub_id: str, **kw: object) -> Fake:
+        calls.append(kw)
+        if kw.get("local_files_only"):
+            raise OSError("not in the local cache")
+        return Fake(eos_token_id=1, sep_token_id=None, bos_token_id=2, cls_token_id=None,
+                    pad_token_id=None)  # fmt: skip
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(tk, "_hub_reachable", lambda *a, **k: True)
+    with caplog.at_level(logging.INFO, logger="p2pdiloco.train.tokenizer"):
+        tok = tk.load_tokenizer("google/some-tokenizer")
+    lines = [r.getMessage() for r in caplog.records]
+    assert tok.name == "google/some-tokenizer" and len(calls) == 2
+    assert "downloading tokenizer 'google/some-tokenizer' from the Hugging Face hub" in lines[0]
+    assert lines[1].startswith("tokenizer 'google/some-tokenizer' downloaded in ")

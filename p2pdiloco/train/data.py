@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,6 +28,7 @@ import torch
 
 from p2pdiloco.train.sources import (
     DEFAULT_MAX_BYTES,
+    PROGRESS_EVERY,
     DataError,
     Document,
     SourceStats,
@@ -176,10 +178,22 @@ def _pack(stream: torch.Tensor, S: int) -> torch.Tensor:
 
 
 def _encode_all(texts: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Every text's token ids, in batches of 256 documents; a long run logs its progress every
+    couple of seconds."""
     batch = getattr(tokenizer, "encode_batch", None)
-    if callable(batch):
-        return [list(ids) for ids in batch(texts)]
-    return [tokenizer.encode(t) for t in texts]
+    out: list[list[int]] = []
+    said = time.monotonic()
+    for start in range(0, len(texts), 256):
+        part = texts[start : start + 256]
+        out += (
+            [list(ids) for ids in batch(part)]
+            if callable(batch)
+            else [tokenizer.encode(t) for t in part]
+        )
+        if time.monotonic() - said >= PROGRESS_EVERY and len(out) < len(texts):
+            said = time.monotonic()
+            log.info("tokenizing with %s: %d of %d documents", tokenizer.name, len(out), len(texts))
+    return out
 
 
 def build_corpus(

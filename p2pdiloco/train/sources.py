@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sysconfig
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,10 +246,19 @@ def describe_source(source: str) -> str:
     return f"data {'directory' if os.path.isdir(source) else 'file'} '{source}'"
 
 
+PROGRESS_EVERY = 2.0  # seconds between progress lines of a long read or tokenization
+
+
 def _capped(
     documents: Iterator[Document], source: str, max_bytes: int, stats: SourceStats
 ) -> Iterator[Document]:
+    said = time.monotonic()
     for doc in documents:
+        if time.monotonic() - said >= PROGRESS_EVERY:  # a long read says how far it got
+            said = time.monotonic()
+            log.info("reading %s: %d documents, %.1f MB so far (at most %.0f MB)",
+                     describe_source(source), stats.documents, stats.bytes / 1e6,
+                     max_bytes / 1e6)  # fmt: skip
         if not doc.text.strip():
             continue
         data = doc.text.encode("utf-8")

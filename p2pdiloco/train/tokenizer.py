@@ -7,14 +7,18 @@ one-line message meant to be printed by the CLI as-is; it never hangs on an unre
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from p2pdiloco.errors import UserError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ByteTokenizer",
@@ -188,8 +192,12 @@ def _from_hub(hub_id: str, cache_dir: str | None) -> HFTokenizer:
             f"tokenizer '{hub_id}' is not in the local Hugging Face cache and the hub is "
             f"unreachable (offline?); {hint}"
         ) from cache_error
+    # Progress: this line, then the hub's own per-file bars on stderr, then the line after.
+    log.info("downloading tokenizer '%s' from the Hugging Face hub (first use only)", hub_id)
+    started = time.monotonic()
     try:
         tok = AutoTokenizer.from_pretrained(hub_id, cache_dir=cache_dir)
+        log.info("tokenizer '%s' downloaded in %.1f s", hub_id, time.monotonic() - started)
     except Exception as exc:
         raise TokenizerUnavailable(
             f"tokenizer '{hub_id}' could not be loaded from the Hugging Face hub "
