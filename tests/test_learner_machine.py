@@ -147,6 +147,14 @@ def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     assert m.phase is LearnerPhase.TRAINING
 
 
+def test_a_delta_whose_fate_is_unknown_is_not_carried() -> None:
+    m = machine()
+    sent(m)
+    [rebase] = m.on_certified(4, frozenset(), carry=False)  # moving on at stop: it may be merged
+    assert rebase == Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=0)
+    assert m.trained == 0
+
+
 def test_a_delta_of_more_than_h_steps_is_not_carried_again() -> None:
     m = machine()
     sent(m)

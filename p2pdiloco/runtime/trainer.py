@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 class Certified:
     state: CertifiedState
     merged_digests: frozenset[str]
+    # False when ``merged_digests`` is not known (moving onto the newest version at stop): a
+    # delta in flight is then not carried, since it may be merged and would count twice.
+    known: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ class Trainer:
         assert not self.alive
         self._drain()
         if newest is not None and newest.version > self.state.version:
-            self.deliver(Certified(newest, frozenset()))
+            self.deliver(Certified(newest, frozenset(), known=False))
             self._drain()
 
     @property
@@ -211,7 +214,9 @@ class Trainer:
                 events.append(self.inbox.get_nowait())
         for ev in events:
             if isinstance(ev, Certified):
-                actions = self.machine.on_certified(ev.state.version, ev.merged_digests)
+                actions = self.machine.on_certified(
+                    ev.state.version, ev.merged_digests, carry=ev.known
+                )
                 if actions:
                     self._new_state = ev.state
             elif isinstance(ev, Reply):

@@ -204,9 +204,12 @@ class LearnerMachine:
             return []
         return self._lose(code)
 
-    def on_certified(self, version: int, merged_digests: frozenset[str]) -> list[LearnerAction]:
+    def on_certified(
+        self, version: int, merged_digests: frozenset[str], carry: bool = True
+    ) -> list[LearnerAction]:
         """Certified ``version`` (the newest of a verified chain) is ready to apply.
-        ``merged_digests``: every submission the chain's certificates merged."""
+        ``merged_digests``: every submission the chain's certificates merged. ``carry=False``
+        when those are unknown: a delta in flight is then not carried (it may be merged)."""
         if version <= self.version:
             return []
         fly = self.in_flight
@@ -217,7 +220,7 @@ class LearnerMachine:
             self.lost += not merged
             # A delta of more than H steps (it already holds carried work) is not carried again:
             # its sent part is dropped, so no delta grows past 2H steps.
-            carried = fly.steps if not merged and fly.steps <= self.inner_steps else 0
+            carried = fly.steps if carry and not merged and fly.steps <= self.inner_steps else 0
             self.trained += carried  # its work goes into the next delta
         seek = version * self.inner_steps if version > self.version + 1 else None
         self.version, self.in_flight = version, None
