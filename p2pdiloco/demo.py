@@ -429,9 +429,11 @@ def summarize(
             refused.add((r.get("peer_id", ""), digest or r.get("reason", ""), r.get("round")))
     for peer, _, _ in refused:
         rejected[peer] += 1
-    # Share of each learner's wall time spent in inner steps (its status file; issue 10).
-    util = {s.get("peer_id"): float(s.get("utilization") or 0.0) for s in statuses}
     by_peer = {s.get("peer_id"): s for s in statuses}
+
+    def figure(peer: str, key: str) -> float:  # from its status file (issue 10)
+        return float(by_peer.get(peer, {}).get(key) or 0.0)
+
     peers = {
         n.name: {
             "peer_id": n.identity.peer_id,
@@ -439,9 +441,10 @@ def summarize(
             "accepted": accepted[n.identity.peer_id],
             "rejected": rejected[n.identity.peer_id],
             "tokens": tokens[n.identity.peer_id],
-            "utilization": util.get(n.identity.peer_id, 0.0),
-            "train_seconds": float(by_peer.get(n.identity.peer_id, {}).get("train_seconds") or 0),
-            "sync_wait_s": float(by_peer.get(n.identity.peer_id, {}).get("sync_wait_s") or 0),
+            # share of wall time in inner steps; the time in them; send → certificate waits
+            "utilization": figure(n.identity.peer_id, "utilization"),
+            "train_seconds": figure(n.identity.peer_id, "train_seconds"),
+            "sync_wait_s": figure(n.identity.peer_id, "sync_wait_s"),
         }
         for n in nodes
     }

@@ -13,6 +13,11 @@ and in the simulator.
        └──────── refused / dropped / given up ◀───────┘ (rebase onto v itself: the sent part
                                                          is dropped, later progress kept)
 
+A certificate that lands while no delta is in flight rebases the stretch under way onto it
+(all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
+wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
+``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
+
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
 set: syncers never merge it later) has its work carried into the learner's next delta rather
 than thrown away (docs/adr/0014-late-deltas-are-carried.md). A refused one is dropped at once,
