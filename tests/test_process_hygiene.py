@@ -138,7 +138,11 @@ def test_double_ctrl_c_and_sigterm_leave_no_process(tmp_path: Path, procs: list[
     os.killpg(join.proc.pid, signal.SIGINT)
     join.wait_output("stopping cleanly", timeout=10)
     os.killpg(join.proc.pid, signal.SIGINT)
-    assert join.proc.wait(timeout=30) == 130
+    # `--no-train` has little to save, so its clean stop may be over by now: the second Ctrl-C
+    # then lands in the interpreter's exit (killed by SIGINT, which a shell shows as 130 too) or
+    # after it (0). A second Ctrl-C during a slow clean stop exits 130: tests/test_signals.py.
+    # The guarantee checked here is that it ends promptly and leaves no process.
+    assert join.proc.wait(timeout=30) in (130, -signal.SIGINT, 0)
     _assert_all_gone(tree, "a second Ctrl-C of join: " + ", ".join(map(_describe, tree)))
 
     tree = _tree(boot)

@@ -34,3 +34,26 @@ def test_forked_child_dies_on_terminate_and_parent_sets_event() -> None:
     assert out.returncode == 0, out.stderr
     assert f"child exitcode -{15}" in out.stdout
     assert "parent stop set True" in out.stdout
+
+
+SECOND_CTRL_C = r"""
+import os, signal, time
+from p2pdiloco.cli.signals import stop_event
+
+stop = stop_event()
+os.kill(os.getpid(), signal.SIGINT)   # the first Ctrl-C only asks for a clean stop
+assert stop.wait(5)
+print("stopping", flush=True)
+os.kill(os.getpid(), signal.SIGINT)   # the second one exits at once, mid-way through it
+time.sleep(60)                        # a clean stop that would take a minute
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_exits_130_at_once_during_a_slow_clean_stop() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 130, out.stderr
+    assert out.stdout.splitlines() == ["stopping"]
+    assert "second Ctrl-C: exiting now" in out.stderr
