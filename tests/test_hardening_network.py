@@ -46,7 +46,7 @@ from tests.netutil import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SMALL = DemoConfig(inner_steps=12, grace=40.0, agree_timeout=10.0, batch_size=4, seq_len=64)
+SMALL = DemoConfig(inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=4, seq_len=64)
 TEN_YEARS = 10 * 365 * 86400.0
 JUNK_VERSION = 10**9
 # RSS growth allowed for 120 streams (60 announcing 5 MB, 60 announcing the run's limit) on a

@@ -36,7 +36,7 @@ from tests.netutil import wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Protocol tests, not training-quality ones: small batches keep each round a few seconds.
-SMALL = DemoConfig(inner_steps=12, grace=40.0, agree_timeout=10.0, batch_size=4, seq_len=64)
+SMALL = DemoConfig(inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=4, seq_len=64)
 
 
 def demo_json(*args: str, timeout: float = 500) -> dict:

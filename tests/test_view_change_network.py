@@ -20,7 +20,7 @@ from tests.test_sync_network import SMALL, certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-VIEW_TIMEOUT = 90.0  # > grace (40) + agree_timeout (10): the manifest refuses less
+VIEW_TIMEOUT = 30.0  # > grace (15) + agree_timeout (5): the manifest refuses less
 
 
 def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: Path) -> None:

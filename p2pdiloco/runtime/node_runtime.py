@@ -336,20 +336,21 @@ class NodeRuntime:
             pending.delivering = False
 
     async def _deliver(self, pending: _Pending) -> None:
-        """Send to every member of the current view's committee not asked yet, again to those
-        that say "later" (retryable codes), until each has answered or the version moved on.
-        Reports one summary to the trainer: accepted by at least one syncer, or refused by every
-        one that answered."""
-        sub = pending.sub
-        committee = [m for m in self._committee_now() if m not in pending.statuses]
-        todo, backoff = list(committee), 1.0
+        """Send to every member of the current view's committee not asked yet (members of a
+        later view join as the view changes), again to those that say "later" (retryable codes)
+        or could not be reached, until each has answered or the version moved on. Tells the
+        trainer once: accepted as soon as one syncer holds it, or refused by every one that
+        answered. Syncers that cannot be reached never hold up the others' answer."""
+        sub, todo, backoff, told = pending.sub, [], 1.0, False
         codes: list[Reason] = []
         ff: int | None = None
         self.tally.on_sent()
         for _ in range(20):
-            targets = todo
+            todo += [
+                m for m in self._committee_now() if m not in pending.statuses and m not in todo
+            ]
+            targets, todo = todo, []
             replies = await asyncio.gather(*(self._submit_to(p, sub) for p in targets))
-            todo = []
             for peer, (status, code, hint) in zip(targets, replies, strict=True):
                 pending.statuses[peer] = status
                 if status != "accepted" and (code in RETRYABLE or status == "error"):
@@ -358,22 +359,26 @@ class NodeRuntime:
                     codes.append(code or Reason.MALFORMED)
                     ff = max(ff or 0, hint) if hint is not None else ff
                     self.tally.event(f"delta refused by {peer[-8:]}: {code}")
-            unreachable = bool(replies) and all(s == "error" for s, _, _ in replies)
+            accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
+            if accepted and not told and self.deliver is not None:
+                self.deliver(Reply(sub.digest, True, None, ff))
+                told = True
+            unreachable = all(s == "error" for s in pending.statuses.values())
             self.tally.paused_reason = (
                 f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
             )
             if not todo or self.chain.version > sub.base_version or self._pending is not pending:
                 break
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0) if unreachable else 1.0
+            gone = all(s == "error" for s, _, _ in replies)  # only unreachable ones left to ask
+            backoff = min(backoff * 2, 30.0 if unreachable else 8.0) if gone else 1.0
         self.tally.paused_reason = None
-        accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
         log.info(
             "submitted delta on version %d to %d syncers: %d accepted for merging",
-            sub.base_version, len(committee), accepted,
+            sub.base_version, len(pending.statuses), accepted,
         )  # fmt: skip
-        if self.deliver is not None and (accepted or codes):
-            self.deliver(Reply(sub.digest, accepted > 0, None if accepted else codes[0], ff))
+        if self.deliver is not None and not told and codes:
+            self.deliver(Reply(sub.digest, False, codes[0], ff))
 
     def _committee_now(self) -> tuple[str, ...]:
         """The committee a submission on the current version goes to: that of the view this
