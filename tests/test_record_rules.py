@@ -133,6 +133,9 @@ def test_replayed_heartbeat_with_a_long_expiry_is_refused() -> None:
         (cert_record(MALLORY, 2), certs_key(RUN_ID), ALICE.peer_id, Reason.WRONG_SLOT),
         (b"not an envelope", PEERS, MALLORY.peer_id, Reason.INVALID_SIGNATURE),
     ],
+    # Stable ids (the keys are random): pytest-xdist workers must collect the same tests.
+    ids=["other-signer", "other-slot", "other-run", "future", "unknown-kind", "unverified-cert",
+         "cert-other-slot", "not-an-envelope"],
 )  # fmt: skip
 def test_records_that_lie_about_their_slot_signer_or_time(
     raw: bytes, key: str, subkey: str, code: Reason
