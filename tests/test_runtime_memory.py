@@ -196,20 +196,33 @@ def test_local_settings_cannot_change_what_is_certified(tmp_path: Path) -> None:
 
 def _accepted_and_refused(net: MemoryNetwork, node: MemNode) -> tuple[int, int]:
     """Certified receipts of ``node``'s deltas, and its deltas refused or screened out as bad
-    input (timing refusals such as a closed round are not verdicts)."""
+    input. Timing refusals are not verdicts: a closed round, and a second delta to a round
+    that merged this learner's first (a delta refused as late is followed by the next one on
+    the same base, which a later round accepts within the staleness bound; the learner's delta
+    on the newer base then finds that round already holding one of its)."""
     from p2pdiloco.protocol.reasons import TIMING, Reason
 
+    merged_in: set[int] = set()
+    for raw in net.nodes[0].runtime.chain.certs.values():
+        body = parse_certificate(raw, run_id=net.run_id).body
+        if any(a.peer_id == node.peer_id for a in body.accepted):
+            merged_in.add(body.version)
+
+    def verdict(r: dict) -> bool:
+        code = Reason.parse(r["code"])
+        return code not in TIMING and not (code is Reason.DUPLICATE and r["round"] in merged_in)
+
+    refused = {
+        (r["digest"], r["round"])
+        for n in net.live()
+        for r in (n.runtime.service.rejections if n.runtime.service else ())
+        if r["peer_id"] == node.peer_id and verdict(r)
+    }
     accepted = sum(
         a.peer_id == node.peer_id
         for raw in net.nodes[0].runtime.chain.certs.values()
         for a in parse_certificate(raw, run_id=net.run_id).body.accepted
     )
-    refused = {
-        (r["digest"], r["round"])
-        for n in net.live()
-        for r in (n.runtime.service.rejections if n.runtime.service else ())
-        if r["peer_id"] == node.peer_id and Reason.parse(r["code"]) not in TIMING
-    }
     return accepted, len(refused)
 
 

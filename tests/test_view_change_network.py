@@ -4,15 +4,21 @@ crash) hands the version to the next view's committee, and the survivors keep ce
 Asserted: the guarantees (the certificate of the next version comes from a later view and
 carries the proof that the earlier views timed out, every chain verifies from genesis, the
 survivors keep training), never one schedule's timing: the wait is bounded per view.
+
+And the rejoin of issue 10: in a two-node run (k = q = 2) one node stops with Ctrl-C and comes
+back after more than a view timeout; the run certifies on, both chains verify and agree.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.demo import LocalNetwork, NodeProc
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
 from p2pdiloco.sync.roster import committee_for
@@ -49,4 +55,35 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
             prev = verify_next(run_id, net.manifest, prev, cert.raw)
         for n in survivors:
             assert n.status().get("tokens_trained", 0) > tokens_before[n.name]  # kept training
+            assert "Traceback" not in n.text()
+
+
+def _verified_hashes(net: LocalNetwork, node: NodeProc, run_id: str) -> dict[int, str]:
+    """Every certificate the node stored verifies from genesis; the state hash per version."""
+    prev, out = None, {}
+    for cert in certificates(node, run_id):
+        prev = verify_next(run_id, net.manifest, prev, cert.raw)
+        out[cert.body.version] = cert.body.state_hash
+    return out
+
+
+def test_a_node_back_after_a_view_timeout_does_not_freeze_a_two_node_run(tmp_path: Path) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(2)]
+        run_id = net.publish_run(keys, view_timeout=VIEW_TIMEOUT)  # k = q = 2: none may miss
+        nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
+        net.wait_versions(2, nodes, 300)
+        away = nodes[1]
+        os.killpg(away.proc.pid, signal.SIGINT)  # Ctrl-C: a clean stop
+        assert away.proc.wait(60) == 0
+        left_at = max(int(n.status().get("version", 0)) for n in nodes)
+        time.sleep(VIEW_TIMEOUT + 10)  # away for longer than a view: the other moved on alone
+        back = net.start_node("node1", keys[1], until_version=100)
+        net.wait_versions(left_at + 2, [nodes[0], back], 2 * (VIEW_TIMEOUT + 120))
+
+        first, second = (_verified_hashes(net, n, run_id) for n in (nodes[0], back))
+        assert max(first) >= left_at + 2 and max(second) >= left_at + 2
+        assert all(first[v] == second[v] for v in first.keys() & second.keys())
+        for n in (nodes[0], back):
             assert "Traceback" not in n.text()
