@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
+
+import p2pdiloco.demo
+import tests.zygote as zygote_mod
 
 # Tests never touch the network: the hub is off for transformers/huggingface_hub/datasets.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,7 +21,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def _is_infrastructure(proc: psutil.Process) -> bool:
     """Process-wide helpers that outlive tests by design: killing them breaks later tests
-    (torch aborts on its next shared-memory allocation once its manager is gone)."""
+    (torch aborts on its next shared-memory allocation once its manager is gone), and this
+    worker's zygote (tests/zygote.py; the commands it forked are not spared)."""
+    if zygote_mod._zygote is not None and proc.pid == zygote_mod._zygote.proc.pid:
+        return True
     try:
         cmd = " ".join(proc.cmdline())
     except psutil.Error:
@@ -50,3 +57,14 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LocalNetwork`` nodes and bootstraps fork from the worker's zygote (tests/zygote.py)
+    instead of paying their imports; the `p2pdiloco demo` subprocess test still runs whole."""
+
+    def spawn(args: list[str], log: Path, env: dict[str, str]) -> zygote_mod.Child:
+        return zygote_mod.zygote().spawn(args, log, None, env, Path.cwd())
+
+    monkeypatch.setattr(p2pdiloco.demo, "_spawn", spawn)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.zygote import zygote
+
 T = TypeVar("T")
 
 
@@ -39,13 +41,25 @@ class Proc:
     """A `python -m p2pdiloco ...` child with its output in files under ``workdir``."""
 
     def __init__(
-        self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        fork: bool = True,
     ):
+        """``fork``: fork the command from the worker's pre-imported zygote (tests/zygote.py);
+        False runs ``python -m p2pdiloco`` itself, start-up included."""
         self.name = name
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_DATA_HOME": str(workdir / name)}
         full_env.update(env or {})
+        self.proc: Any
+        if fork:
+            self.proc = zygote().spawn(args, self.out, self.err, full_env, Path.cwd())
+            return
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "p2pdiloco", *args],
             stdout=open(self.out, "w"),  # noqa: SIM115 (closed with the process)

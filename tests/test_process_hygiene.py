@@ -75,6 +75,7 @@ def _start_bootstrap(tmp: Path) -> tuple[Proc, str]:
         ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
          "--http-port", str(free_port()), "--identity", str(tmp / "bootstrap.key")],
         tmp,
+        fork=False,  # the whole command as a user starts it, interpreter start-up included
     )  # fmt: skip
     out = proc.wait_output("HTTP:", timeout=90)
     return proc, next(ln.strip() for ln in out.splitlines() if ln.startswith("  /ip4/"))
@@ -92,6 +93,7 @@ def _start_join(tmp: Path, addr: str) -> Proc:
         ["join", "--run", run_id, "--bootstrap", addr, "--host", "127.0.0.1", "--no-tui",
          "--no-train", "--heartbeat-interval", "1"],
         tmp,
+        fork=False,
     )  # fmt: skip
     proc.wait_output(" as 12D3KooW", timeout=120)
     return proc
