@@ -23,7 +23,7 @@ from pathlib import Path
 
 # Runs in the zygote: import once, then fork one child per request line on stdin.
 SERVER = r"""
-import atexit, json, os, runpy, signal, sys, threading
+import atexit, json, os, runpy, sys, threading
 import p2pdiloco.cli.app, p2pdiloco.cli.join_cmd, p2pdiloco.cli.bootstrap_cmd
 import p2pdiloco.runtime.launch, p2pdiloco.train.models
 import transformers.models.gemma.modeling_gemma
@@ -43,9 +43,9 @@ def child(req):
     os.dup2(nul, 0); os.dup2(fd, 1); os.dup2(efd, 2)
     os.chdir(req["cwd"])
     os.environ.clear(); os.environ.update(req["env"])
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL)
+    # The zygote's dispositions are those of a fresh interpreter (SIGINT raises
+    # KeyboardInterrupt, SIGPIPE ignored so a closed socket raises BrokenPipeError, the rest
+    # default): the child keeps them, as `python -m p2pdiloco` would have them.
     sys.argv = ["p2pdiloco", *req["args"]]
     code = 0
     try:
