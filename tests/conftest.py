@@ -68,3 +68,10 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
         return zygote_mod.zygote().spawn(args, log, None, env, Path.cwd())
 
     monkeypatch.setattr(p2pdiloco.demo, "_spawn", spawn)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests (real-process networks) first, in collection order: with two xdist workers
+    the short tests then fill the end of the run instead of one worker finishing a long
+    network test alone while the other idles. Deterministic, so every worker agrees."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

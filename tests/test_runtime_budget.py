@@ -15,7 +15,7 @@ from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.weights import merge_weights
 from tests.test_runtime_memory import check_chains
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 BUDGET = 1.0  # seconds of training per delta
 CAP = 0.5  # weight cap of the run: not binding for four learners of which one is slow

@@ -17,7 +17,7 @@ from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
 from p2pdiloco.sync.fetch import verify_next
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 
 def run(coro: Any) -> Any:
