@@ -71,7 +71,15 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests (real-process networks) first, in collection order: with two xdist workers
-    the short tests then fill the end of the run instead of one worker finishing a long
-    network test alone while the other idles. Deterministic, so every worker agrees."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Each of two xdist workers starts on half of the slow tests (real-process networks,
+    whole committees in process) and ends on short ones, which are what the other steals.
+
+    ``--dist worksteal`` hands the first half of this list to one worker and the second half to
+    the other, then lets an idle worker steal from the end of the other's queue. So the list is
+    (every other slow test, short tests) + (the other slow tests, the remaining short tests).
+    Deterministic, so every worker collects the same order; harmless without xdist."""
+    slow = [it for it in items if it.get_closest_marker("slow") is not None]
+    fast = [it for it in items if it.get_closest_marker("slow") is None]
+    first, second = slow[0::2], slow[1::2]
+    cut = max(0, len(items) // 2 - len(first))
+    items[:] = first + fast[:cut] + second + fast[cut:]
