@@ -70,16 +70,20 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(p2pdiloco.demo, "_spawn", spawn)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each of two xdist workers starts on half of the slow tests (real-process networks,
-    whole committees in process) and ends on short ones, which are what the other steals.
+# Test files that start real `bootstrap`/`join` networks. They run one at a time, on one xdist
+# worker (``--dist loadgroup``), as they did before xdist: two of them at once on 2 cores starve
+# each other's rounds. The other worker runs everything else beside them.
+NETWORK_FILES = {
+    "test_gossip_resilience.py", "test_hardening_network.py", "test_join_ui.py",
+    "test_network.py", "test_process_hygiene.py", "test_sync_network.py",
+    "test_view_change_network.py",
+}  # fmt: skip
 
-    ``--dist worksteal`` hands the first half of this list to one worker and the second half to
-    the other, then lets an idle worker steal from the end of the other's queue. So the list is
-    (every other slow test, short tests) + (the other slow tests, the remaining short tests).
-    Deterministic, so every worker collects the same order; harmless without xdist."""
-    slow = [it for it in items if it.get_closest_marker("slow") is not None]
-    fast = [it for it in items if it.get_closest_marker("slow") is None]
-    first, second = slow[0::2], slow[1::2]
-    cut = max(0, len(items) // 2 - len(first))
-    items[:] = first + fast[:cut] + second + fast[cut:]
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-process network tests form one xdist group, listed first so that worker starts
+    on them at once. Deterministic, so every worker collects the same order."""
+    for item in items:
+        if item.path.name in NETWORK_FILES:
+            item.add_marker(pytest.mark.xdist_group("network"))
+    items.sort(key=lambda item: item.path.name not in NETWORK_FILES)
