@@ -70,20 +70,10 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(p2pdiloco.demo, "_spawn", spawn)
 
 
-# Test files that start real `bootstrap`/`join` networks. They run one at a time, on one xdist
-# worker (``--dist loadgroup``), as they did before xdist: two of them at once on 2 cores starve
-# each other's rounds. The other worker runs everything else beside them.
-NETWORK_FILES = {
-    "test_gossip_resilience.py", "test_hardening_network.py", "test_join_ui.py",
-    "test_network.py", "test_process_hygiene.py", "test_sync_network.py",
-    "test_view_change_network.py",
-}  # fmt: skip
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Real-process network tests form one xdist group, listed first so that worker starts
-    on them at once. Deterministic, so every worker collects the same order."""
-    for item in items:
-        if item.path.name in NETWORK_FILES:
-            item.add_marker(pytest.mark.xdist_group("network"))
-    items.sort(key=lambda item: item.path.name not in NETWORK_FILES)
+    """Slow tests (real-process networks, whole committees in process) first, in collection
+    order. ``--dist worksteal`` hands the first half of this list to one worker, so that worker
+    runs the slow tests one after another, as before xdist, while the other runs short tests and
+    then steals short ones from the end of its queue: two networks at once on 2 cores starved
+    each other's rounds (ADR 0015). Deterministic, so every worker agrees."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
