@@ -203,9 +203,12 @@ def _accepted_and_refused(net: MemoryNetwork, node: MemNode) -> tuple[int, int]:
     from p2pdiloco.protocol.reasons import TIMING, Reason
 
     merged_in: set[int] = set()
+    accepted = 0
     for raw in net.nodes[0].runtime.chain.certs.values():
         body = parse_certificate(raw, run_id=net.run_id).body
-        if any(a.peer_id == node.peer_id for a in body.accepted):
+        ours = sum(a.peer_id == node.peer_id for a in body.accepted)
+        accepted += ours
+        if ours:
             merged_in.add(body.version)
 
     def verdict(r: dict) -> bool:
@@ -218,11 +221,6 @@ def _accepted_and_refused(net: MemoryNetwork, node: MemNode) -> tuple[int, int]:
         for r in (n.runtime.service.rejections if n.runtime.service else ())
         if r["peer_id"] == node.peer_id and verdict(r)
     }
-    accepted = sum(
-        a.peer_id == node.peer_id
-        for raw in net.nodes[0].runtime.chain.certs.values()
-        for a in parse_certificate(raw, run_id=net.run_id).body.accepted
-    )
     return accepted, len(refused)
 
 

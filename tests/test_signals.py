@@ -37,7 +37,7 @@ def test_forked_child_dies_on_terminate_and_parent_sets_event() -> None:
 
 
 SECOND_CTRL_C = r"""
-import os, signal, time
+import os, signal, threading
 from p2pdiloco.cli.signals import stop_event
 
 stop = stop_event()
@@ -45,7 +45,7 @@ os.kill(os.getpid(), signal.SIGINT)   # the first Ctrl-C only asks for a clean s
 assert stop.wait(5)
 print("stopping", flush=True)
 os.kill(os.getpid(), signal.SIGINT)   # the second one exits at once, mid-way through it
-time.sleep(60)                        # a clean stop that would take a minute
+threading.Event().wait(60)            # a clean stop that would take a minute
 print("not reached", flush=True)
 """
 
