@@ -202,7 +202,7 @@ class LocalNetwork:
         )  # fmt: skip
         self.procs.append(boot)
         self.boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_key.peer_id}"
-        _wait(lambda: "HTTP:" in log.read_text(errors="replace"), 60, "the bootstrap", boot, log)
+        _wait(lambda: "HTTP:" in log.read_text(errors="replace"), 120, "the bootstrap", boot, log)
         return self.boot_addr
 
     def publish_run(self, keys: list[Identity], **overrides: Any) -> str:
@@ -312,8 +312,13 @@ class LocalNetwork:
             if min(versions) >= target:
                 return statuses
             if time.monotonic() > deadline:
+                tails = "".join(
+                    f"\n--- {n.name}, last lines ---\n"
+                    + "\n".join(n.log_tail(4000).splitlines()[-12:])
+                    for n in nodes
+                )
                 raise UserError(
-                    f"timed out after {timeout:.0f} s waiting for version {target} ({line})"
+                    f"timed out after {timeout:.0f} s waiting for version {target} ({line}){tails}"
                 )
             time.sleep(0.5)
 
@@ -365,9 +370,12 @@ def _wait(probe: Callable[[], bool], timeout: float, what: str, proc: Any, log: 
     deadline = time.monotonic() + timeout
     while not probe():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise UserError(
-                f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-2000:]}"
+            why = (
+                f"{what} exited with {proc.poll()}"
+                if proc.poll() is not None
+                else f"timed out after {timeout:.0f} s waiting for {what}"
             )
+            raise UserError(f"{why}:\n{log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.2)
 
 

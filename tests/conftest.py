@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 import p2pdiloco.demo
 import tests.zygote as zygote_mod
+from tests.turns import Turns
 
 # Tests never touch the network: the hub is off for transformers/huggingface_hub/datasets.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,7 +75,27 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests (real-process networks, whole committees in process) first, in collection
     order. ``--dist worksteal`` hands the first half of this list to one worker, so that worker
-    runs the slow tests one after another, as before xdist, while the other runs short tests and
-    then steals short ones from the end of its queue: two networks at once on 2 cores starved
-    each other's rounds (ADR 0015). Deterministic, so every worker agrees."""
+    runs the slow tests one after another while the other runs short tests; once its queue is
+    empty it steals from the end of the first worker's, slow tests at the end of the run, and
+    then ``pytest_runtest_protocol`` gives the slow ones turns (ADR 0015). Deterministic, so
+    every worker agrees."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+_turns: Turns | None = None
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Under xdist, a slow test runs only while no other worker runs one (tests/turns.py). The
+    turn is taken outside pytest-timeout's timer, which counts the test itself."""
+    global _turns
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if item.get_closest_marker("slow") is None or run is None:
+        yield
+        return
+    if _turns is None:
+        lock = Path(tempfile.gettempdir()) / f"p2pdiloco-slow-tests-{run}.lock"
+        _turns = Turns(lock, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    with _turns.turn():
+        yield

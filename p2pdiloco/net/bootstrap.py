@@ -84,6 +84,7 @@ class BootstrapServer:
         """Bring up DHT, dial-back, gossip and HTTP. Raises NetworkError/OSError on failure."""
         cfg = self.cfg
         install_noise_filter()  # before the DHT forks: its child inherits the filter
+        log.info("starting the DHT node (p2pd) on %s:%s", cfg.host, cfg.port or "any port")
         self.dht = DHTPlane(
             self.identity,
             initial_peers=cfg.initial_peers,
@@ -97,6 +98,7 @@ class BootstrapServer:
         self.bridge = P2PBridge(self.dht.dht)
         self.bridge.run(serve_dialback(self.bridge.p2p), timeout=30)
         gossip_port = cfg.port + 1 if cfg.port else 0
+        log.info("DHT node up; starting the gossip host")
         self.gossip = GossipProcess(
             self.identity.seed, topics=[ANNOUNCE_TOPIC], listen_host=cfg.host, port=gossip_port
         )

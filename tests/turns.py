@@ -1,0 +1,59 @@
+"""One slow test at a time across xdist workers, handed over in turn (ADR 0015).
+
+Slow tests start whole networks (a bootstrap and several nodes, each with its p2pd daemon, DHT
+process and gossip child) or run whole committees in one process. Two of them at once on 2 CPU
+cores starve each other's rounds: a CI run whose last slow tests ran on both workers stalled
+a round for 300 s, and the next bootstrap did not start within 60 s. ``--dist worksteal``
+gives one worker the slow tests, but the other steals from the end of that worker's queue once
+its own is empty, and then the end of the queue is slow tests. A turn is an ``flock`` on a
+file shared by the workers of one run; a worker that just had a turn lets a waiting one go
+first, so neither waits more than one test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+HANDOVER_S = 30.0  # a waiter takes the turn within milliseconds; a stale marker is ignored after
+
+
+class Turns:
+    def __init__(self, lock: Path, me: str) -> None:
+        self.lock = lock
+        self.me = me
+        self._had_turn = False
+
+    def _others_waiting(self) -> bool:
+        mine = self._marker().name
+        prefix = self.lock.name + ".wait-"
+        return any(p.name.startswith(prefix) and p.name != mine for p in self.lock.parent.iterdir())
+
+    def _marker(self) -> Path:
+        return self.lock.with_name(f"{self.lock.name}.wait-{self.me}")
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[float]:
+        """Hold the turn for the block; yields the seconds spent waiting for it."""
+        started = time.monotonic()
+        if self._had_turn:
+            deadline = started + HANDOVER_S
+            while self._others_waiting() and time.monotonic() < deadline:
+                threading.Event().wait(0.05)
+        marker = self._marker()
+        marker.touch()
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            marker.unlink(missing_ok=True)
+            yield time.monotonic() - started
+        finally:
+            marker.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            self._had_turn = True
