@@ -42,13 +42,16 @@ def screen(
     *,
     expected_numel: int | None = None,
     norm_factor: float | None = 3.0,
+    reference: Sequence[int] | None = None,
 ) -> ScreenResult:
     """Reject malformed or outsized deltas before aggregation.
 
     ``deltas`` is a [M, D] tensor or a sequence of M tensors of any shape (flattened). A learner
     is rejected, with the first failing reason, if its delta is not a floating-point tensor,
     has the wrong number of elements, holds a NaN/inf, or has an L2 norm above ``norm_factor``
-    × the median norm of the well-formed deltas (``None`` disables the norm check).
+    × the median norm of the well-formed deltas (``None`` disables the norm check). With
+    ``reference``, the median is over the well-formed deltas among those row indices (trusted
+    senders), so the other rows cannot move it, unless none of them is well formed.
 
     ``expected_numel`` should come from the fragment spec; when None, the most common size wins
     (ties to the size seen first), which a majority of malformed inputs could subvert.
@@ -99,7 +102,8 @@ def screen(
             else:
                 rejected[i] = "non-finite values"
     if norm_factor is not None and norms:
-        med = median_of(list(norms.values()))
+        anchored = [norms[i] for i in reference or () if i in norms]
+        med = median_of(anchored or list(norms.values()))
         limit = norm_factor * med
         for i, nrm in norms.items():
             if nrm > limit:

@@ -29,6 +29,7 @@ class Reason(enum.StrEnum):
     SCREENED_OUT = "screened_out"  # dropped by norm/finite screening at aggregation
     NO_PAYLOAD = "no_payload"
     # -- committee messages -------------------------------------------------------------------
+    OVER_PROBATION = "over_probation"  # an input set with more probationary inputs than allowed
     NOT_LEADER = "not_leader"  # proposal from a syncer that is not the current leader
     NOT_IN_INPUT_SET = "not_in_input_set"  # fetched submission outside the agreed set
     OUTSIDE_COMMITTEE = "outside_committee"  # signature from outside the committee

@@ -170,6 +170,13 @@ class SyncRules(_Strict):
     # it votes to hand the version to the next view's committee (protocol.view_change); None:
     # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
     view_timeout: float | None = Field(default=None, gt=0, le=86_400)
+    # Trust (sync.trust, ADR 0016): an identity counts fully, closes rounds and may be elected
+    # once the certified roster credits it with this many accepted deltas and it joined this
+    # many versions earlier (or it is on the genesis committee); until then its submissions
+    # hold at most ``probation_share`` of a round's inputs and of its merge weight.
+    trust_min_accepted: int = Field(default=3, ge=0, le=1_000_000)
+    trust_min_age: int = Field(default=3, ge=0, le=1_000_000)
+    probation_share: float = Field(default=0.25, gt=0, le=1)
 
     @model_validator(mode="after")
     def _grace_bounds(self) -> SyncRules:

@@ -32,7 +32,8 @@ from p2pdiloco.protocol.identity import (
 # The run protocol (manifest fields and their meaning): a manifest of another version is
 # refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``. 3: views
 # (a certificate names its view and carries the timeout certificates of earlier views).
-PROTOCOL_VERSION = 3
+# 4: trust (``rules.trust_min_accepted``, ``trust_min_age``, ``probation_share``; sync.trust).
+PROTOCOL_VERSION = 4
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -33,6 +33,7 @@ class MergeInput:
     peer_id: str
     delta: Mapping[str, torch.Tensor]  # at least the names being merged; others are ignored
     weight: float
+    trusted: bool = True  # its norm anchors screening (sync.trust: probationary ones do not)
 
 
 @dataclass
@@ -68,7 +69,8 @@ def merge_round(
 
     Merges only the names in ``params``, so a caller may pass one fragment. Each input's delta
     must hold every such name; a missing tensor or a wrong shape rejects that input, like
-    screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × median). The rule
+    screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × the median norm of the
+    trusted inputs, so probationary ones cannot move it: ``sync.trust``). The rule
     ``rules.aggregation`` merges the rest with the inputs' weights. If fewer remain than the
     rule needs, the coordinate median is used instead (named in ``MergeResult.rule``), so a
     round that closed with few learners still produces a state. A name without a momentum
@@ -92,8 +94,12 @@ def merge_round(
     delta_MD = torch.stack(
         [torch.cat([inputs[i].delta[n].float().reshape(-1) for n in names]) for i in rows]
     )
+    anchors = [j for j, i in enumerate(rows) if inputs[i].trusted]
     verdict = screen(
-        delta_MD, expected_numel=delta_MD.shape[1], norm_factor=rules.screen_norm_factor
+        delta_MD,
+        expected_numel=delta_MD.shape[1],
+        norm_factor=rules.screen_norm_factor,
+        reference=anchors if len(anchors) < len(rows) else None,
     )
     rejected.update({inputs[rows[j]].digest: reason for j, reason in verdict.rejected.items()})
     if not verdict.accepted:

@@ -47,6 +47,7 @@ class Candidate:
     accepted: int = 0  # accepted deltas (receipts)
     accepted_tokens: int = 0  # tokens of accepted deltas, the draw weight
     banned: bool = False
+    vouched: bool = False  # named by the run's creator (genesis committee): tops up first
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,9 @@ def elect(
 ) -> list[str]:
     """The committee (peer ids, best score first) for the round that produces ``version + 1``.
 
-    Uses eligible peers; if fewer than k qualify, tops up with the longest-standing unbanned
-    members (ties by peer id) with unit weight, so a young run still gets a committee. Returns
+    Uses eligible peers; if fewer than k qualify, tops up with the vouched members, then the
+    longest-standing unbanned ones (ties by peer id) with unit weight, so a young run still
+    gets a committee and fresh identities do not take its seats before the creator's. Returns
     fewer than k ids only if fewer than k unbanned candidates exist at all.
     """
     everyone = [c for c in candidates if not c.banned]
@@ -112,7 +114,7 @@ def elect(
         taken = {c.peer_id for c in pool}
         seniors = sorted(
             (c for c in everyone if c.peer_id not in taken),
-            key=lambda c: (c.joined_version, c.peer_id),
+            key=lambda c: (not c.vouched, c.joined_version, c.peer_id),
         )
         pool = pool + seniors[: rules.size - len(pool)]
     weights = _weights(pool, rules.weight_cap_fraction)

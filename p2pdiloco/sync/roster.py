@@ -14,7 +14,7 @@ the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from p2pdiloco.protocol.certificates import (
     MAX_ROSTER,
@@ -142,10 +142,11 @@ def committee_for(
     """The committee of view ``view`` of the round after ``cert`` (after genesis when None).
 
     View 0 is elected by :func:`committee.elect` over :func:`roster_of` with
-    :func:`beacon_of`, committee size from the manifest. Later views (the committees that take
-    over once earlier views timed out, ``protocol.view_change``) slide a window of k over the
-    election's full ranking (view 0's members first, then every other candidate in score
-    order): view j starts at j × (k − q + 1), so each view replaces more members than can block
+    :func:`beacon_of`, committee size and eligibility (the trust thresholds of ``sync.trust``)
+    from the manifest. Later views (the committees that take over once earlier views timed
+    out, ``protocol.view_change``) slide a window of k over the election's full ranking (view
+    0's members first, then every other eligible candidate in score order; every candidate
+    while fewer than k are eligible): view j starts at j × (k − q + 1), so each view replaces more members than can block
     a quorum, its first member leads, and after a few views every candidate has sat. The same
     (certificate, view) gives the same committee on every node. The quorum is the manifest's
     when the committee is full, else ⌊2m/3⌋+1 of the m members found (a young run with a short
@@ -163,17 +164,22 @@ def committee_for(
             joined_version=e.joined_version,
             accepted=e.accepted,
             accepted_tokens=e.tokens,
+            vouched=e.peer_id in manifest.genesis_committee,
         )
         for e in roster_of(manifest, cert)
     ]
     beacon = beacon_of(run_id, cert)
-    k = manifest.committee_size
-    members = committee.elect(
-        candidates, version=base, beacon_bytes=beacon, rules=committee.CommitteeRules(size=k)
+    k, r = manifest.committee_size, manifest.rules
+    rules = committee.CommitteeRules(
+        size=k, min_age_versions=r.trust_min_age, min_accepted=r.trust_min_accepted
     )
+    members = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=rules)
     if view:
-        everyone = committee.CommitteeRules(size=len(candidates))
-        ranked = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=everyone)
+        pool = committee.eligible(candidates, base, rules)
+        if len(pool) < k:  # a young run: every candidate may sit, as in view 0's top-up
+            pool = candidates
+        everyone = replace(rules, size=len(pool))
+        ranked = committee.elect(pool, version=base, beacon_bytes=beacon, rules=everyone)
         ranking = members + [p for p in ranked if p not in members]
         step = k - manifest.quorum + 1
         start = (view * step) % len(ranking)

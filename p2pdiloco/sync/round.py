@@ -72,6 +72,7 @@ from p2pdiloco.sync.round_types import (
     Submission,
     SubmissionStatus,
 )
+from p2pdiloco.sync.trust import cap_probation, probation_room
 from p2pdiloco.sync.weights import merge_weights, plausible_claim
 
 __all__ = [
@@ -196,7 +197,7 @@ class SyncerRound:
         missing = tuple(d for d in digests if d not in self.accepted)
         if missing:
             return [Fetch(missing, sender)]
-        return [self._aggregate()]
+        return self._adopted(sender)
 
     def on_fetched(self, sub: Submission) -> list[Action]:
         """A submission fetched from a fellow syncer (header re-checked like any other)."""
@@ -213,7 +214,7 @@ class SyncerRound:
         actions = self._make_room(self.input_set)
         self._accept(sub)
         if all(d in self.accepted for d in self.input_set):
-            actions.append(self._aggregate())
+            actions += self._adopted(self.leader(0))
         return actions
 
     def on_aggregated(self, state_hash: str, attempt: int | None = None) -> list[Action]:
@@ -324,6 +325,11 @@ class SyncerRound:
             d: (self.accepted[d].tokens, v - self.accepted[d].base_version) for d in sorted(digests)
         }
         merged = merge_weights(entries, self.params.weight_cap)
+        if self.params.trusted is not None:
+            low = frozenset(
+                d for d in merged if not self.params.is_trusted(self.accepted[d].peer_id)
+            )
+            merged = cap_probation(merged, low, self.params.probation_share)
         return tuple(merged[d] for d in digests)
 
     def status_of(self, digest: str) -> SubmissionStatus:
@@ -367,6 +373,10 @@ class SyncerRound:
             return Reason.DUPLICATE, "a second submission from the same learner in one round"
         if len(self.accepted) >= p.max_inputs:
             return Reason.BUSY, f"round already holds {p.max_inputs} submissions"
+        if not p.is_trusted(sub.peer_id):
+            room = max(1, int(p.max_inputs * p.probation_share))
+            if sum(not p.is_trusted(s.peer_id) for s in self.accepted.values()) >= room:
+                return Reason.BUSY, f"round already holds {room} probationary submissions"
         return None
 
     def _accept(self, sub: Submission) -> Submission:
@@ -403,7 +413,7 @@ class SyncerRound:
 
     def _maybe_close(self, now: float) -> list[Action]:
         p = self.params
-        n = len(self.accepted)
+        n = sum(p.is_trusted(s.peer_id) for s in self.accepted.values())  # sync.trust
         enough = n >= p.min_learners
         if enough and self.enough_at is None:
             self.enough_at = now
@@ -418,12 +428,34 @@ class SyncerRound:
         return self._propose() if self.leader(now) == self.me else []
 
     def _propose(self) -> list[Action]:
-        """Leader: announce the input set and aggregate it ourselves."""
-        digests = tuple(sorted(self.accepted))
+        """Leader: announce the input set and aggregate it ourselves. The set holds every
+        trusted submission and the earliest probationary ones that fit ``probation_room``."""
+        p = self.params
+        trusted = [d for d, s in self.accepted.items() if p.is_trusted(s.peer_id)]
+        others = [d for d, s in self.accepted.items() if not p.is_trusted(s.peer_id)]
+        digests = tuple(sorted(trusted + others[: probation_room(len(trusted), p.probation_share)]))
         self.input_set = digests
         return [Propose(digests, self.attempt), self._aggregate()]
+
+    def _adopted(self, leader: str) -> list[Action]:
+        """Every submission of the leader's set is here: aggregate it, unless it holds more
+        probationary submissions than ``probation_room`` allows (a faulty leader: the set is
+        refused, and with no set adopted ``leader_silent`` hands the version on)."""
+        assert self.input_set is not None
+        p = self.params
+        t = sum(p.is_trusted(self.accepted[d].peer_id) for d in self.input_set)
+        over, room = len(self.input_set) - t, probation_room(t, p.probation_share)
+        if p.trusted is not None and p.locked is None and over > room:
+            self.input_set = None
+            text = f"input set holds {over} probationary inputs next to {t} trusted (room {room})"
+            return [Reject(leader, Reason.OVER_PROBATION, text)]
+        return [self._aggregate()]
 
     def _aggregate(self) -> Aggregate:
         assert self.input_set is not None
         self.phase = Phase.AGGREGATING
-        return Aggregate(self.input_set, self.weights(self.input_set), self.attempt)
+        p, digests = self.params, self.input_set
+        anchors = tuple(p.is_trusted(self.accepted[d].peer_id) for d in digests)
+        return Aggregate(
+            digests, self.weights(digests), self.attempt, () if all(anchors) else anchors
+        )

@@ -56,6 +56,13 @@ class RoundParams:
     # A later view bound to re-certify a locked content (protocol.view_change): its input set.
     # The round starts agreed on it: no collecting, no proposal, no further attempts.
     locked: tuple[str, ...] | None = None
+    # Trust (sync.trust): the identities whose submissions close the round and anchor its
+    # screening; None (a young run) trusts everyone. The rest share ``probation_share``.
+    trusted: frozenset[str] | None = None
+    probation_share: float = 0.25
+
+    def is_trusted(self, peer_id: str) -> bool:
+        return self.trusted is None or peer_id in self.trusted
 
     @property
     def min_learners(self) -> int:
@@ -141,6 +148,11 @@ class Aggregate:
     digests: tuple[str, ...]
     weights: tuple[float, ...]
     attempt: int
+    trusted: tuple[bool, ...] = ()  # per digest: anchors screening (sync.trust); () all
+
+    def anchors(self) -> tuple[bool, ...]:
+        """Per digest, whether its norm anchors screening (a trusted sender)."""
+        return self.trusted or (True,) * len(self.digests)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo
 from p2pdiloco.sync.round_types import RoundParams
+from p2pdiloco.sync.trust import trusted_peers
 
 
 class UnsupportedManifest(UserError):
@@ -57,20 +59,21 @@ def check_supported(manifest: RunManifest) -> None:
 def round_params(
     run_id: str,
     manifest: RunManifest,
-    version: int,
+    base: CertifiedState,
     committee: CommitteeInfo,
     active_learners: int,
     now: float,
     locked: tuple[str, ...] | None = None,
     close_after: float | None = None,
 ) -> RoundParams:
-    """Every parameter of the round on certified ``version``: the consensus ones from the
-    signed manifest (its ``rules``, the token bound and H), the committee of the view, the
-    learners alive (heartbeats, or the roster: live heartbeats lag at start-up; at least 1)."""
+    """Every parameter of the round on the certified ``base``: the consensus ones from the
+    signed manifest (its ``rules``, the token bound and H) and the base's certificate (who is
+    trusted, ``sync.trust``), the committee of the view, the learners alive (heartbeats, or
+    the roster: live heartbeats lag at start-up; at least 1)."""
     r, inner = manifest.rules, manifest.inner
     return RoundParams(
         run_id=run_id,
-        version=version,
+        version=base.version,
         committee=committee.members,
         quorum=committee.quorum,
         active_learners=max(1, active_learners),
@@ -85,4 +88,6 @@ def round_params(
         linger=r.linger,
         locked=locked,
         close_after=close_after,
+        trusted=trusted_peers(manifest, base.cert),
+        probation_share=r.probation_share,
     )

@@ -142,7 +142,7 @@ class SyncService:
                       "heard: it waits for them", st.view, st.version, st.lock[:12])  # fmt: skip
             return
         active = max(self.active_learners(), len(roster_of(self.manifest, self.current.cert)))
-        params = round_params(self.run_id, self.manifest, self.current.version, self.committee,
+        params = round_params(self.run_id, self.manifest, self.current, self.committee,
                               active, time.monotonic(), locked,
                               self.arrivals.next_round())  # fmt: skip
         self.round = rnd = SyncerRound(params, self.me)
@@ -414,8 +414,8 @@ class SyncService:
         rnd, base, committee = self.round, self.current, self.committee
         assert rnd is not None and base is not None and committee is not None
         inputs = [
-            (d, self.held[d].sub.header.peer_id, self.held[d].payload, w)
-            for d, w in zip(action.digests, action.weights, strict=True)
+            (d, self.held[d].sub.header.peer_id, self.held[d].payload, w, a)
+            for d, w, a in zip(action.digests, action.weights, action.anchors(), strict=True)
         ]
         loop = asyncio.get_running_loop()
         try:
@@ -456,11 +456,11 @@ class SyncService:
         self._execute(rnd.on_aggregated(digest, attempt=action.attempt))
 
     def _merge(
-        self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float]]
+        self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
     ) -> tuple[MergeResult, CertifiedState]:
         merge_inputs = [
-            MergeInput(digest=d, peer_id=p, delta=self.intake.decode(payload), weight=w)
-            for d, p, payload, w in inputs
+            MergeInput(digest=d, peer_id=p, delta=self.intake.decode(b), weight=w, trusted=a)
+            for d, p, b, w, a in inputs
         ]
         result = merge_round(
             base.params, base.momentum, merge_inputs, rules=self.rules, outer=self.outer

@@ -1,0 +1,71 @@
+"""Who is trusted in a round, and how much room the others get (ADR 0016).
+
+Fresh identities cost nothing, so a round must not let a flood of them close it, fill it, own
+its median or win its weight. Trust is earned in the certified history: an identity is
+*trusted* for the round after certificate v when it is on the genesis committee, or when v's
+roster credits it with at least ``trust_min_accepted`` accepted deltas and it joined at least
+``trust_min_age`` versions before v. Everyone else is *probationary*:
+
+- probationary submissions never close a round (the learner quorum counts trusted ones);
+- an input set holds at most ``probation_room(t)`` probationary submissions next to t trusted
+  ones, so they are at most ``probation_share`` of the inputs, whatever rule merges them;
+- their merge weight is scaled to at most ``probation_share`` of the total;
+- screening measures norms against the trusted inputs' median, not the round's;
+- committee election uses the same threshold (``sync.roster.committee_for``).
+
+A young run treats everyone as trusted until k identities (a committee's worth) have earned
+trust through the roster, as the election tops a young committee up with the creator's genesis
+committee and then its oldest members. Genesis members count as trusted once that holds, but do
+not end the young run by themselves: a creator's syncers that never train would otherwise
+leave nobody able to close a round or earn trust. So a run is open to a flood of fresh
+identities during its first ``trust_min_age``-odd versions, and closed to it from then on.
+Everything here is a pure function of the signed manifest and the certificate: every syncer
+agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from p2pdiloco.protocol.certificates import Certificate
+from p2pdiloco.protocol.records import RunManifest
+
+
+def trusted_peers(manifest: RunManifest, cert: Certificate | None) -> frozenset[str] | None:
+    """The identities trusted in the round after ``cert`` (after genesis when None), or None
+    when the run is young and everyone counts as trusted."""
+    from p2pdiloco.sync.roster import roster_of
+
+    rules = manifest.rules
+    base = cert.body.version if cert is not None else 0
+    earned = {
+        e.peer_id
+        for e in roster_of(manifest, cert)
+        if e.accepted >= rules.trust_min_accepted and base - e.joined_version >= rules.trust_min_age
+    }
+    if len(earned) < manifest.committee_size:
+        return None
+    return frozenset(earned | set(manifest.genesis_committee))
+
+
+def probation_room(trusted: int, share: float) -> int:
+    """Probationary submissions an input set may hold next to ``trusted`` trusted ones: the
+    most p with p ≤ share × (trusted + p)."""
+    if share >= 1.0:
+        return 2**31
+    return math.floor(share / (1.0 - share) * trusted + 1e-9)
+
+
+def cap_probation(
+    weights: Mapping[str, float], probationary: frozenset[str], share: float
+) -> dict[str, float]:
+    """``weights`` with the probationary entries scaled down together so that they hold at
+    most ``share`` of the total (in the mapping's order: every node gets the same floats)."""
+    out = dict(weights)
+    low = sum(w for k, w in out.items() if k in probationary)
+    high = sum(w for k, w in out.items() if k not in probationary)
+    if low <= 0 or share >= 1.0 or low <= share * (low + high):
+        return out
+    scale = share * high / ((1.0 - share) * low)
+    return {k: (w * scale if k in probationary else w) for k, w in out.items()}

@@ -1,0 +1,165 @@
+"""Trust (sync.trust, ADR 0016): a flood of fresh identities cannot close, fill, weigh down or
+anchor a round, nor take a committee seat; a young run still starts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from p2pdiloco.aggregate import screen
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.sync.aggregator import MergeInput, merge_round
+from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.round import Aggregate, Phase, Propose, Reject, RoundParams, SyncerRound
+from p2pdiloco.sync.trust import cap_probation, probation_room, trusted_peers
+from p2pdiloco.train.outer import OuterConfig
+from tests.test_roster import PEERS, RUN, certificate, entry, manifest
+from tests.test_round import sub
+
+HONEST = frozenset(f"learner{i}" for i in range(3))  # learner0..2 trusted, learner3.. fresh
+
+
+def params(**kw: Any) -> RoundParams:
+    base: dict[str, Any] = dict(
+        run_id="run", version=10, committee=("s0", "s1", "s2", "s3"), quorum=3,
+        active_learners=8, opened_at=0.0, grace=60.0, staleness=2, max_tokens_per_step=1000,
+        weight_cap=1.0, linger=30.0, trusted=HONEST, probation_share=0.25,
+    )  # fmt: skip
+    base.update(kw)
+    return RoundParams(**base)
+
+
+def test_probation_room_keeps_fresh_inputs_within_the_share() -> None:
+    assert [probation_room(t, 0.25) for t in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+    for t in range(50):
+        p = probation_room(t, 0.25)
+        assert p <= 0.25 * (t + p) + 1e-9 and p + 1 > 0.25 * (t + p + 1)
+    assert probation_room(3, 1.0) > 10**6
+
+
+def test_cap_probation_scales_fresh_weight_to_the_share() -> None:
+    weights = {"a": 1.0, "b": 1.0, "c": 1.0, "x": 10.0, "y": 10.0}
+    out = cap_probation(weights, frozenset({"x", "y"}), 0.25)
+    assert out["a"] == out["b"] == out["c"] == 1.0
+    assert math.isclose((out["x"] + out["y"]) / sum(out.values()), 0.25)
+    assert out["x"] == out["y"]
+    small = {"a": 3.0, "x": 0.5}
+    assert cap_probation(small, frozenset({"x"}), 0.25) == small  # already within the share
+
+
+def test_fresh_submissions_never_close_a_round() -> None:
+    r = SyncerRound(params(), "s1")  # s1 follows: leader s0
+    for i in range(3, 8):  # five fresh identities: the whole learner quorum of 8 × 0.6
+        r.on_submission(sub(i), 1.0)
+    assert r.phase is Phase.COLLECTING
+    assert r.on_tick(61.0) == [] and r.phase is Phase.COLLECTING  # not even at the deadline
+    for i in range(3):
+        r.on_submission(sub(i), 62.0)
+    assert r.phase is Phase.AGREEING  # 3 trusted of min_learners 5: closed by the deadline
+
+
+def test_the_leader_proposes_every_trusted_input_and_the_earliest_fresh_that_fit() -> None:
+    r = SyncerRound(params(active_learners=3), "s0")
+    for i in (3, 4, 5, 6, 7):  # the flood arrives first
+        r.on_submission(sub(i), 1.0)
+    actions: list = []
+    for i in range(3):
+        actions = r.on_submission(sub(i), 2.0)
+    propose = next(a for a in actions if isinstance(a, Propose))
+    assert propose.digests == ("d00", "d01", "d02", "d03")  # 3 trusted + room for 1
+    agg = next(a for a in actions if isinstance(a, Aggregate))
+    assert agg.trusted == (True, True, True, False) and agg.anchors() == agg.trusted
+    share = agg.weights[3] / sum(agg.weights)
+    assert share <= 0.25 + 1e-12
+
+
+def test_a_follower_refuses_a_set_with_too_many_fresh_inputs_and_the_leader_goes_silent() -> None:
+    r = SyncerRound(params(active_learners=3), "s1")
+    for i in (3, 4, 5, 0, 1, 2):
+        r.on_submission(sub(i), 1.0)
+    assert r.phase is Phase.AGREEING
+    refusal = r.on_proposal("s0", ("d00", "d01", "d02", "d03", "d04"), 2.0)
+    assert len(refusal) == 1 and isinstance(refusal[0], Reject)
+    assert refusal[0].code is Reason.OVER_PROBATION and refusal[0].peer_id == "s0"
+    assert r.input_set is None and not r.leader_silent(2.0) and r.leader_silent(81.0)
+    ok = r.on_proposal("s0", ("d00", "d01", "d02", "d03"), 3.0)
+    assert isinstance(ok[0], Aggregate)
+
+
+def test_fresh_identities_cannot_fill_a_round() -> None:
+    r = SyncerRound(params(max_inputs=8), "s1")
+    codes = [r.on_submission(sub(i), 1.0) for i in range(3, 8)]
+    assert codes[:2] == [[], []]  # room: 8 × 0.25 = 2 fresh held
+    assert all(a[0].code is Reason.BUSY for a in codes[2:])
+    assert r.on_submission(sub(0), 1.0) == []  # a trusted learner still gets in
+
+
+def test_a_young_run_trusts_everyone() -> None:
+    r = SyncerRound(params(trusted=None, active_learners=5), "s0")
+    actions: list = []
+    for i in range(3, 8):
+        actions = r.on_submission(sub(i), 1.0)
+    assert any(isinstance(a, Propose) and len(a.digests) == 5 for a in actions)
+    agg = next(a for a in actions if isinstance(a, Aggregate))
+    assert agg.trusted == () and agg.anchors() == (True,) * 5
+
+
+def test_trust_is_earned_on_the_certified_roster() -> None:
+    m = manifest(genesis_committee=PEERS[:4], committee_size=4)
+    vets = [entry(p, 0, 3, 1000, 8) for p in PEERS[4:8]]  # 3 accepted, joined 8 versions ago
+    fresh = [entry(p, 6, 9, 10**9, 8) for p in PEERS[8:12]]  # big claims, too young
+    assert trusted_peers(m, certificate(vets + fresh, version=8)) == frozenset(PEERS[:8])
+    few = [entry(p, 0, 2, 1000, 8) for p in PEERS[4:8]]  # 2 accepted: not earned yet
+    assert trusted_peers(m, certificate(few + fresh, version=8)) is None  # young run
+    assert trusted_peers(m, None) is None
+
+
+def test_no_fresh_identity_is_ever_elected_once_trust_is_earned() -> None:
+    m = manifest(committee_size=4)
+    vets = [entry(p, 0, 5, 1000, 8) for p in PEERS[:5]]
+    sybils = [entry(p, 6, 9, 10**12, 8) for p in PEERS[5:12]]  # most tokens, joined 2 ago
+    cert = certificate(vets + sybils, version=8)
+    for view in range(8):
+        members = committee_for(RUN, m, cert, view=view).members
+        assert set(members) <= set(PEERS[:5]), view
+
+
+def test_young_committees_prefer_the_creators_genesis_members() -> None:
+    m = manifest(genesis_committee=PEERS[8:12], committee_size=4)
+    early = [entry(p, 0, 1, 10**6, 1) for p in PEERS[:8]]  # fresh, but joined at 0 too
+    genesis = [entry(p, 0, 1, 10, 1) for p in PEERS[8:12]]
+    info = committee_for(RUN, m, certificate(early + genesis, version=1))
+    assert set(info.members) == set(PEERS[8:12])
+
+
+def test_screening_is_anchored_on_trusted_norms() -> None:
+    gen = torch.Generator().manual_seed(0)
+    honest = [1e-3 * torch.randn(64, generator=gen) for _ in range(3)]
+    poison = [0.05 * torch.randn(64, generator=gen) for _ in range(5)]
+    rows = torch.stack(honest + poison)
+    assert screen(rows).rejected == {}  # the flood owns the round's median
+    anchored = screen(rows, reference=[0, 1, 2])
+    assert sorted(anchored.rejected) == [3, 4, 5, 6, 7]
+    params = {"w": torch.zeros(64)}
+    inputs = [
+        MergeInput(f"d{i}", f"p{i}", {"w": d}, 1.0, trusted=i < 3)
+        for i, d in enumerate(honest + poison)
+    ]
+    result = merge_round(params, {}, inputs, rules=SyncRules(), outer=OuterConfig())
+    assert result.accepted == ["d0", "d1", "d2"] and len(result.rejected) == 5
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_weights_and_room_hold_for_any_share(share: float) -> None:
+    r = SyncerRound(params(active_learners=3, probation_share=share), "s0")
+    actions: list = []
+    for i in list(range(3, 8)) + [0, 1, 2]:
+        actions = r.on_submission(sub(i, tokens=9000 if i > 2 else 1000), 1.0) or actions
+    agg = next(a for a in actions if isinstance(a, Aggregate))
+    fresh = sum(w for w, t in zip(agg.weights, agg.anchors(), strict=True) if not t)
+    assert fresh <= share * sum(agg.weights) + 1e-12
+    assert len(agg.digests) - 3 == probation_room(3, share)
