@@ -3,6 +3,7 @@ anchor a round, nor take a committee seat; a young run still starts."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -118,14 +119,23 @@ def test_trust_is_earned_on_the_certified_roster() -> None:
     assert trusted_peers(m, None) is None
 
 
-def test_no_fresh_identity_is_ever_elected_once_trust_is_earned() -> None:
-    m = manifest(committee_size=4)
-    vets = [entry(p, 0, 5, 1000, 8) for p in PEERS[:5]]
-    sybils = [entry(p, 6, 9, 10**12, 8) for p in PEERS[5:12]]  # most tokens, joined 2 ago
+def test_fresh_identities_sit_only_after_every_eligible_one() -> None:
+    m = manifest(committee_size=4)  # quorum 3: view j starts at 2j of the ranking
+    vets = [entry(p, 0, 5, 1000, 8) for p in PEERS[:8]]
+    sybils = [entry(p, 6, 9, 10**12, 8) for p in PEERS[8:12]]  # most tokens, joined 2 ago
     cert = certificate(vets + sybils, version=8)
-    for view in range(8):
-        members = committee_for(RUN, m, cert, view=view).members
-        assert set(members) <= set(PEERS[:5]), view
+    for view in range(3):  # windows 0–3, 2–5, 4–7 of the ranking: the 8 eligible
+        assert set(committee_for(RUN, m, cert, view=view).members) <= set(PEERS[:8]), view
+
+
+def test_a_later_view_finds_a_live_quorum_when_eligible_members_are_down() -> None:
+    m = manifest(committee_size=4)
+    eligible = [entry(p, 0, 5, 1000, 8) for p in PEERS[:4]]  # exactly k eligible
+    newer = [entry(p, 7, 1, 100, 8) for p in PEERS[4:6]]  # live, not yet eligible
+    cert = certificate(eligible + newer, version=8)
+    views = [committee_for(RUN, m, cert, view=v).members for v in range(8)]
+    for dead in itertools.combinations(PEERS[:4], 2):  # two eligible syncers killed
+        assert any(sum(p not in dead for p in members) >= 3 for members in views), dead
 
 
 def test_young_committees_prefer_the_creators_genesis_members() -> None:

@@ -145,9 +145,10 @@ def committee_for(
     :func:`beacon_of`, committee size and eligibility (the trust thresholds of ``sync.trust``)
     from the manifest. Later views (the committees that take over once earlier views timed
     out, ``protocol.view_change``) slide a window of k over the election's full ranking (view
-    0's members first, then every other eligible candidate in score order; every candidate
-    while fewer than k are eligible): view j starts at j × (k − q + 1), so each view replaces more members than can block
-    a quorum, its first member leads, and after a few views every candidate has sat. The same
+    0's members first, then every other eligible candidate in score order, then the rest in
+    score order, so fresh identities sit only after every eligible one): view j starts at
+    j × (k − q + 1), so each view replaces more members than can block a quorum, its first
+    member leads, and after a few views every candidate has sat. The same
     (certificate, view) gives the same committee on every node. The quorum is the manifest's
     when the committee is full, else ⌊2m/3⌋+1 of the m members found (a young run with a short
     roster). Raises ValueError if ``cert`` belongs to another run (a caller bug:
@@ -175,11 +176,19 @@ def committee_for(
     )
     members = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=rules)
     if view:
+        # Eligible candidates in score order, then the rest: fresh identities sit only once
+        # every eligible one has had a seat, and a run whose eligible members are down still
+        # finds a live quorum.
         pool = committee.eligible(candidates, base, rules)
-        if len(pool) < k:  # a young run: every candidate may sit, as in view 0's top-up
-            pool = candidates
-        everyone = replace(rules, size=len(pool))
-        ranked = committee.elect(pool, version=base, beacon_bytes=beacon, rules=everyone)
+        others = [c for c in candidates if c not in pool]
+        ranked = [
+            p
+            for group in (pool, others)
+            if group
+            for p in committee.elect(
+                group, version=base, beacon_bytes=beacon, rules=replace(rules, size=len(group))
+            )
+        ]
         ranking = members + [p for p in ranked if p not in members]
         step = k - manifest.quorum + 1
         start = (view * step) % len(ranking)
