@@ -29,7 +29,7 @@ simulate: $(STAMP)
 	$(BIN)/p2pdiloco simulate --model gemma-tiny --learners 4 --inner-steps 20 --rounds 10 --outer-momentum 0.5
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check p2pdiloco tests bench

@@ -173,3 +173,23 @@ def test_weights_and_room_hold_for_any_share(share: float) -> None:
     fresh = sum(w for w, t in zip(agg.weights, agg.anchors(), strict=True) if not t)
     assert fresh <= share * sum(agg.weights) + 1e-12
     assert len(agg.digests) - 3 == probation_room(3, share)
+
+
+def test_a_fresh_delta_pointing_away_from_trusted_work_is_screened_out() -> None:
+    gen = torch.Generator().manual_seed(3)
+    common = 1e-3 * torch.randn(256, generator=gen)
+    honest = [common + 5e-4 * torch.randn(256, generator=gen) for _ in range(4)]
+    flipped = -honest[0]  # same norm as honest work, opposite direction
+    late = common + 5e-4 * torch.randn(256, generator=gen)  # an honest newcomer
+    deltas = [*honest[:3], flipped, late, -honest[1]]
+    trusted = [True, True, True, False, False, True]  # a trusted flip is the rule's business
+    inputs = [
+        MergeInput(f"d{i}", f"p{i}", {"w": d}, 1.0, trusted=t)
+        for i, (d, t) in enumerate(zip(deltas, trusted, strict=True))
+    ]
+    params = {"w": torch.zeros(256)}
+    result = merge_round(params, {}, inputs, rules=SyncRules(), outer=OuterConfig())
+    assert list(result.rejected) == ["d3"] and "points away" in result.rejected["d3"]
+    assert result.accepted == ["d0", "d1", "d2", "d4", "d5"]
+    again = merge_round(params, {}, inputs, rules=SyncRules(), outer=OuterConfig())
+    assert torch.equal(again.params["w"], result.params["w"])

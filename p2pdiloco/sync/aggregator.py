@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.aggregate import get_rule, screen
+from p2pdiloco.aggregate.base import sq_norms64
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
 
@@ -70,7 +71,8 @@ def merge_round(
     Merges only the names in ``params``, so a caller may pass one fragment. Each input's delta
     must hold every such name; a missing tensor or a wrong shape rejects that input, like
     screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × the median norm of the
-    trusted inputs, so probationary ones cannot move it: ``sync.trust``). The rule
+    trusted inputs, so probationary ones cannot move it, and a probationary delta must not point
+    away from the trusted inputs' mean: ``sync.trust``). The rule
     ``rules.aggregation`` merges the rest with the inputs' weights. If fewer remain than the
     rule needs, the coordinate median is used instead (named in ``MergeResult.rule``), so a
     round that closed with few learners still produces a state. A name without a momentum
@@ -101,14 +103,18 @@ def merge_round(
         norm_factor=rules.screen_norm_factor,
         reference=anchors if len(anchors) < len(rows) else None,
     )
-    rejected.update({inputs[rows[j]].digest: reason for j, reason in verdict.rejected.items()})
-    if not verdict.accepted:
+    trusted = [inputs[i].trusted for i in rows]
+    away = _away_from_trusted(delta_MD, verdict.accepted, trusted)
+    kept = [j for j in verdict.accepted if j not in away]
+    reasons = {**verdict.rejected, **away}
+    rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
+    if not kept:
         raise MergeError("screening rejected every delta of the round", rejected)
     applied = rules.aggregation
-    if len(verdict.accepted) < chosen.min_learners:
+    if len(kept) < chosen.min_learners:
         chosen, applied = get_rule("median"), f"median (fallback from {rules.aggregation})"
-    weights = [inputs[rows[j]].weight for j in verdict.accepted]
-    merged_D = chosen(delta_MD[verdict.accepted].contiguous(), weights)
+    weights = [inputs[rows[j]].weight for j in kept]
+    merged_D = chosen(delta_MD[kept].contiguous(), weights)
 
     new_params = {n: params[n].detach().float().clone() for n in names}
     opt = OuterOptimizer(outer)
@@ -123,10 +129,36 @@ def merge_round(
     return MergeResult(
         params=new_params,
         momentum=opt.momentum,
-        accepted=[inputs[rows[j]].digest for j in verdict.accepted],
+        accepted=[inputs[rows[j]].digest for j in kept],
         rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
     )
+
+
+def _away_from_trusted(
+    delta_MD: torch.Tensor, accepted: list[int], trusted: list[bool]
+) -> dict[int, str]:
+    """Probationary rows (ADR 0016) among ``accepted`` whose delta points away from the mean of
+    the accepted trusted rows (a·m ≤ 0), with their reasons. The mean is summed row by row in
+    float64 and a·m comes from ``sq_norms64`` (‖a‖² + ‖m‖² − ‖a − m‖²), so every syncer draws
+    the same line. Nothing is checked without a trusted row or a probationary one."""
+    anchors = [j for j in accepted if trusted[j]]
+    fresh = [j for j in accepted if not trusted[j]]
+    if not anchors or not fresh:
+        return {}
+    mean_D = delta_MD[anchors[0]].double().clone()
+    for j in anchors[1:]:
+        mean_D += delta_MD[j].double()
+    mean_D /= len(anchors)
+    (m2,) = sq_norms64(mean_D.unsqueeze(0))
+    a2s = sq_norms64(delta_MD, fresh)
+    d2s = sq_norms64(delta_MD, fresh, center_D=mean_D)
+    out = {}
+    for j, a2, d2 in zip(fresh, a2s, d2s, strict=True):
+        dot = (a2 + m2 - d2) / 2
+        if dot <= 0:
+            out[j] = f"points away from the trusted inputs' mean (a·m = {dot:.3g})"
+    return out
 
 
 def _shape_mismatch(
