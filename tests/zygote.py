@@ -21,6 +21,18 @@ import sys
 import threading
 from pathlib import Path
 
+# Runs in each forked child first. hivemind makes process-shared semaphores at import
+# (MPFuture's update and initialization locks, its executor lock): children of one zygote would
+# share them, and a child SIGKILLed while holding one (the kill tests) blocked every later child
+# in its DHT start-up, for good. A fresh interpreter makes its own, so each child does too.
+FRESH_LOCKS = r"""
+import multiprocessing as _mp
+from hivemind.utils.asyncio import _AsyncContextWrapper
+from hivemind.utils.mpfuture import MPFuture
+MPFuture.reset_backend()
+_AsyncContextWrapper.EXECUTOR_LOCK = _mp.Lock()
+"""
+
 # Runs in the zygote: import once, then fork one child per request line on stdin.
 SERVER = r"""
 import atexit, json, os, runpy, sys, threading
@@ -37,6 +49,7 @@ def say(msg):
 
 def child(req):
     os.setsid()
+    exec(FRESH_LOCKS, {})
     fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT, 0o644)  # made empty by spawn()
     efd = fd if req["err"] is None else os.open(req["err"], os.O_WRONLY | os.O_CREAT, 0o644)
     nul = os.open(os.devnull, os.O_RDONLY)
@@ -120,7 +133,7 @@ class Child:
 class Zygote:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER],
+            [sys.executable, "-c", f"FRESH_LOCKS = {FRESH_LOCKS!r}\n{SERVER}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
