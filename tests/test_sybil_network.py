@@ -53,5 +53,8 @@ def test_a_flood_of_fresh_identities_neither_poisons_nor_shuts_out_nor_sits(
         assert not fresh & set(merged), f"v{c.body.version} merged a poisoned delta"
     for peer in honest:  # nobody shut out
         assert sum(peer in {a.peer_id for a in c.body.accepted} for c in flooded) >= 2
+    # No blow-up (the unscreened flood took it from 1.7 to 17.7). The last training loss is one
+    # noisy batch per node, so only a large rise says anything; the eval loss against a clean
+    # run is the benchmark's (bench/sybil_flood.py).
     loss_after = max(float(s["last_loss"]) for s in statuses)
-    assert loss_after < report.loss_before, (report.loss_before, loss_after)  # was 1.7 → 17.7
+    assert loss_after < 1.5 * report.loss_before, (report.loss_before, loss_after)
