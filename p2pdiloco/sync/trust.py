@@ -30,13 +30,12 @@ from collections.abc import Mapping
 
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.roster import roster_of
 
 
 def trusted_peers(manifest: RunManifest, cert: Certificate | None) -> frozenset[str] | None:
     """The identities trusted in the round after ``cert`` (after genesis when None), or None
     when the run is young and everyone counts as trusted."""
-    from p2pdiloco.sync.roster import roster_of
-
     rules = manifest.rules
     base = cert.body.version if cert is not None else 0
     earned = {
