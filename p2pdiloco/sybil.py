@@ -39,6 +39,8 @@ class FloodReport:
     sybils: list[str]  # their peer ids
     replies: list[dict[str, Any]] = field(default_factory=list)
     loss_before: float = 0.0  # the honest nodes' last training loss when the flood started
+    first_base: int = 0  # the first base version the flood sent for
+    until: int = 0  # the version every node held when it stopped
 
     @property
     def accepted(self) -> int:
@@ -59,10 +61,12 @@ def flood(
     until: int = 9,
     scale: float = 0.05,
     only: str | None = None,
+    rounds: int | None = None,
     timeout: float = 600.0,
 ) -> FloodReport:
-    """Flood from certified version ``start`` until every node holds ``until``. ``only``: send
-    to that one node instead of every syncer (scale 0: zero deltas, valid in every way)."""
+    """Flood from certified version ``start`` until every node holds ``until`` (or, with
+    ``rounds``, that many versions past the first one flooded). ``only``: send to that one
+    node instead of every syncer (scale 0: zero deltas, valid in every way)."""
     m = net.manifest
     assert m is not None and net.boot_addr, "start the bootstrap and publish the run first"
     codec = get_codec(m.compression)
@@ -93,6 +97,10 @@ def flood(
             net.wait_versions(start, nodes, max(1.0, deadline - time.monotonic()))
             report.loss_before = max(float(n.status().get("last_loss") or 0.0) for n in nodes)
             sent_for: set[int] = set()
+            report.first_base = _versions(nodes)
+            if rounds is not None:  # the nodes may have moved past ``start`` meanwhile
+                until = report.first_base + rounds
+            report.until = until
             while (base := _versions(nodes)) < until:
                 if time.monotonic() > deadline:
                     raise UserError(f"the nodes did not reach version {until} during the flood")
