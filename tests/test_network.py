@@ -152,9 +152,16 @@ def test_three_nodes_see_each_other_and_a_killed_node_drops_out(net: dict) -> No
     victim_id = node_id(victim)
     victim.kill()
     t_kill = time.monotonic()
-    wait_for("killed node to drop out", lambda: victim_id not in live_peers(net), timeout=6 + 15)
+    survivors = ids - {victim_id}
+
+    def dropped_out() -> bool:  # one read: the victim gone and both survivors still there
+        live = live_peers(net)
+        return victim_id not in live and live >= survivors
+
+    # A DHT read is a hint (one under load may miss a survivor's record); the claim is that one
+    # read soon shows exactly the change, so both conditions are checked on the same read.
+    wait_for("killed node to drop out, survivors still listed", dropped_out, timeout=6 + 15)
     dropped_after = time.monotonic() - t_kill
-    assert live_peers(net) >= ids - {victim_id}
     nodes[0].wait_output(f"peer {victim_id[:16]} left", timeout=15)
     print(f"3 nodes visible after {seen_after:.1f}s; killed node gone after {dropped_after:.1f}s")
 

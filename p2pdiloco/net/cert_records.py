@@ -43,16 +43,20 @@ def cert_version(raw: bytes) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
-def newest_signed(raws: list[bytes], run_id: str) -> bytes | None:
-    """The highest-version certificate among ``raws`` that carries a quorum of signatures of the
-    committee it names (whether that is the elected committee needs its chain: ``catch_up``)."""
+def signed_claims(raws: list[bytes], run_id: str, above: int = 0) -> list[bytes]:
+    """Certificates among ``raws`` above version ``above`` that carry a quorum of signatures of
+    the committee they name, newest first, each once (whether that is the elected committee
+    needs its chain: ``catch_up``)."""
+    out: dict[bytes, None] = {}
     for raw in sorted(raws, key=cert_version, reverse=True):
+        if cert_version(raw) <= above or raw in out:
+            continue
         try:
             parse_certificate(raw, run_id=run_id)
         except InvalidRecord:
             continue
-        return raw
-    return None
+        out[raw] = None
+    return list(out)
 
 
 def read_certificates(dht: DHTPlane, run_id: str) -> list[bytes]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.ledger import build_ledger
-from p2pdiloco.net.cert_records import cert_version, newest_signed
+from p2pdiloco.net.cert_records import cert_version, signed_claims
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
@@ -142,10 +142,10 @@ class NodeRuntime:
         for coro in tasks:
             self._tasks.append(asyncio.create_task(coro))
         self.tally.phase = "syncing state"
-        newest = await self._newest_from_network()
-        if newest is not None:
+        for claim in await self._claims_from_network():  # newest first; junk falls through
             try:
-                await self._apply(newest, None)
+                await self._apply(claim, None)
+                break
             except (InvalidRecord, SyncError, RpcError, TimeoutError) as e:
                 log.warning("could not catch up at start: %s", e)
         self.tally.phase = "serving"
@@ -460,18 +460,18 @@ class NodeRuntime:
             self.tally.event(f"delta on version {pending.sub.base_version} dropped: {dropped[0]}")
             self.deliver(Dropped(pending.sub.digest, dropped[0]))
 
-    async def _newest_from_network(self) -> bytes | None:
-        """At start: the newest certificate in the DHT or held by live peers, if newer."""
+    async def _claims_from_network(self) -> list[bytes]:
+        """At start: the newest certificates above ours in the DHT or held by live peers (at
+        most 4, newest first); each is believed only once its chain verifies."""
         found = await self.plane.read_certificates()
         for peer in self.plane.peers_holding(self.chain.version + 1)[:3]:
             with contextlib.suppress(RpcError):
                 found.append(await fetch_cert(self.transport, peer, -1))
-        newest = newest_signed(found, self.run_id)
-        if newest is None or cert_version(newest) <= self.chain.version:
-            return None
-        v = (self.chain.version, cert_version(newest))
-        log.info("catching up from version %d (newest claim %d: believed once verified)", *v)
-        return newest
+        claims = signed_claims(found, self.run_id, above=self.chain.version)[:4]
+        for raw in claims[:1]:
+            v = (self.chain.version, cert_version(raw))
+            log.info("catching up from version %d (newest claim %d: believed once verified)", *v)
+        return claims
 
     # -- views ---------------------------------------------------------------------------------
 

@@ -101,7 +101,10 @@ async def catch_up(
         else:
             why = "; ".join(errors)[:400] or "no peer holds it"
             if not chain:
-                raise SyncError(f"no verifiable certificate for version {version}: {why}")
+                raise SyncError(
+                    f"ignoring the certificate claiming version {target.body.version} for now: no "
+                    f"verifiable certificate for version {version} ({why})"
+                )
             log.warning(
                 "ignoring the certificate claiming version %d: the chain is verifiable only to "
                 "version %d (%s)",
