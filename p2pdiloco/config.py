@@ -35,6 +35,7 @@ CONFIG_KEYS = frozenset(
         "cache_dir",
         "state_dir",
         "metrics_port",
+        "compute_share",
     }
 )
 

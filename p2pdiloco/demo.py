@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,8 +254,10 @@ class LocalNetwork:
         until_version: int,
         adversary: str | None = None,
         extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> NodeProc:
-        """Start (or restart, with the same directory) one ``p2pdiloco join`` process."""
+        """Start (or restart, with the same directory) one ``p2pdiloco join`` process (``env``:
+        extra environment, say ``P2PDILOCO_FAILPOINTS``)."""
         d = self.workdir / name
         d.mkdir(exist_ok=True)
         if not (d / "identity.key").exists():
@@ -276,7 +278,7 @@ class LocalNetwork:
         if adversary:
             args += ["--adversary", adversary]
         log_name = "node.log" if not (d / "node.log").exists() else f"node.{len(self.procs)}.log"
-        p = _spawn(args, d / log_name, {**self.env, "XDG_DATA_HOME": str(d)})
+        p = _spawn(args, d / log_name, {**self.env, **(env or {}), "XDG_DATA_HOME": str(d)})
         self.procs.append(p)
         node = NodeProc(name, key, d, p, adversary, d / log_name)
         self.nodes = [n for n in self.nodes if n.name != name] + [node]

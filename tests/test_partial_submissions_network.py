@@ -5,6 +5,11 @@ submissions sent to one committee member only made it propose a set the others r
 ("proposal from a syncer that is not the current leader"): the states split, 2 signatures
 against 1, and the run was stuck for good. Here two extra identities send valid (zero) deltas to
 one member only, for every version from 1 to 6 (``p2pdiloco.sybil.flood`` with ``only``).
+
+And the stuck round "one failed fetch during leader rotation": that member also refuses the
+first two fetches asked of it (``P2PDILOCO_FAILPOINTS``, as dropped streams would). Before
+fetches were retried, a follower that could not fetch an agreed input never signed, and with
+k = q = 3 the version was stuck. Where the member leads, its followers now retry.
 """
 
 from __future__ import annotations
@@ -31,10 +36,17 @@ def test_submissions_to_one_member_only_neither_split_nor_stall_the_committee(
         keys = [Identity.generate() for _ in range(3)]
         # A young run throughout (trust out of reach): the extra deltas count like any other.
         run_id = net.publish_run(keys, trust_min_accepted=10**6)
-        nodes = [net.start_node(f"node{i}", k, until_version=UNTIL + 1) for i, k in enumerate(keys)]
         lonely = keys[2].peer_id
+        nodes = [
+            net.start_node(
+                f"node{i}", k, until_version=UNTIL + 1,
+                env={"P2PDILOCO_FAILPOINTS": "serve_fetch=2"} if k.peer_id == lonely else None,
+            )
+            for i, k in enumerate(keys)
+        ]  # fmt: skip
         report = flood(net, run_id, nodes, count=2, start=1, until=UNTIL, scale=0.0, only=lonely)
         net.wait_versions(UNTIL, nodes, 300)
+        texts = [n.text() for n in nodes]
 
     assert report.accepted >= 2, report.replies[:4]
     chains = [{c.body.version: c.body.state_hash for c in certificates(n, run_id)} for n in nodes]
@@ -45,4 +57,9 @@ def test_submissions_to_one_member_only_neither_split_nor_stall_the_committee(
     extra = set(report.sybils)
     led = [c.body.version for c in certs if c.body.committee[0] == lonely]
     fetched = sum(a.peer_id in extra for c in certs for a in c.body.accepted)
-    print(f"the lonely member led versions {led}; {fetched} of its extra deltas were merged")
+    views = {c.body.version: c.body.view for c in certs}
+    print(f"the lonely member led versions {led}; {fetched} of its extra deltas were merged; "
+          f"views {views}")  # fmt: skip
+    if fetched:  # it led a round with its extras: its followers' first fetches were refused
+        assert texts[2].count("failpoint serve_fetch: failing here") == 2
+    assert all("Traceback" not in t for t in texts)

@@ -92,6 +92,10 @@ def join(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch [default: torch's choice].")
     ] = None,
+    compute_share: Annotated[
+        float | None,
+        typer.Option(help="Share of time to train, in (0, 1]: pauses keep the machine usable."),
+    ] = None,
     no_tui: Annotated[
         bool, typer.Option("--no-tui", help="Plain log lines instead of the dashboard.")
     ] = False,
@@ -138,6 +142,9 @@ def join(
     cache = _typed("cache_dir", cache_dir, None, Path, conf)
     state = _typed("state_dir", state_dir, None, Path, conf)
     mport = _typed("metrics_port", metrics_port, None, int, conf)
+    share = _typed("compute_share", compute_share, 1.0, float, conf)
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"--compute-share must be in (0, 1], not {share}")
     if not model and not run:
         raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
     if gpu_ids:
@@ -188,8 +195,9 @@ def join(
             print(f"fix: {node.reachability.fix}", flush=True)
         _network_findings(node)
         running = _start_node(
-            node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train
-        )
+            node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
+            share,
+        )  # fmt: skip
         from p2pdiloco.node_view import NodeView
 
         view = NodeView(node, running if not no_train else None)
@@ -313,6 +321,7 @@ def _start_node(
     until_version: int | None,
     adversary: str | None,
     no_train: bool,
+    compute_share: float = 1.0,
 ) -> Any:
     from p2pdiloco.preflight import auto_batch_size
     from p2pdiloco.runtime.launch import RunningNode, TrainConfig
@@ -352,6 +361,7 @@ def _start_node(
             until_version=until_version,
             attack=adversary,
             micro_batch=micro,
+            compute_share=compute_share,
         ),
     )
     version = running.start()

@@ -42,6 +42,7 @@ class TrainConfig:
     state_dir: Path
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    compute_share: float = 1.0  # share of wall time spent training (join --compute-share)
     until_version: int | None = None  # stop training once this version is applied; keep serving
     attack: str | None = None  # play an attacker (demo and tests only)
     max_data_bytes: int = 16 * 2**20
@@ -131,6 +132,7 @@ class RunningNode:
             catch_up=runtime.request_version,
             replay=cfg.attack == "replay",
             inflate=cfg.attack == "inflate",
+            compute_share=cfg.compute_share,
         )
         trainer = self.trainer
         bridge.run(runtime.attach(trainer.deliver, lambda: trainer.view, state.version), 30)

@@ -139,6 +139,7 @@ class Trainer:
         catch_up: Callable[[int], None],
         replay: bool = False,
         inflate: bool = False,
+        compute_share: float = 1.0,
     ) -> None:
         self.learner = learner
         self.machine = machine
@@ -150,6 +151,7 @@ class Trainer:
         self.catch_up = catch_up
         self.replay = replay  # attacker: re-send the first signed submission byte for byte
         self.inflate = inflate  # attacker: claim INFLATED_STEPS steps (and tokens to match)
+        self.compute_share = compute_share  # of wall time; the rest pauses between chunks
         self.inbox: queue.Queue[TrainerEvent] = queue.Queue()
         self.view = TrainerView(version=state.version)
         self._c = _Counters()
@@ -266,8 +268,13 @@ class Trainer:
         c.first_at = start if c.first_at is None else c.first_at
         st = self.learner.train(steps)
         c.last_at = time.monotonic()
-        c.train_seconds += c.last_at - start
-        self.machine.on_trained(st.steps, c.last_at - start)
+        busy = c.last_at - start
+        c.train_seconds += busy
+        if self.compute_share < 1.0:  # leave the machine usable: pause, interruptibly
+            self._stop.wait(busy * (1.0 / self.compute_share - 1.0))
+        # The round's time budget counts wall time, pauses included: a node that trains a
+        # third of the time is paced like hardware three times slower.
+        self.machine.on_trained(st.steps, time.monotonic() - start)
         c.tokens_trained += st.tokens
         c.tokens_since_send += st.tokens
         c.last_loss = st.loss_last

@@ -59,6 +59,30 @@ def verify_next(
     return cert
 
 
+FETCH_TRIES = 3  # rounds over a submission's holders before a fetch counts as failed
+FETCH_PAUSE_S = 0.5  # before the second round; doubled before each later one
+
+
+async def fetch_submission(
+    transport: Transport, digest: str, holders: Sequence[str], reply_limit: int
+) -> list[bytes]:
+    """The frames of submission ``digest`` from the first of ``holders`` that serves it,
+    going round them ``FETCH_TRIES`` times with a growing pause (a dropped stream or a member
+    still installing the round costs a retry, not the round); RpcError naming every failure."""
+    errors: list[str] = []
+    for attempt in range(FETCH_TRIES):
+        if attempt:
+            await asyncio.sleep(FETCH_PAUSE_S * 2 ** (attempt - 1))
+        for peer in holders:
+            try:
+                args = {"digest": digest}
+                _, frames = await transport.call(peer, "fetch", args=args, reply_limit=reply_limit)
+                return frames
+            except RpcError as e:
+                errors.append(f"{peer[-8:]}: {e}")
+    raise RpcError(f"after {FETCH_TRIES} rounds: " + "; ".join(errors)[-400:])
+
+
 async def fetch_cert(transport: Transport, peer: str, version: int) -> bytes:
     """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
     _, frames = await transport.call(peer, "cert", args={"version": version}, timeout=15.0)

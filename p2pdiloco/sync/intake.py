@@ -114,6 +114,21 @@ class Intake:
             return Reason.MALFORMED, f"malformed payload: {e}"
         return None
 
+    async def open_fetched(
+        self, digest: str, frames: list[bytes], current_version: int | None, seen: ReplayGuard
+    ) -> ParsedSubmission:
+        """A submission fetched from a fellow syncer, checked like a learner's own (a replay
+        of one seen before is fine: that is how it got into the agreed set); InvalidRecord."""
+        if len(frames) != 2:
+            raise InvalidRecord(f"a fetched submission has {len(frames)} frames, not 2")
+        sub = open_submission(frames[0], run_id=self.run_id)
+        if sub.digest != digest:
+            raise InvalidRecord("fetched submission has another digest", signer=sub.envelope.signer)
+        refusal = await self.check(sub, frames[1], current_version, seen)
+        if refusal is not None and refusal[0] is not Reason.REPLAYED:
+            raise InvalidRecord(refusal[1], signer=sub.envelope.signer)
+        return sub
+
 
 @dataclass
 class Held:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from p2pdiloco import failpoints
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
@@ -37,6 +38,7 @@ from p2pdiloco.sync.committee_msgs import (
     open_signature,
     seal_proposal,
 )
+from p2pdiloco.sync.fetch import fetch_submission
 from p2pdiloco.sync.intake import Held, Intake, Refusal
 from p2pdiloco.sync.roster import CommitteeInfo, roster_of
 from p2pdiloco.sync.round import (
@@ -161,8 +163,8 @@ class SyncService:
                 self.held[held.sub.digest] = held
             self._execute(actions, held.sub.digest)
         missing = tuple(d for d in locked or () if d not in rnd.accepted)
-        for holder in st.holders()[:3] if missing else []:
-            self._spawn(self._fetch(missing, holder))
+        if missing:
+            self._spawn(self._fetch(missing, [h for h in st.holders() if h != self.me]))
 
     def _enter_view(self) -> None:
         """The node moved to a later view of the same version (its votes proved the timeout)."""
@@ -197,7 +199,7 @@ class SyncService:
             return self._on_vote(peer, frames)
         if op == "fetch":
             held = self.held.get(str(control.get("digest")))
-            if held is None:
+            if held is None or failpoints.hit("serve_fetch"):
                 raise RpcRefused(Reason.NOT_FOUND, "no such submission here")
             return {}, [held.raw, held.payload]
         if op == "receipt":
@@ -343,7 +345,8 @@ class SyncService:
             elif isinstance(a, Propose):
                 self._spawn(self._propose(a.digests, a.attempt))
             elif isinstance(a, Fetch):
-                self._spawn(self._fetch(a.digests, a.from_peer))
+                others = [m for m in self._others() if m != a.from_peer]
+                self._spawn(self._fetch(a.digests, [a.from_peer, *others]))
             elif isinstance(a, Aggregate):
                 self._spawn(self._aggregate(a))
             elif isinstance(a, Sign):
@@ -388,21 +391,18 @@ class SyncService:
                  attempt)  # fmt: skip
         await asyncio.gather(*(self._send(p, "propose", raw) for p in self._others()))
 
-    async def _fetch(self, digests: tuple[str, ...], from_peer: str) -> None:
+    async def _fetch(self, digests: tuple[str, ...], holders: list[str]) -> None:
+        """Fetch agreed inputs this syncer lacks from ``holders`` (proposer first), retried."""
         rnd = self.round
         for d in digests:
+            if rnd is None or d in rnd.accepted:
+                continue
             try:
-                _, frames = await self.transport.call(
-                    from_peer, "fetch", args={"digest": d}, reply_limit=self.max_payload
-                )
-                sub = open_submission(frames[0], run_id=self.run_id)
-                if sub.digest != d:
-                    raise InvalidRecord("fetched submission has another digest", signer=from_peer)
-                refusal = await self._check(sub, frames[1] if len(frames) > 1 else None)
-                if refusal is not None and refusal[0] is not Reason.REPLAYED:
-                    raise InvalidRecord(refusal[1], signer=sub.envelope.signer)
-            except (RpcError, InvalidRecord, IndexError) as e:
-                log.warning("could not fetch submission %s from %s: %s", d[:12], from_peer, e)
+                frames = await fetch_submission(self.transport, d, holders, self.max_payload)
+                version = self.current.version if self.current is not None else None
+                sub = await self.intake.open_fetched(d, frames, version, self.seen)
+            except (RpcError, InvalidRecord) as e:
+                log.warning("could not fetch submission %s: %s", d[:12], e)
                 continue
             if rnd is not self.round or rnd is None:
                 return

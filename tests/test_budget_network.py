@@ -1,0 +1,73 @@
+"""Rounds that fit mixed hardware (issue 10 item 4) on real processes: four ``join`` processes
+under a manifest time budget, one of them training a third of the time (``--compute-share``,
+so it is paced like hardware three times slower). It still contributes to most rounds, with
+fewer tokens in all, each of its deltas weighed by the tokens it really trained.
+
+The in-process twin with more rounds is tests/test_runtime_budget.py; this one checks the same
+guarantees through the CLI, the real transport and the real pacing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.sync.weights import merge_weights
+from tests.test_sync_network import SMALL, certificates
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BUDGET = 3.0  # seconds of wall time per delta
+CAP = 0.5  # not binding for four learners of which one is slow (the default 0.25 would be)
+LINGER = 2.0  # stragglers' wait once three of four are in: a slow learner's last step
+UNTIL = 6
+
+
+def test_a_node_training_a_third_of_the_time_contributes_to_most_rounds_by_its_tokens(
+    tmp_path: Path,
+) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(4)]  # k = 4: all genesis, all trusted
+        run_id = net.publish_run(
+            keys, inner_steps=10_000, time_budget=BUDGET, weight_cap=CAP, linger=LINGER
+        )  # the budget, never H, ends a stretch
+        nodes = [
+            net.start_node(
+                f"node{i}", k, until_version=UNTIL + 1,
+                extra=["--compute-share", "0.33"] if i == 3 else (),
+            )
+            for i, k in enumerate(keys)
+        ]  # fmt: skip
+        net.wait_versions(UNTIL, nodes, 400)
+        certs = [c for c in certificates(nodes[0], run_id) if 2 <= c.body.version <= UNTIL]
+        slow_log = nodes[3].text()
+
+    assert "Traceback" not in slow_log
+    slow = keys[3].peer_id
+    with_slow = [c for c in certs if any(a.peer_id == slow for a in c.body.accepted)]
+    print(f"the slow node is in {len(with_slow)} of {len(certs)} certificates (versions 2-{UNTIL})")
+    assert len(with_slow) > len(certs) / 2, "the slow node missed most rounds"
+    totals: dict[str, int] = {}
+    for cert in certs:
+        for a in cert.body.accepted:
+            totals[a.peer_id] = totals.get(a.peer_id, 0) + a.tokens
+    fast = [t for p, t in totals.items() if p != slow]
+    per_delta = {
+        who: statistics.median(
+            a.tokens for c in certs for a in c.body.accepted if (a.peer_id == slow) == who
+        )
+        for who in (True, False)
+    }
+    print(f"tokens: slow {totals[slow]}, fast {sorted(fast)}; per delta {per_delta}")
+    assert totals[slow] < 0.75 * statistics.median(fast)
+    assert per_delta[True] < 0.6 * per_delta[False]  # a budget's worth of its slower steps
+    for cert in with_slow:  # each delta weighed by the tokens it really trained
+        tokens = {a.peer_id: a.tokens for a in cert.body.accepted}
+        weights = merge_weights({p: (t, 0) for p, t in sorted(tokens.items())}, CAP)
+        for p, t in tokens.items():
+            assert weights[p] / weights[slow] == pytest.approx(t / tokens[slow])
