@@ -49,6 +49,19 @@ def _kill_leftover_children() -> Iterator[None]:
     psutil.wait_procs(leftovers, timeout=10)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread_per_worker() -> Iterator[None]:
+    """Under xdist the two workers share the 2 cores: torch's default of a thread per core
+    would put four busy threads on them beside the other worker's networks (in-process
+    simulations took 46-100 s in a full run that take 9 s alone). Tests that measure across
+    thread counts set theirs explicitly."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        import torch
+
+        torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """Torch on one intra-op thread for the test: whole nodes in one process each train on

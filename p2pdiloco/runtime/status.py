@@ -185,6 +185,8 @@ class RuntimeView:
                 "tokens_per_second": t.tokens_per_second if t is not None else 0.0,
                 "utilization": round(t.utilization, 4) if t is not None else 0.0,
                 "train_seconds": round(t.train_seconds, 2) if t is not None else 0.0,
+                "longest_pause_s": round(t.longest_pause_s, 2) if t is not None else 0.0,
+                "stretch_s": round(t.stretch_s, 2) if t is not None else 0.0,
                 "sync_wait_s": self.sync_wait_s,
                 "stalled": self.stalled,
                 "stalled_s": self.stalled_s,

@@ -105,6 +105,10 @@ class TrainerView:
     # for the network in between count against it; idling after the last version does not).
     utilization: float = 0.0
     train_seconds: float = 0.0  # wall time inside inner steps
+    # The longest wall time between two chunks of inner steps (rebases, sends, catch-ups, any
+    # wait): how long the step counter ever stood still while the learner had work.
+    longest_pause_s: float = 0.0
+    stretch_s: float = 0.0  # the latest stretch's training time (H steps, or the budget)
 
 
 @dataclass
@@ -119,6 +123,7 @@ class _Counters:
     train_seconds: float = 0.0  # wall time inside inner steps
     first_at: float | None = None  # monotonic start of the first chunk
     last_at: float = 0.0  # monotonic end of the latest chunk
+    longest_pause_s: float = 0.0
 
     def utilization(self) -> float:
         span = self.last_at - self.first_at if self.first_at is not None else 0.0
@@ -265,6 +270,8 @@ class Trainer:
     def _train(self, steps: int) -> None:
         c = self._c
         start = time.monotonic()
+        if c.first_at is not None:
+            c.longest_pause_s = max(c.longest_pause_s, start - c.last_at)
         c.first_at = start if c.first_at is None else c.first_at
         st = self.learner.train(steps)
         c.last_at = time.monotonic()
@@ -346,4 +353,8 @@ class Trainer:
             error=self._error,
             utilization=c.utilization(),
             train_seconds=c.train_seconds,
+            longest_pause_s=c.longest_pause_s,
+            stretch_s=c.step_seconds * self.manifest.inner_steps
+            if self.manifest.time_budget is None
+            else float(self.manifest.time_budget),
         )
