@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -127,10 +128,21 @@ class DemoResult:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (the bootstrap's gossip host takes --port + 1), drawn below
+    Linux's ephemeral range (32768-60999), where outgoing connections take theirs: a port the
+    kernel handed out is often followed by one it hands out next."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20_000, 32_000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise UserError("no two free adjacent TCP ports on 127.0.0.1 for the bootstrap")
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -186,7 +198,7 @@ class LocalNetwork:
     def start_bootstrap(self) -> str:
         boot_key = Identity.generate()
         boot_key.save(self.workdir / "bootstrap.key")
-        port = _free_port()
+        port = _free_port_pair()
         log = self.workdir / "bootstrap.log"
         boot = _spawn(
             [
