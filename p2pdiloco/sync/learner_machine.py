@@ -161,15 +161,17 @@ class LearnerMachine:
 
     def _chunk(self) -> int:
         """Steps of the next Train: a chunk, never past H, and (budgeted) about what still fits
-        in the budget at the measured pace (one step while the pace is unknown). In overtime a
-        chunk (budgeted: a quarter of the budget), so a certificate is looked at soon."""
+        in the budget at the measured pace (one step while the pace is unknown), at most a
+        quarter of the budget, so a certificate is looked at soon. In overtime a whole chunk
+        (budgeted: a quarter of the budget)."""
         overtime = self.stretch_done
         steps = min(self.chunk, self.inner_steps if overtime else self.inner_steps - self.trained)
         if self.time_budget is None:
             return steps
         if self.seconds_per_step is None:
             return 1
-        left = self.time_budget / 4 if overtime else self.time_budget - self.trained_seconds
+        quarter = self.time_budget / 4
+        left = quarter if overtime else min(quarter, self.time_budget - self.trained_seconds)
         return max(1, min(steps, int(left / max(self.seconds_per_step, 1e-9) + 0.5)))
 
     # -- events --------------------------------------------------------------------------------
