@@ -5,7 +5,7 @@ trained, a delta sealed, the committee's reply, a certified version, a dropped d
 and carries out what it returns. The same class runs in ``join``, in the in-memory driver tests
 and in the simulator.
 
-    train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training, past H if need be
+    train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training up to H more steps
        ▲                                              │
        │           certificate of v' > v ◀────────────┤ (ours merged: rebase onto v' anchored at
        │                                              │  the sent parameters; not merged: the
@@ -14,12 +14,9 @@ and in the simulator.
                                                          is dropped, later progress kept)
 
 A certificate that lands while no delta is in flight rebases the stretch under way onto it
-(all local progress carried). ``next_action`` says what to do now: train a chunk or send; it
-waits only once the target version is reached. A learner never waits on the network: with a
-delta in flight and a whole stretch trained since (overtime, say while a view change hands the
-version to the next committee), it trains on, and its next delta holds every step since the
-last one (claiming at most H, as syncers clip: ADR 0010). A delta undecided for
-``give_up_after`` seconds is given up, so a learner is never tied to a round that died.
+(all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
+wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
+``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
 
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
 set: syncers never merge it later) has its work carried into the learner's next delta rather
@@ -38,7 +35,7 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 class LearnerPhase(enum.Enum):
     TRAINING = "training"  # no delta in flight
     IN_FLIGHT = "waiting for certificate"  # a delta sent; training on
-    OVERTIME = "training on (stretch done)"  # a delta in flight and a stretch trained since
+    WAITING = "waiting (stretch done)"  # a delta in flight and H steps trained since
     IDLE = "idle"  # the target version is reached
 
 
@@ -131,7 +128,7 @@ class LearnerMachine:
         if self.in_flight is None:
             return LearnerPhase.TRAINING
         if self.stretch_done:
-            return LearnerPhase.OVERTIME
+            return LearnerPhase.WAITING
         return LearnerPhase.IN_FLIGHT
 
     @property
@@ -148,10 +145,11 @@ class LearnerMachine:
         phase = self.phase
         if phase is LearnerPhase.IDLE:
             return [Wait(1.0)]
-        if phase is LearnerPhase.OVERTIME:
+        if phase is LearnerPhase.WAITING:
             assert self.in_flight is not None
-            if now - self.in_flight.sent_at >= self.give_up_after:
-                return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
+            if now - self.in_flight.sent_at < self.give_up_after:
+                return [Wait(0.2)]
+            return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
         if self.in_flight is None and self.stretch_done:
             steps, self.trained, self.trained_seconds = self.trained, 0, 0.0
             self.in_flight = InFlight(self.version, now, steps)
@@ -162,16 +160,13 @@ class LearnerMachine:
     def _chunk(self) -> int:
         """Steps of the next Train: a chunk, never past H, and (budgeted) about what still fits
         in the budget at the measured pace (one step while the pace is unknown), at most a
-        quarter of the budget, so a certificate is looked at soon. In overtime a whole chunk
-        (budgeted: a quarter of the budget)."""
-        overtime = self.stretch_done
-        steps = min(self.chunk, self.inner_steps if overtime else self.inner_steps - self.trained)
+        quarter of the budget, so a certificate that lands mid-stretch is looked at soon."""
+        steps = min(self.chunk, self.inner_steps - self.trained)
         if self.time_budget is None:
             return steps
         if self.seconds_per_step is None:
             return 1
-        quarter = self.time_budget / 4
-        left = quarter if overtime else min(quarter, self.time_budget - self.trained_seconds)
+        left = min(self.time_budget / 4, self.time_budget - self.trained_seconds)
         return max(1, min(steps, int(left / max(self.seconds_per_step, 1e-9) + 0.5)))
 
     # -- events --------------------------------------------------------------------------------
