@@ -86,13 +86,21 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests (real-process networks, whole committees in process) first, in collection
-    order. ``--dist worksteal`` hands the first half of this list to one worker, so that worker
-    runs the slow tests one after another while the other runs short tests; once its queue is
-    empty it steals from the end of the first worker's, slow tests at the end of the run, and
-    then ``pytest_runtest_protocol`` gives the slow ones turns (ADR 0015). Deterministic, so
-    every worker agrees."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Solo tests (training networks, whole committees in process) first, other slow tests
+    last, short ones between, each group in collection order. ``--dist worksteal`` hands each
+    worker a contiguous half of this list: one worker runs the solo tests one after another
+    while the other runs short tests, then the other slow ones (single nodes, DHT-only
+    networks, one in-process committee: they run beside a solo test as a short test does).
+    Once a worker's queue is empty it steals from the end of the other's, and
+    ``pytest_runtest_protocol`` keeps two solo tests from running at once (ADR 0015).
+    Deterministic, so every worker agrees."""
+
+    def group(item: pytest.Item) -> int:
+        if item.get_closest_marker("solo") is not None:
+            return 0
+        return 2 if item.get_closest_marker("slow") is not None else 1
+
+    items.sort(key=group)
 
 
 _turns: Turns | None = None
@@ -100,12 +108,12 @@ _turns: Turns | None = None
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    """Under xdist, a slow test runs only while no other worker runs one (tests/turns.py). The
+    """Under xdist, a solo test runs only while no other worker runs one (tests/turns.py). The
     turn is taken outside pytest-timeout's timer, which counts the test itself."""
     global _turns
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     off = os.environ.get("P2PDILOCO_TEST_TURNS") == "0"  # to measure a run without turns
-    if item.get_closest_marker("slow") is None or run is None or off:
+    if item.get_closest_marker("solo") is None or run is None or off:
         yield
         return
     if _turns is None:

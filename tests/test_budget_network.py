@@ -19,7 +19,7 @@ from p2pdiloco.protocol.identity import Identity
 from tests.test_runtime_budget import check_slow_learner
 from tests.test_sync_network import SMALL, certificates
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 
 BUDGET = 3.0  # seconds of wall time per delta
 CAP = 0.5  # not binding for four learners of which one is slow (the default 0.25 would be)

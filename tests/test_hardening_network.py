@@ -145,6 +145,7 @@ async def _flood_one(p2p: Any, peer: str, addrs: list[str], header: bytes, size:
         writer.close()
 
 
+@pytest.mark.solo  # three training nodes and a late joiner
 def test_junk_certificate_and_sixty_big_streams(tmp_path: Path) -> None:
     """Outcomes: a certificate record claiming version 10**9 (self-elected committee) is ignored
     by ``status --leaderboard`` (answers in seconds, lists it as ignored) and by a late joiner

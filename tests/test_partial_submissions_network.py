@@ -23,7 +23,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sybil import flood
 from tests.test_sync_network import SMALL, certificates
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 
 UNTIL = 6
 

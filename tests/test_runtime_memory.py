@@ -113,6 +113,7 @@ def test_a_learner_gone_costs_only_its_own_work(tmp_path: Path) -> None:
     run(main())
 
 
+@pytest.mark.solo  # asserts a replacement by timeout: needs its share of the CPU
 def test_a_slow_leader_is_replaced_by_the_next(tmp_path: Path) -> None:
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=4, rules={"agree_timeout": 1.0}) as net:

@@ -17,7 +17,7 @@ from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.roster import committee_for
 from tests.test_runtime_memory import check_chains, run
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow, pytest.mark.solo]
 
 VIEW_TIMEOUT = 10.0
 RULES = {"grace": 4.0, "agree_timeout": 2.0, "view_timeout": VIEW_TIMEOUT}

@@ -21,7 +21,7 @@ from p2pdiloco.sybil import flood
 from p2pdiloco.sync.trust import probation_room
 from tests.test_sync_network import SMALL, certificates
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 
 FLOOD_FROM, ROUNDS = 3, 6  # flood 6 versions from v3 (or wherever the nodes are by then)
 

@@ -33,7 +33,7 @@ from p2pdiloco.protocol.submissions import (
 from p2pdiloco.train.models import build_model, param_state
 from tests.netutil import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 
 # Protocol tests, not training-quality ones: small batches keep each round a few seconds.
 SMALL = DemoConfig(inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=4, seq_len=64)

@@ -27,7 +27,7 @@ from p2pdiloco.sync.roster import committee_for
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(900)]
 
 # Short rounds and views (the manifest refuses a view timeout under grace + agree_timeout):
 # these tests wait out whole views, and the guarantees do not depend on the timings.
@@ -42,20 +42,24 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         run_id = net.publish_run(keys, **TIMING)  # k = 4, quorum 3
         nodes = [net.start_node(f"node{i}", k, until_version=8) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 400)
-        chain = certificates(nodes[0], run_id)
-        base = chain[-1]
+        # The newest certificate any node holds (one node may be a version behind): its
+        # committee for the next version loses two members within a fraction of a second.
+        base = max((certificates(n, run_id)[-1] for n in nodes), key=lambda c: c.body.version)
         info = committee_for(run_id, net.manifest, base)
         victims = [n for n in nodes if n.identity.peer_id in info.members[:2]]
-        tokens_before = {n.name: n.status().get("tokens_trained", 0) for n in nodes}
         for n in victims:
             n.kill()  # the leader and the next member of the next version's committee
+        tokens_before = {n.name: n.status().get("tokens_trained", 0) for n in nodes}
         survivors = [n for n in nodes if n not in victims]
         # View 0 cannot reach its quorum of 3 with two of four dead: a later view certifies.
         net.wait_versions(base.body.version + 2, survivors, 2 * (VIEW_TIMEOUT + 120))
 
         chain = certificates(survivors[0], run_id)
         nxt = next(c for c in chain if c.body.version == base.body.version + 1)
-        assert nxt.body.view >= 1 and len(nxt.views) == nxt.body.view
+        # View 0 could certify only with a dead member's signature, sent before the kill landed.
+        dead = {n.identity.peer_id for n in victims}
+        assert nxt.body.view >= 1 or dead & set(nxt.signers), (nxt.body.view, nxt.signers)
+        assert len(nxt.views) == nxt.body.view
         prev = None
         for cert in chain:  # every certificate verifies from genesis, views included
             prev = verify_next(run_id, net.manifest, prev, cert.raw)

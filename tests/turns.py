@@ -1,11 +1,12 @@
-"""One slow test at a time across xdist workers, handed over in turn (ADR 0015).
+"""One solo test at a time across xdist workers, handed over in turn (ADR 0015).
 
-Slow tests start whole networks (a bootstrap and several nodes, each with its p2pd daemon, DHT
-process and gossip child) or run whole committees in one process. Two of them at once on 2 CPU
-cores starve each other's rounds: a CI run whose last slow tests ran on both workers stalled
-a round for 300 s, and the next bootstrap did not start within 60 s. ``--dist worksteal``
-gives one worker the slow tests, but the other steals from the end of that worker's queue once
-its own is empty, and then the end of the queue is slow tests. A turn is an ``flock`` on a
+Solo tests (``pytest.mark.solo``) start training networks (a bootstrap and several nodes, each
+with its p2pd daemon, DHT process and gossip child) or run whole committees in one process.
+Two of them at once on 2 CPU cores slow each other's rounds: a CI run whose last slow tests
+ran on both workers stalled a round for 300 s, and the next bootstrap did not start within
+60 s. ``--dist worksteal``
+gives one worker the solo tests, but the other steals from the end of that worker's queue once
+its own is empty, and then the end of the queue is solo tests. A turn is an ``flock`` on a
 file shared by the workers of one run; a worker that just had a turn lets a waiting one go
 first, so neither waits more than one test.
 """
