@@ -268,6 +268,7 @@ def test_error_feedback_state_roundtrip() -> None:
 
 def test_ratio_and_nbytes() -> None:
     expected = {"none": 1.0, "fp16": 2.0, "int8": 32 / (8 + 16 / 256), "int4": 32 / (4 + 16 / 64)}
+    expected["topk2"] = 32 * 4096 / (64 * (12 + 2) + 16)  # 64 of 4096 kept: offset, 2-bit code
     x = torch.randn(1_000_003)
     for name in CODECS:
         codec = get_codec(name)

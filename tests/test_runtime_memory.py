@@ -53,9 +53,10 @@ def signed_states(net: MemoryNetwork) -> dict[tuple[str, int], set[str]]:
     return out
 
 
-def test_four_nodes_certify_versions_and_every_learner_rebases(tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["int8", "topk2"])
+def test_four_nodes_certify_versions_and_every_learner_rebases(tmp_path: Path, codec: str) -> None:
     async def main() -> None:
-        async with MemoryNetwork(tmp_path, nodes=4) as net:
+        async with MemoryNetwork(tmp_path, nodes=4, compression=codec) as net:
             await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 everywhere")
             check_chains(net)
             assert all(len(h) == 1 for h in signed_states(net).values())

@@ -152,7 +152,7 @@ class BlockwiseCodec(Codec):
             torch.amax(abs_cK, dim=1, out=absmax_Bk[b0 : b0 + len(x_cK)])
         if not all_finite(absmax_Bk):
             raise CodecError("delta has NaN or infinite values; refusing to encode it")
-        s_Bk = _fp16_round_up(absmax_Bk / qmax)
+        s_Bk = fp16_round_up(absmax_Bk / qmax)
         div_Bk = s_Bk.to(torch.float32)
         div_Bk[s_Bk == 0] = 1.0  # zero blocks: 0 / 1 = 0, no 0 / 0
         if self.bits == 8:
@@ -211,7 +211,7 @@ class BlockwiseCodec(Codec):
         return x_P[:numel].reshape(enc.shape)
 
 
-def _fp16_round_up(s: torch.Tensor) -> torch.Tensor:
+def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
     """Smallest fp16 ≥ each fp32 value of ``s`` (≥ 0), clamped to the fp16 maximum."""
     s = s.clamp(max=FP16_MAX)
     h = s.to(torch.float16)
@@ -221,11 +221,12 @@ def _fp16_round_up(s: torch.Tensor) -> torch.Tensor:
     return h
 
 
-CODECS = ("none", "fp16", "int8", "int4")
+CODECS = ("none", "fp16", "int8", "int4", "topk2")
 
 
 def get_codec(name: str, **params: int) -> Codec:
-    """Build a codec by name; ``block_size`` is the only parameter (int8 and int4 only).
+    """Build a codec by name; ``block_size`` for int8 and int4, ``chunk`` and ``k`` for topk2
+    (chunked top-k with 2-bit values, ``compress.sparse``: k = 64 of every 4096, density 1/64).
 
     Defaults: int4 uses K = 64, int8 uses K = 256. int4 steps are coarse (absmax/7), so a single
     outlier coarsens its whole block: relative error on 4M elements, N(0, 1e-3) / Student-t(3),
@@ -244,4 +245,11 @@ def get_codec(name: str, **params: int) -> Codec:
             raise ConfigError(f"codec {name!r} takes only block_size, got {sorted(unknown)}")
         bits = int(name[3:])
         return BlockwiseCodec(name, bits, params.get("block_size", 256 if bits == 8 else 64))
+    if name == "topk2":
+        from p2pdiloco.compress.sparse import TopKCodec  # it builds on this module
+
+        unknown = set(params) - {"chunk", "k"}
+        if unknown:
+            raise ConfigError(f"codec {name!r} takes only chunk and k, got {sorted(unknown)}")
+        return TopKCodec(name, params.get("chunk", 4096), params.get("k", 64))
     raise ConfigError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
