@@ -59,6 +59,9 @@ def _one_torch_thread_per_worker() -> Iterator[None]:
         import torch
 
         torch.set_num_threads(1)
+        # ... and so do the commands the tests start (`python -m p2pdiloco simulate`, the
+        # demo's parent): OpenMP threads spin while they wait for a busy core.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     yield
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +89,17 @@ def test_a_node_back_after_a_view_timeout_does_not_freeze_a_two_node_run(tmp_pat
         nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 300)
         away = nodes[1]
+        vote = "voting to hand it to view"
+        votes = nodes[0].text().count(vote)
         os.killpg(away.proc.pid, signal.SIGINT)  # Ctrl-C: a clean stop
         assert away.proc.wait(60) == 0
         left_at = max(int(n.status().get("version", 0)) for n in nodes)
-        time.sleep(VIEW_TIMEOUT + 10)  # away for longer than a view: the other moved on alone
+        # Away for longer than a view: the one left timed a view out (and may vote again).
+        wait_for(
+            "a view timed out on the node left alone",
+            lambda: nodes[0].text().count(vote) > votes,
+            3 * VIEW_TIMEOUT + 60,
+        )
         back = net.start_node("node1", keys[1], until_version=100)
         net.wait_versions(left_at + 2, [nodes[0], back], 2 * (VIEW_TIMEOUT + 120))
 

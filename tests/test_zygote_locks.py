@@ -30,7 +30,7 @@ def hold_forever():
     os.kill(os.getpid(), signal.SIGSTOP)  # parked while holding it, then killed
 
 def take():
-    os._exit(0 if MPFuture._update_lock.acquire(timeout=5) else 3)
+    os._exit(0 if MPFuture._update_lock.acquire(timeout=2) else 3)
 
 FRESH = sys.argv[1] == "fresh"
 holder = fork(hold_forever)
