@@ -73,3 +73,21 @@ def test_bad_rule_or_attack_is_a_config_error(corpus_dir: Path) -> None:
         sim(corpus_dir, adversaries=1, attack="nope")
     with pytest.raises(ConfigError, match="adversaries"):
         sim(corpus_dir, adversaries=4)
+
+
+def test_sparse_deltas_with_error_feedback_learn_and_upload_about_a_hundredth(
+    corpus_dir: Path, clean: dict
+) -> None:
+    """topk2 (1/64 of the entries at 2 bits, error feedback per learner): the run still learns,
+    and the learners' upload is the encoded payload, about 1/144 of fp32."""
+    sparse = sim(corpus_dir, compression="topk2")
+    d, dense = sparse["diloco"], clean["diloco"]
+    assert sparse["compression"] == "topk2" and sparse["accepted_deltas"] == [3, 3, 3, 3]
+    assert d["eval_loss_final"] < d["eval_loss_initial"]
+    down = dense["wire_bytes"] / 2  # fp32 values back to every learner, both runs
+    assert (d["wire_bytes"] - down) * 100 < down
+
+
+def test_an_unknown_codec_is_refused_before_any_work(corpus_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown codec 'zip'"):
+        sim(corpus_dir, compression="zip")

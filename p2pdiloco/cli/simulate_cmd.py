@@ -12,6 +12,7 @@ from rich.console import Console
 
 from p2pdiloco.aggregate import RULES
 from p2pdiloco.cli.common import user_errors
+from p2pdiloco.compress import CODECS
 from p2pdiloco.dashboard.progress import progress_bar
 from p2pdiloco.dashboard.tables import simulation_summary
 from p2pdiloco.errors import ConfigError
@@ -102,6 +103,9 @@ def simulate(
     ] = _d.rules.weight_cap,
     adversaries: Annotated[int, typer.Option(help="The last N learners attack.")] = 0,
     attack: Annotated[str, typer.Option(help=f"Attack: {', '.join(ATTACKS)}.")] = _d.attack,
+    compression: Annotated[
+        str, typer.Option(help=f"Delta codec with error feedback: {', '.join(CODECS)}.")
+    ] = _d.compression,
 ) -> None:
     """Train M DiLoCo learners in one process, next to data-parallel on the same tokens."""
     total = rounds * inner_steps
@@ -133,6 +137,7 @@ def simulate(
         ),
         adversaries=adversaries,
         attack=attack,
+        compression=compression,
     )
     console = Console(stderr=True)
     with progress_bar(console) as update:

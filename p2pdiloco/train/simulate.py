@@ -6,7 +6,9 @@ baseline sees step t of every learner), so the two eval losses compare at equal 
 Wire bytes use parameter-server accounting for both methods: at each sync a learner uploads its
 fp32 update (a gradient for data-parallel, a pseudo-gradient for DiLoCo) and downloads the new
 fp32 values. Data-parallel syncs every inner step; DiLoCo syncs each fragment once per H steps,
-so before compression DiLoCo sends H times fewer bytes.
+so before compression DiLoCo sends H times fewer bytes. With a codec (``compression``), each
+learner's delta goes through its own error feedback and the codec, as ``join`` sends it; its
+upload then counts the encoded payload bytes.
 
 The outer sync is the network's: attackers transform their own delta (``sync.attacks.Attacker``,
 omniscient here: they see the honest deltas of the round), then ``sync.aggregator.merge_round``
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from p2pdiloco.aggregate import get_rule
+from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
@@ -70,6 +73,7 @@ class SimulateConfig:
     rules: SyncRules = field(default_factory=SyncRules)
     adversaries: int = 0  # the last N learners poison their deltas
     attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
+    compression: str = "none"  # delta codec (p2pdiloco.compress.CODECS), with error feedback
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
 
@@ -107,6 +111,7 @@ class SimulationResult:
     baseline: MethodResult | None
     peak_memory_bytes: int
     aggregation: str = "mean"
+    compression: str = "none"
     adversaries: list[int] = field(default_factory=list)  # learner indices that attacked
     attack: str | None = None
     accepted_deltas: list[int] = field(default_factory=list)  # per learner, over the run
@@ -172,7 +177,9 @@ def prepare(cfg: SimulateConfig) -> tuple[torch.device, PackedCorpus]:
 
 
 def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> SimulationResult:
-    """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses."""
+    """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses.
+    ConfigError (before any work) for a codec this build lacks."""
+    get_codec(cfg.compression)
     device, corpus = prepare(cfg)
     total_units = cfg.rounds * cfg.inner_steps * cfg.learners * (2 if cfg.baseline else 1)
     done = 0
@@ -217,6 +224,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         baseline=baseline,
         peak_memory_bytes=_peak_memory(device),
         aggregation=cfg.rules.aggregation,
+        compression=cfg.compression,
         adversaries=sorted(attackers),
         attack=cfg.attack if cfg.adversaries else None,
         accepted_deltas=counts.accepted,
@@ -314,6 +322,12 @@ def _run_diloco(
         model = copy.deepcopy(global_model)
         learners.append((model, *make_inner_optimizer(model, inner)))
     steps_per_sync = cfg.inner_steps // len(fragments)
+    feedback = (
+        [ErrorFeedback(get_codec(cfg.compression)) for _ in range(cfg.learners)]
+        if cfg.compression != "none"
+        else []
+    )
+    uploaded = 0  # encoded payload bytes, all learners (with a codec)
 
     loss0 = evaluate(global_model, evals)
     losses, last_train, tokens, syncs = [], 0.0, 0, 0
@@ -352,6 +366,9 @@ def _run_diloco(
             # screens, merges and applies Nesterov, then every learner continues from the new
             # global values of that fragment (or the old ones, if nothing could be merged).
             deltas = [pseudo_gradient(theta, param_state(m), names) for m, _, _ in learners]
+            if feedback:  # what each learner sends: its delta plus residual, through the codec
+                deltas = [_sent(feedback[i], d) for i, d in enumerate(deltas)]
+                uploaded += sum(_encoded_bytes(feedback[0].codec, d) for d in deltas)
             honest = [d for i, d in enumerate(deltas) if i not in attackers]
             for i, attacker in attackers.items():
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round)
@@ -375,8 +392,10 @@ def _run_diloco(
         tick(f"DiLoCo round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
 
     n_params = sum(t.numel() for t in theta.values())
-    # Each round every learner sends its fp32 Δ for all fragments and gets the new values back.
-    wire = cfg.rounds * cfg.learners * 2 * n_params * 4
+    # Each round every learner sends its Δ for all fragments (fp32, or as encoded) and gets the
+    # new fp32 values back.
+    down = cfg.rounds * cfg.learners * n_params * 4
+    wire = down + (uploaded if feedback else down)
     return MethodResult(
         method="diloco",
         eval_loss_initial=loss0,
@@ -449,3 +468,12 @@ def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sent(ef: ErrorFeedback, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``delta`` as the syncer decodes it after ``ef`` compressed it (residual kept in ``ef``)."""
+    return {n: ef.codec.decode(ef.compress(n, t)).to(t.device) for n, t in delta.items()}
+
+
+def _encoded_bytes(codec: Any, delta: Mapping[str, torch.Tensor]) -> int:
+    return sum(codec.wire_bytes(t.numel()) for t in delta.values())
