@@ -91,7 +91,7 @@ def main() -> int:
             clean = run(data, a, codec, "mean", None)
             rows.append(clean)
             for rule in a.rules.split(","):
-                for attack in [None, *a.attacks.split(",")]:
+                for attack in [None, *(x for x in a.attacks.split(",") if x)]:
                     if rule == "mean" and attack is None:
                         continue
                     rows.append(run(data, a, codec, rule, attack))
@@ -103,7 +103,9 @@ def main() -> int:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
-    print(f"{'codec':6} {'rule':14} {'attack':10} {'loss':>7} {'÷ clean mean':>13} {'honest in':>9}")
+    print(
+        f"{'codec':6} {'rule':14} {'attack':10} {'loss':>7} {'÷ clean mean':>13} {'honest in':>9}"
+    )
     for r in rows:
         print(
             f"{r['codec']:6} {r['rule']:14} {r['attack']:10} {r['loss']:7.3f} "

@@ -200,3 +200,14 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
         "not published",
     ):
         assert key_name in text.stdout, key_name
+
+
+def test_run_create_refuses_a_sparse_codec_with_a_coordinate_wise_rule(tmp_path: Path) -> None:
+    key = ["--identity", str(tmp_path / "key")]
+    base = ["run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run", "--json"]
+    out = run_cli(*base, "--compression", "topk2")  # the default rule is the trimmed mean
+    assert out.returncode == 2
+    assert "coordinate-wise rule" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    ok = run_cli(*base, "--compression", "topk2", "--aggregation", "multi_krum")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["manifest"]["compression"] == "topk2"

@@ -11,8 +11,10 @@ import typer
 from rich.console import Console
 
 from p2pdiloco.cli.common import user_errors
+from p2pdiloco.compress import CODECS
 from p2pdiloco.dashboard.tables import demo_summary
 from p2pdiloco.demo import DemoConfig, run_demo
+from p2pdiloco.sync.rules import check_sparse_rule
 
 _d = DemoConfig()
 
@@ -29,7 +31,7 @@ def demo(
     ] = None,
     aggregation: Annotated[str, typer.Option(help="Robust rule of the run.")] = _d.aggregation,
     compression: Annotated[
-        str, typer.Option(help="Delta codec: none, fp16, int8, int4.")
+        str, typer.Option(help=f"Delta codec: {', '.join(CODECS)}.")
     ] = _d.compression,
     committee_size: Annotated[int, typer.Option(help="Syncers per round (k).")] = _d.committee_size,
     workdir: Annotated[Path | None, typer.Option(help="Keep logs, keys and states here.")] = None,
@@ -37,6 +39,7 @@ def demo(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run a whole network on this machine: real processes, signatures and certificates."""
+    check_sparse_rule(compression, aggregation)
     cfg = DemoConfig(
         nodes=nodes,
         rounds=rounds,

@@ -18,7 +18,7 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
-from p2pdiloco.sync.rules import check_supported
+from p2pdiloco.sync.rules import check_sparse_rule, check_supported
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
 
@@ -115,6 +115,7 @@ def create(
     the trimmed mean (f=1) behind norm screening. Refuses (exit 2, one line) settings out of
     range and rules this p2pdiloco cannot follow; prints the whole manifest it signed.
     """
+    check_sparse_rule(compression, aggregation)
     params = parse_agg_params(agg_param or [])
     if aggregation == "trimmed_mean" and not params:
         params = {"f": 1.0}
