@@ -103,13 +103,14 @@ def _bad(enc: Encoded, **payload: torch.Tensor) -> Encoded:
     return dataclasses.replace(enc, payload={**enc.payload, **payload})
 
 
-def _repacked(enc: Encoded, offsets: list[int] | None = None) -> Encoded:
+def _repacked(enc: Encoded, offsets: list[int] | None = None, at: int = 0) -> Encoded:
+    """``enc`` with its kept entries' offsets from position ``at`` on replaced by ``offsets``."""
     from p2pdiloco.compress.sparse import _pack12, _unpack12
 
     n = CODEC.layout(int(torch.tensor(enc.shape).prod()))[2]
     off = _unpack12(enc.payload["index"], n)
     if offsets is not None:
-        off[: len(offsets)] = torch.tensor(offsets)
+        off[at : at + len(offsets)] = torch.tensor(offsets)
     return _bad(enc, index=_pack12(off))
 
 
@@ -152,16 +153,7 @@ def test_an_offset_past_a_short_last_chunk_is_refused() -> None:
     enc = CODEC.encode(_delta((4096 + 17,)))
     kf = CODEC.kept(4096)
     with pytest.raises(CodecError, match="offset outside"):
-        CODEC.decode(_repacked_at(enc, kf, 17))
-
-
-def _repacked_at(enc: Encoded, position: int, value: int) -> Encoded:
-    from p2pdiloco.compress.sparse import _pack12, _unpack12
-
-    n = CODEC.layout(int(torch.tensor(enc.shape).prod()))[2]
-    off = _unpack12(enc.payload["index"], n)
-    off[position] = value
-    return _bad(enc, index=_pack12(off))
+        CODEC.decode(_repacked(enc, [17], at=kf))
 
 
 def test_nan_is_refused_at_encode() -> None:
