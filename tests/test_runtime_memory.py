@@ -284,3 +284,21 @@ def test_a_learner_claiming_a_million_steps_is_credited_one_delta(tmp_path: Path
             assert sum(clips) >= 1  # recorded by the syncers that took it
 
     run(main())
+
+
+def test_a_stopping_node_refuses_requests_instead_of_failing_them(tmp_path: Path) -> None:
+    """A request that races Ctrl-C (the runtime closed, its workers shutting down) gets a
+    retryable refusal, never an internal error with a traceback (seen once in a fresh-clone
+    run: "Executor shutdown has been called" from a submission check)."""
+    from p2pdiloco.net.sync_rpc import RpcRefused
+    from p2pdiloco.protocol.reasons import Reason
+
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=2, learners=0) as net:
+            node = net.nodes[1]
+            await net.stop(node)
+            with pytest.raises(RpcRefused) as refused:
+                await node.runtime._handle("submit", net.nodes[0].peer_id, {}, [b"x"])
+            assert refused.value.code is Reason.BUSY and "stopping" in str(refused.value)
+
+    run(main())

@@ -8,10 +8,9 @@
                                   └─ tasks: ticker, certificate applier, submission sender, poller
     trainer thread ──submit()──▶ outbox          certified states, replies ──deliver()──▶ trainer
 
-The current certified version lives in one place (``chain``). The trainer only learns of it by
-message (``Certified``); the dashboard reads immutable views (``view``), never live state.
-Blocking work (hashing, merging, checkpoint writes, eval, DHT I/O) runs in the loop's
-executor, never on the loop or on the training thread.
+The current certified version lives in one place (``chain``). The trainer learns of it by
+message (``Certified``); the dashboard reads immutable views (``view``). Blocking work (hashing,
+merging, checkpoint writes, eval, DHT I/O) runs in the loop's executor, never on the loop.
 """
 
 from __future__ import annotations
@@ -101,6 +100,7 @@ class NodeRuntime:
         self._pending: _Pending | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._stopping = False  # close() began: peers' requests are refused from then on
         self.evaluator = Evaluator(
             manifest, corpus if cfg.evaluate else None, cfg.max_eval_params,
             self.tally.eval_losses.append,
@@ -111,10 +111,8 @@ class NodeRuntime:
     # -- lifecycle (on the loop) -------------------------------------------------------------
 
     async def start(self) -> CertifiedState:
-        """Restore or build the certified state, serve peers, start the loop's tasks; the state
-        the trainer starts from."""
-        self._loop = asyncio.get_running_loop()
-        loop = self._loop
+        """Restore or build the certified state, serve peers, start tasks; the trainer's start."""
+        self._loop = loop = asyncio.get_running_loop()
         restored = await loop.run_in_executor(None, self.chain.restore)
         if restored is not None:
             self.tally.event(f"resuming from certified version {restored.version} (saved on disk)")
@@ -139,8 +137,7 @@ class NodeRuntime:
         self.chain.install(state)
         await self.service.install(state)
         tasks = (self._ticker(), self._heartbeat(), self._applier(), self._sender(), self._poller())
-        for coro in tasks:
-            self._tasks.append(asyncio.create_task(coro))
+        self._tasks += [asyncio.create_task(coro) for coro in tasks]
         self.tally.phase = "syncing state"
         for claim in await self._claims_from_network():  # newest first; junk falls through
             try:
@@ -165,6 +162,7 @@ class NodeRuntime:
             deliver(Certified(current, frozenset()))
 
     async def close(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -191,6 +189,8 @@ class NodeRuntime:
             return self.chain.serve(op, control)
         if self.service is None:
             raise RpcRefused(Reason.NO_STATE, "starting")
+        if self._stopping:  # its workers are shutting down (a request raced Ctrl-C)
+            raise RpcRefused(Reason.BUSY, "this node is stopping")
         return await self.service.handle(op, peer, control, frames)
 
     # -- tasks ---------------------------------------------------------------------------------
