@@ -67,7 +67,7 @@ def run(data: Path, a: argparse.Namespace, codec: str, rule: str, attack: str | 
         "loss": res["diloco"]["eval_loss_final"],
         "loss_initial": res["diloco"]["eval_loss_initial"],
         "honest_accepted": merged / (len(honest) * a.rounds),
-        "upload_bytes": res["diloco"]["wire_bytes"],
+        "wire_bytes": res["diloco"]["wire_bytes"],  # upload as encoded + fp32 download
         "seconds": time.perf_counter() - t0,
     }
 

@@ -367,8 +367,9 @@ def _run_diloco(
             # global values of that fragment (or the old ones, if nothing could be merged).
             deltas = [pseudo_gradient(theta, param_state(m), names) for m, _, _ in learners]
             if feedback:  # what each learner sends: its delta plus residual, through the codec
-                deltas = [_sent(feedback[i], d) for i, d in enumerate(deltas)]
-                uploaded += sum(_encoded_bytes(feedback[0].codec, d) for d in deltas)
+                sent = [_sent(feedback[i], d) for i, d in enumerate(deltas)]
+                deltas = [d for d, _ in sent]
+                uploaded += sum(nbytes for _, nbytes in sent)
             honest = [d for i, d in enumerate(deltas) if i not in attackers]
             for i, attacker in attackers.items():
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round)
@@ -470,10 +471,13 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _sent(ef: ErrorFeedback, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``delta`` as the syncer decodes it after ``ef`` compressed it (residual kept in ``ef``)."""
-    return {n: ef.codec.decode(ef.compress(n, t)).to(t.device) for n, t in delta.items()}
-
-
-def _encoded_bytes(codec: Any, delta: Mapping[str, torch.Tensor]) -> int:
-    return sum(codec.wire_bytes(t.numel()) for t in delta.values())
+def _sent(
+    ef: ErrorFeedback, delta: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """``delta`` as the syncer decodes it after ``ef`` compressed it (residual kept in ``ef``),
+    and the encoded payload bytes."""
+    out, nbytes = {}, 0
+    for n, t in delta.items():
+        enc = ef.compress(n, t)
+        out[n], nbytes = ef.codec.decode(enc).to(t.device), nbytes + enc.nbytes()
+    return out, nbytes
