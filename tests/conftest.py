@@ -93,7 +93,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     last, short ones between, each group in collection order. ``--dist worksteal`` hands each
     worker a contiguous half of this list: one worker runs the solo tests one after another
     while the other runs short tests, then the other slow ones (single nodes, DHT-only
-    networks, one in-process committee: they run beside a solo test as a short test does).
+    networks, in-process committees that assert guarantees: they run beside a solo test as a
+    short test does).
     Once a worker's queue is empty it steals from the end of the other's, and
     ``pytest_runtest_protocol`` keeps two solo tests from running at once (ADR 0015).
     Deterministic, so every worker agrees."""
