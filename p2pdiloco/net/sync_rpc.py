@@ -154,6 +154,8 @@ async def serve(
             _refuse(writer, Reason.BUSY, f"busy: {e}")
         except FrameError as e:
             log.warning("dropped sync request from %s: %s", peer, e)
+        except asyncio.CancelledError:  # the node is stopping: end quietly (a cancelled stream
+            return  # task makes asyncio's stream callback log a CancelledError traceback)
         except Exception:  # a bug in a handler must not kill the node's P2P loop
             log.exception("sync request from %s failed", peer)
             write_control(
