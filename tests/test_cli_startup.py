@@ -15,9 +15,12 @@ from p2pdiloco.cli.app import COMMANDS, app
 HEAVY = ("torch", "hivemind", "transformers", "libp2p", "numpy")
 
 
-@pytest.mark.parametrize("module", ["p2pdiloco.cli.app", "p2pdiloco.cli.status_cmd"])
+@pytest.mark.parametrize(
+    "module", ["p2pdiloco.cli.app", "p2pdiloco.cli.status_cmd", "p2pdiloco.cli.models_cmd"]
+)
 def test_importing_the_cli_loads_no_heavy_package(module: str) -> None:
-    """``status_cmd`` too: ``status --api`` answers without the DHT stack."""
+    """``status_cmd`` too: ``status --api`` answers without the DHT stack; and ``models``
+    reads sizes from the shapes alone, without building a model."""
     probe = f"import {module}, sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True

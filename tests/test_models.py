@@ -14,6 +14,7 @@ from p2pdiloco.train.models import (
     ModelError,
     build_model,
     get_spec,
+    meta_parameter_count,
     model_names,
     param_state,
     parameter_count,
@@ -47,6 +48,11 @@ def test_registry_has_every_size_smallest_first() -> None:
 @pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
 def test_parameter_counts_match_published(name: str, count: int) -> None:
     assert parameter_count(name) == count
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_parameter_count_from_the_shape_equals_the_built_model(name: str) -> None:
+    assert parameter_count(name) == meta_parameter_count(name)
 
 
 def test_parameter_count_by_hand_for_tiny() -> None:

@@ -12,7 +12,7 @@ from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.tables import models_table
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.train.memory import PRECISIONS, estimate_memory
-from p2pdiloco.train.models import get_spec, model_names, parameter_count
+from p2pdiloco.train.model_specs import get_spec, model_names, parameter_count
 
 
 def describe_models(precisions: list[str]) -> list[dict[str, Any]]:

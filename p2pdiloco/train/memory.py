@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from p2pdiloco.errors import UserError
-from p2pdiloco.train.models import ModelSpec, get_spec, model_names, parameter_count
+from p2pdiloco.train.model_specs import ModelSpec, get_spec, model_names, parameter_count
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 GiB = 2**30
@@ -106,6 +108,8 @@ def _activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes
 
 def available_memory(device: torch.device) -> tuple[int, str]:
     """(bytes free for training on ``device``, a human description of where that came from)."""
+    import torch  # only here: the estimate itself needs no torch
+
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)
