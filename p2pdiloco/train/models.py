@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 
-
 def meta_parameter_count(name: str) -> int:
     """The count of the model transformers builds on the meta device (the test oracle)."""
     return sum(p.numel() for p in _meta_model(get_spec(name)).parameters())
