@@ -17,7 +17,7 @@ from p2pdiloco.node import Node
 from p2pdiloco.runtime.launch import RunningNode
 
 # The learner's phases, spelled as the dashboard's states.
-_STATES = {"waiting (stretch done)": "waiting for certificate", "starting": "connecting"}
+_STATES = {"training on (stretch done)": "training on, delta in flight", "starting": "connecting"}
 
 
 class NodeView:

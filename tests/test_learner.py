@@ -246,3 +246,46 @@ def test_a_delta_not_merged_is_carried_whole_into_the_next_one(
         want = base[n].float() - local[n]
         atol = 2 * want.abs().max().item() / 127 + 1e-6
         torch.testing.assert_close(got[n], want, rtol=0, atol=atol)
+
+
+def _norm(delta: Mapping[str, torch.Tensor]) -> float:
+    return sum(float(d.double().square().sum()) for d in delta.values()) ** 0.5
+
+
+def test_a_delta_folding_overtime_is_sent_at_the_norm_of_the_stretch_before_it(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    """ADR 0019: however many steps a learner trained on while its last delta was undecided,
+    what it sends has the norm of the plain stretch it trained after that send, in the same
+    direction."""
+    learner = _learner(manifest, corpus, base)
+    learner.train(4)
+    plain = learner.outgoing(0, base, tokens=1, loss=1.0)
+    assert plain.fold == 1.0
+    learner.train(4)  # the next stretch, with `plain` still undecided: measured
+    stretch = _snapshot(learner)
+    ref = _norm({n: plain.sent_params[n] - stretch[n] for n in base})
+    assert learner.measure_stretch(plain) == pytest.approx(ref)
+    learner.train(8)  # overtime
+    new_base = {n: t + 0.01 for n, t in base.items()}  # version 1 merged `plain`
+    learner.rebase(new_base, base, plain)
+    local = _snapshot(learner)
+    true = {n: new_base[n].float() - local[n] for n in base}  # 12 steps since the send
+    folded = learner.outgoing(1, new_base, tokens=1, loss=1.0, overtime=8)
+    assert folded.steps == 12 and 0 < folded.fold < 1
+    assert folded.fold == pytest.approx(ref / _norm(true), rel=1e-6)
+    got = _decode(folded, new_base, "int8")
+    assert _norm(got) == pytest.approx(ref, rel=0.02)  # int8 rounding on top of the fold
+    cos = sum(float((got[n] * true[n]).sum()) for n in base) / (_norm(got) * _norm(true))
+    assert cos > 0.99
+    assert learner.stretch_norm is None  # one measure, one fold
+
+
+def test_a_fold_before_any_measure_keeps_the_share_of_steps_that_were_not_overtime(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    learner = _learner(manifest, corpus, base)
+    learner.train(4)
+    learner.train(12)
+    out = learner.outgoing(0, base, tokens=1, loss=1.0, overtime=12)
+    assert out.fold == pytest.approx(4 / 16)

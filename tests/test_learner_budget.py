@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.sync.learner_machine import LearnerMachine, LearnerPhase, Rebase, Send, Train, Wait
+from p2pdiloco.sync.learner_machine import LearnerMachine, LearnerPhase, Rebase, Send, Train
 from tests.test_learner_machine import H, machine
 
 
@@ -52,7 +52,7 @@ def test_h_still_bounds_a_budgeted_delta() -> None:
     assert budgeted_stretch(m, 0.01) == Send(3, H)
 
 
-def test_a_budgeted_learner_with_a_delta_in_flight_waits_after_one_more_budget() -> None:
+def test_a_budgeted_learner_with_a_delta_in_flight_trains_on_after_one_more_budget() -> None:
     m = machine(inner_steps=1000, chunk=250, time_budget=1.0)
     budgeted_stretch(m, 0.1)
     m.on_sent("d1")
@@ -60,9 +60,9 @@ def test_a_budgeted_learner_with_a_delta_in_flight_waits_after_one_more_budget()
         [action] = m.next_action(0.0)
         assert isinstance(action, Train)
         m.on_trained(action.steps, action.steps * 0.1)
-    assert m.phase is LearnerPhase.WAITING and m.trained == 10
-    [wait] = m.next_action(1.0)
-    assert isinstance(wait, Wait)
+    assert m.phase is LearnerPhase.OVERTIME and m.trained == 10
+    [more] = m.next_action(1.0)  # overtime: chunks of a quarter of the budget, no waiting
+    assert more == Train(3)  # 0.25 s at 0.1 s per step, rounded
 
 
 def test_a_time_budget_must_be_positive() -> None:

@@ -97,16 +97,37 @@ def test_chunk_larger_than_h_trains_h_at_once() -> None:
     assert train_stretch(m) == [H]
 
 
-def test_keeps_training_up_to_h_more_steps_while_in_flight_then_waits() -> None:
+def test_keeps_training_past_the_stretch_while_in_flight_never_waiting_on_the_network() -> None:
     m = machine()
     sent(m)
     assert train_stretch(m, now=1.0) == [4, 4, 2]
     assert m.trained == H
-    assert m.phase is LearnerPhase.WAITING
-    for now in (1.0, 2.0, 100.0):
+    assert m.phase is LearnerPhase.OVERTIME
+    for now in (1.0, 2.0, 100.0):  # overtime: whole chunks, never a Wait, never a second Send
         [action] = m.next_action(now)
-        assert isinstance(action, Wait) and action.seconds > 0
-    assert counters(m) == (1, 0, 0)  # waiting neither sends again nor gives up early
+        assert action == Train(4)
+        m.on_trained(action.steps)
+    assert m.trained == H + 12
+    assert counters(m) == (1, 0, 0)  # training on neither sends again nor gives up early
+    m.on_certified(4, frozenset({"d1"}))
+    # every step since the last delta, the overtime ones counted for the fold (ADR 0019)
+    assert m.next_action(101.0) == [Send(4, H + 12, 12)]
+
+
+def test_overtime_steps_are_counted_once_and_a_folded_delta_is_not_carried() -> None:
+    m = machine()
+    sent(m)
+    train_stretch(m)
+    [more] = m.next_action(1.0)
+    m.on_trained(more.steps)  # overtime
+    m.on_reply("d1", accepted=False, code=Reason.DUPLICATE, fast_forward=None)  # dropped
+    [nxt] = m.next_action(2.0)
+    assert nxt == Send(3, H + 4, 4)  # the overtime steps stay with the work they belong to
+    m.on_sent("d2")
+    train_stretch(m, 3.0)
+    [plain] = m.on_certified(4, frozenset())  # certified without the folded delta
+    assert isinstance(plain, Rebase) and plain.carried == 0  # a folded delta is not carried
+    assert m.next_action(4.0) == [Send(4, H, 0)]  # nothing trained in overtime this time
 
 
 def test_on_sent_fills_the_digest_once() -> None:
@@ -251,7 +272,7 @@ def test_drop_while_waiting_sends_the_next_stretch_at_once() -> None:
     m = machine()
     sent(m)
     train_stretch(m)
-    assert m.phase is LearnerPhase.WAITING
+    assert m.phase is LearnerPhase.OVERTIME
     assert m.on_reply("d1", accepted=False, code=Reason.DUPLICATE, fast_forward=None) == [
         Drop(Reason.DUPLICATE)
     ]
@@ -336,7 +357,7 @@ def test_certificate_while_waiting_lets_the_next_delta_go_at_once() -> None:
     m = machine()
     sent(m)
     train_stretch(m)
-    assert m.phase is LearnerPhase.WAITING
+    assert m.phase is LearnerPhase.OVERTIME
     m.on_certified(4, frozenset({"d1"}))
     assert m.next_action(1.0) == [Send(4, H)]
     assert counters(m) == (2, 1, 0)
@@ -345,12 +366,12 @@ def test_certificate_while_waiting_lets_the_next_delta_go_at_once() -> None:
 # -- giving up ---------------------------------------------------------------------------------
 
 
-def test_waiting_longer_than_give_up_after_drops_and_sends_at_once() -> None:
+def test_overtime_longer_than_give_up_after_drops_and_sends_at_once() -> None:
     m = machine(give_up_after=30.0)
     sent(m, now=100.0)
     train_stretch(m, now=101.0)
-    [wait] = m.next_action(129.9)
-    assert isinstance(wait, Wait)
+    [more] = m.next_action(129.9)
+    assert more == Train(4)  # overtime: training on
     assert counters(m) == (1, 0, 0)
 
     actions = m.next_action(130.5)
@@ -417,17 +438,20 @@ def test_random_events_keep_the_invariants(seed: int) -> None:
     outstanding = False  # a Send not yet settled by a Drop or an anchored Rebase
     last_version = m.version
     seen: set[type] = set()
+    since_send = 0  # steps trained since the last Send
 
     def check(actions: list[LearnerAction]) -> None:
-        nonlocal outstanding, last_version
+        nonlocal outstanding, last_version, since_send
         for a in actions:
             seen.add(type(a))
             if isinstance(a, Send):
                 assert not outstanding, "two Sends without a settle in between"
                 assert a.base_version == m.version
-                # H, plus the steps of one unmerged delta carried at most once
-                assert m.inner_steps <= a.steps <= 2 * m.inner_steps
-                outstanding = True
+                # at least H; at most what was trained since, plus one carried delta (<= H)
+                assert m.inner_steps <= a.steps <= since_send + m.inner_steps
+                # overtime steps are steps of this delta, trained past its stretch
+                assert 0 <= a.overtime <= a.steps - 1 and (a.overtime == 0 or a.steps > 1)
+                outstanding, since_send = True, 0
             elif isinstance(a, Drop):
                 assert outstanding, "Drop with nothing in flight"
                 outstanding = False
@@ -441,7 +465,9 @@ def test_random_events_keep_the_invariants(seed: int) -> None:
                 outstanding = False
             elif isinstance(a, Train):
                 assert 1 <= a.steps <= m.chunk
-                assert m.trained + a.steps <= m.inner_steps
+                # past H only in overtime: a delta in flight, trained on instead of waiting
+                assert m.trained + a.steps <= m.inner_steps or m.in_flight is not None
+                since_send += a.steps
             elif isinstance(a, CatchUp):
                 assert a.version > m.version
         assert min(m.sent, m.merged, m.lost, m.trained) >= 0
@@ -486,5 +512,6 @@ def test_random_events_keep_the_invariants(seed: int) -> None:
                 merged = frozenset()
             actions = m.on_certified(version, merged)
         check(actions)
-    assert seen == {Train, Send, Wait, Drop, Rebase, CatchUp}  # the walk exercised every path
+    # The walk exercised every path, and never waited: without a stop target, nothing does.
+    assert seen == {Train, Send, Drop, Rebase, CatchUp}
     assert m.merged > 0 and m.lost > 0

@@ -38,7 +38,11 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
     with LocalNetwork(tmp_path, SMALL) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(6)]
-        run_id = net.publish_run(keys, **TIMING)  # k = 4, quorum 3
+        # k = 4, quorum 3. Stretches of a 4 s time budget (H out of reach): "a learner never
+        # stops for as long as a stretch" then means something on 2 busy cores, where the
+        # scheduler alone stalls a process for up to ~2 s (1.82 s against an H = 12 stretch
+        # of 1.65 s failed a CI run).
+        run_id = net.publish_run(keys, inner_steps=10_000, time_budget=4.0, **TIMING)
         nodes = [net.start_node(f"node{i}", k, until_version=8) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 400)
         # The newest certificate any node holds (one node may be a version behind): its
@@ -62,13 +66,12 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         prev = None
         for cert in chain:  # every certificate verifies from genesis, views included
             prev = verify_next(run_id, net.manifest, prev, cert.raw)
-        for n in survivors:
+        for n in survivors:  # kept training throughout: never a pause as long as a stretch
             st = n.status()
-            assert st.get("tokens_trained", 0) > tokens_before[n.name]  # kept training
-            # A figure, not an assertion: a learner waits once its next stretch is trained
-            # while its delta is undecided (the "overtime" tried in ADR 0017 weakened screening).
+            assert st.get("tokens_trained", 0) > tokens_before[n.name]
             print(f"{n.name}: longest pause between chunks {st['longest_pause_s']} s, "
                   f"stretch {st['stretch_s']} s")  # fmt: skip
+            assert st["longest_pause_s"] < st["stretch_s"]
             assert "Traceback" not in n.text()
 
 

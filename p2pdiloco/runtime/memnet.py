@@ -166,9 +166,9 @@ class MemoryNetwork:
         await node.runtime.close()
 
     async def __aexit__(self, *exc: object) -> None:
-        for node in self.nodes:
-            if not node.stopped:
-                await self.stop(node)
+        # All at once: a test that failed on a wait_for then shows its error within one
+        # trainer's stop time, not the sum of them.
+        await asyncio.gather(*(self.stop(n) for n in self.nodes if not n.stopped))
 
     # -- observing -----------------------------------------------------------------------------
 

@@ -161,6 +161,7 @@ class Trainer:
         self.view = TrainerView(version=state.version)
         self._c = _Counters()
         self._sent: Outgoing | None = None
+        self._measured = False  # the stretch after ``_sent`` was measured (ADR 0019)
         self._first: Submission | None = None
         self._error: str | None = None
         self._stop = threading.Event()
@@ -236,8 +237,13 @@ class Trainer:
     def _do(self, action: LearnerAction) -> None:
         if isinstance(action, Train):
             self._train(action.steps)
+            if self.machine.phase is LearnerPhase.OVERTIME and not self._measured and self._sent:
+                # the stretch after our delta in flight is done: its norm is what the next
+                # delta, holding this overtime too, is folded to (ADR 0019)
+                self.learner.measure_stretch(self._sent)
+                self._measured = True
         elif isinstance(action, Send):
-            self._send()
+            self._send(action.overtime)
         elif isinstance(action, Wait):
             self._publish()
             self._drain(wait=action.seconds)
@@ -290,19 +296,24 @@ class Trainer:
         c.step_seconds = per_step if c.step_seconds == 0 else 0.7 * c.step_seconds + 0.3 * per_step
         c.tokens_per_second = st.tokens / st.seconds if st.seconds > 0 else 0.0
 
-    def _send(self) -> None:
+    def _send(self, overtime: int = 0) -> None:
         c = self._c
         loss = c.last_loss if c.last_loss is not None else 0.0
         inner = self.manifest.inner
         tokens = c.tokens_since_send or self.learner.steps_since_send * inner.batch_size * (
             inner.seq_len
         )
-        out = self.learner.outgoing(self.state.version, self.state.params, tokens, loss)
+        out = self.learner.outgoing(self.state.version, self.state.params, tokens, loss, overtime)
+        if out.fold < 1.0:
+            self._event(
+                f"delta of {out.steps} steps ({overtime} while the last was undecided) "
+                f"folded to one stretch's norm (x{out.fold:.2f})"
+            )
         sub = self._seal(out)
         if self.replay and self._first is not None:
             sub = self._first
         self._first = self._first or sub
-        self._sent, c.tokens_since_send = out, 0
+        self._sent, c.tokens_since_send, self._measured = out, 0, False
         self.machine.on_sent(sub.digest)
         self.submit(sub)
 

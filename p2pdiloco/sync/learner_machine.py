@@ -5,7 +5,7 @@ trained, a delta sealed, the committee's reply, a certified version, a dropped d
 and carries out what it returns. The same class runs in ``join``, in the in-memory driver tests
 and in the simulator.
 
-    train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training up to H more steps
+    train ──H steps──▶ send Δ (from base v) ──▶ in flight: keep training, past H if need be
        ▲                                              │
        │           certificate of v' > v ◀────────────┤ (ours merged: rebase onto v' anchored at
        │                                              │  the sent parameters; not merged: the
@@ -14,9 +14,15 @@ and in the simulator.
                                                          is dropped, later progress kept)
 
 A certificate that lands while no delta is in flight rebases the stretch under way onto it
-(all local progress carried). ``next_action`` says what to do now: train a chunk, send, or
-wait (a delta is in flight and a whole stretch is trained since). A delta undecided for
-``give_up_after`` seconds is given up, so a learner is never stuck behind a round that died.
+(all local progress carried). ``next_action`` says what to do now: train a chunk or send; it
+waits only once the target version is reached. A learner never waits on the network: with a
+delta in flight and a whole stretch trained since (overtime, say while a view change hands the
+version to the next committee), it trains on, and its next delta holds every step since the
+last one (claiming at most H, as syncers clip: ADR 0010). ``Send.overtime`` counts the steps
+trained in overtime: the driver folds such a delta to one stretch's norm (ADR 0019), so every
+delta a syncer screens has the scale of one stretch however long the round took. A delta
+undecided for
+``give_up_after`` seconds is given up, so a learner is never tied to a round that died.
 
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
 set: syncers never merge it later) has its work carried into the learner's next delta rather
@@ -35,7 +41,7 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 class LearnerPhase(enum.Enum):
     TRAINING = "training"  # no delta in flight
     IN_FLIGHT = "waiting for certificate"  # a delta sent; training on
-    WAITING = "waiting (stretch done)"  # a delta in flight and H steps trained since
+    OVERTIME = "training on (stretch done)"  # a delta in flight and a stretch trained since
     IDLE = "idle"  # the target version is reached
 
 
@@ -50,6 +56,7 @@ class Send:
 
     base_version: int
     steps: int  # inner steps the delta covers
+    overtime: int = 0  # of those, steps trained while the previous delta was undecided
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class InFlight:
     base_version: int
     sent_at: float
     steps: int = 0  # inner steps the delta covers
+    overtime: int = 0  # of those, steps trained in overtime (the delta was folded)
     digest: str | None = None  # set by ``on_sent``
     accepted_by_some: bool = False
 
@@ -110,6 +118,8 @@ class LearnerMachine:
     trained: int = 0  # steps since the last send
     trained_seconds: float = 0.0  # seconds spent training those steps
     seconds_per_step: float | None = None  # measured over the last chunks (budget sizing)
+    overtime: int = 0  # steps trained since the last send while a delta was in flight past H
+    _overtime_chunk: bool = field(default=False, repr=False)  # the Train out is overtime
     in_flight: InFlight | None = None
     sent: int = field(default=0)
     merged: int = field(default=0)
@@ -128,7 +138,7 @@ class LearnerMachine:
         if self.in_flight is None:
             return LearnerPhase.TRAINING
         if self.stretch_done:
-            return LearnerPhase.WAITING
+            return LearnerPhase.OVERTIME
         return LearnerPhase.IN_FLIGHT
 
     @property
@@ -145,28 +155,32 @@ class LearnerMachine:
         phase = self.phase
         if phase is LearnerPhase.IDLE:
             return [Wait(1.0)]
-        if phase is LearnerPhase.WAITING:
+        if phase is LearnerPhase.OVERTIME:
             assert self.in_flight is not None
-            if now - self.in_flight.sent_at < self.give_up_after:
-                return [Wait(0.2)]
-            return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
+            if now - self.in_flight.sent_at >= self.give_up_after:
+                return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
         if self.in_flight is None and self.stretch_done:
-            steps, self.trained, self.trained_seconds = self.trained, 0, 0.0
-            self.in_flight = InFlight(self.version, now, steps)
+            steps, over = self.trained, min(self.overtime, self.trained)
+            self.trained, self.trained_seconds, self.overtime = 0, 0.0, 0
+            self.in_flight = InFlight(self.version, now, steps, over)
             self.sent += 1
-            return [Send(self.version, steps)]
+            return [Send(self.version, steps, over)]
+        self._overtime_chunk = phase is LearnerPhase.OVERTIME
         return [Train(self._chunk())]
 
     def _chunk(self) -> int:
         """Steps of the next Train: a chunk, never past H, and (budgeted) about what still fits
         in the budget at the measured pace (one step while the pace is unknown), at most a
-        quarter of the budget, so a certificate that lands mid-stretch is looked at soon."""
-        steps = min(self.chunk, self.inner_steps - self.trained)
+        quarter of the budget, so a certificate is looked at soon. In overtime a whole chunk
+        (budgeted: a quarter of the budget)."""
+        overtime = self.stretch_done
+        steps = min(self.chunk, self.inner_steps if overtime else self.inner_steps - self.trained)
         if self.time_budget is None:
             return steps
         if self.seconds_per_step is None:
             return 1
-        left = min(self.time_budget / 4, self.time_budget - self.trained_seconds)
+        quarter = self.time_budget / 4
+        left = quarter if overtime else min(quarter, self.time_budget - self.trained_seconds)
         return max(1, min(steps, int(left / max(self.seconds_per_step, 1e-9) + 0.5)))
 
     # -- events --------------------------------------------------------------------------------
@@ -175,6 +189,9 @@ class LearnerMachine:
         """``steps`` inner steps were trained in ``seconds`` (wall time of the chunk)."""
         self.trained += steps
         self.trained_seconds += max(0.0, seconds)
+        if self._overtime_chunk:
+            self.overtime += steps
+            self._overtime_chunk = False
         if steps > 0 and seconds > 0:
             pace = seconds / steps
             old = self.seconds_per_step
@@ -224,9 +241,10 @@ class LearnerMachine:
         if fly is not None:
             self.merged += merged
             self.lost += not merged
-            # A delta of more than H steps (it already holds carried work) is not carried again:
-            # its sent part is dropped, so no delta grows past 2H steps.
-            carried = fly.steps if carry and not merged and fly.steps <= self.inner_steps else 0
+            # A delta of more than H steps (it already holds carried work), or a folded one, is
+            # not carried again: its sent part is dropped, so no delta grows past 2H steps.
+            short = fly.steps <= self.inner_steps and fly.overtime == 0
+            carried = fly.steps if carry and not merged and short else 0
             self.trained += carried  # its work goes into the next delta
         seek = version * self.inner_steps if version > self.version + 1 else None
         self.version, self.in_flight = version, None

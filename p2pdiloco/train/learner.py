@@ -22,6 +22,7 @@ have the size of everyone else's (a fresh warmup would make them outliers).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -60,6 +61,7 @@ class Outgoing:
     # The error-feedback residual before this delta was compressed (the same tensors, not
     # copies: compress replaces residuals): restored if the delta is not merged.
     residual_before: dict[str, torch.Tensor] = field(default_factory=dict)
+    fold: float = 1.0  # the scale a delta folding overtime was sent at (1: not folded)
 
 
 class Learner:
@@ -105,6 +107,10 @@ class Learner:
         )
         self.rounds_done = rounds_done  # stretches of H steps trained: the data position
         self.steps_since_send = 0
+        # L2 norm of the stretch trained right after the delta in flight was sent, taken when
+        # that stretch ended (``measure_stretch``): what a delta folding overtime is scaled
+        # down to (``outgoing``, ADR 0019).
+        self.stretch_norm: float | None = None
 
     def seek(self, global_step: int) -> None:
         """Put the inner lr schedule at ``global_step`` (after joining or catching up)."""
@@ -147,12 +153,31 @@ class Learner:
 
     @torch.no_grad()
     def outgoing(
-        self, base_version: int, base: Mapping[str, torch.Tensor], tokens: int, loss: float
+        self,
+        base_version: int,
+        base: Mapping[str, torch.Tensor],
+        tokens: int,
+        loss: float,
+        overtime: int = 0,
     ) -> Outgoing:
-        """Δ = θ_base − θ_local, (transformed if this node plays an attacker), compressed."""
+        """Δ = θ_base − θ_local, (transformed if this node plays an attacker), compressed.
+
+        ``overtime``: steps of Δ trained while the previous delta was undecided. Δ then spans
+        more than one stretch, and is folded: scaled down to the norm of the plain stretch that
+        came before the overtime (``measure_stretch``; unmeasured, to the share of its steps that
+        were not overtime), so the norm screen sees every delta at one stretch's scale, at the
+        learning rate of now (ADR 0019).
+        """
         local = {n: p.detach().float().cpu() for n, p in self.params().items()}
         names = sorted(local)
         delta = {n: base[n].float() - local[n] for n in names}
+        steps = self.steps_since_send
+        norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
+        fold, ref = 1.0, self.stretch_norm
+        if overtime > 0 and steps > 0:
+            share = max(0.0, min(1.0, (steps - overtime) / steps))
+            fold = min(1.0, ref / norm) if ref is not None and norm > 0 else share
+            delta = {n: d * fold for n, d in delta.items()}
         if self.attacker is not None:
             delta = self.attacker.transform(delta, None, base_version)
         before = dict(self.feedback.residual)
@@ -160,14 +185,25 @@ class Learner:
         out = Outgoing(
             base_version=base_version,
             payload=pack_deltas(encoded),
-            steps=self.steps_since_send,
+            steps=steps,
             tokens=tokens,
             loss=loss,
             sent_params={n: t.clone() for n, t in local.items()},
             residual_before=before,
+            fold=fold,
         )
-        self.steps_since_send = 0
+        self.steps_since_send, self.stretch_norm = 0, None
         return out
+
+    @torch.no_grad()
+    def measure_stretch(self, sent: Outgoing) -> float:
+        """The stretch after ``sent`` is done and that delta is still undecided: keep the norm
+        of what was trained since it, ‖θ_sent − θ_local‖, for the fold of the next delta."""
+        sq = 0.0
+        for n, p in self.params().items():
+            sq += float((sent.sent_params[n] - p.detach().float().cpu()).double().square().sum())
+        self.stretch_norm = math.sqrt(sq)
+        return self.stretch_norm
 
     def unsend(self, sent: Outgoing) -> None:
         """``sent`` will not be merged: its error-feedback residual goes back to what it was
