@@ -15,17 +15,28 @@ from p2pdiloco.cli.app import COMMANDS, app
 HEAVY = ("torch", "hivemind", "transformers", "libp2p", "numpy")
 
 
-@pytest.mark.parametrize(
-    "module", ["p2pdiloco.cli.app", "p2pdiloco.cli.status_cmd", "p2pdiloco.cli.models_cmd"]
-)
+LIGHT = ["app", "status_cmd", "models_cmd", "simulate_cmd", "run_cmd"]
+
+
+@pytest.mark.parametrize("module", [f"p2pdiloco.cli.{m}" for m in LIGHT])
 def test_importing_the_cli_loads_no_heavy_package(module: str) -> None:
-    """``status_cmd`` too: ``status --api`` answers without the DHT stack; and ``models``
-    reads sizes from the shapes alone, without building a model."""
+    """``status_cmd`` too: ``status --api`` answers without the DHT stack; ``models`` reads
+    sizes from the shapes alone, without building a model; ``simulate`` and ``run create``
+    show their help and refuse bad flags before torch or hivemind is imported."""
     probe = f"import {module}, sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_light_name_lists_are_the_registries() -> None:
+    from p2pdiloco import choices
+    from p2pdiloco.aggregate import RULES
+    from p2pdiloco.compress import CODECS
+    from p2pdiloco.sync.attacks import ATTACKS
+
+    assert (choices.RULES, choices.CODECS, choices.ATTACKS) == (RULES, CODECS, ATTACKS)
 
 
 @pytest.mark.parametrize("args", [["--version"], ["--help"]])

@@ -10,11 +10,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from p2pdiloco.choices import CODECS, check_sparse_rule
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.compress import CODECS
 from p2pdiloco.dashboard.tables import demo_summary
 from p2pdiloco.demo import DemoConfig, run_demo
-from p2pdiloco.sync.rules import check_sparse_rule
 
 _d = DemoConfig()
 

@@ -9,18 +9,13 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from p2pdiloco.aggregate import RULES
+from p2pdiloco.choices import CODECS, RULES, check_sparse_rule
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.cli.net_common import dht_client
 from p2pdiloco.cli.simulate_cmd import parse_agg_params, sync_rules
-from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import ConfigError
-from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
-from p2pdiloco.sync.rules import check_sparse_rule, check_supported
-from p2pdiloco.train.inner import InnerConfig
-from p2pdiloco.train.outer import OuterConfig
+from p2pdiloco.train.configs import InnerConfig, OuterConfig
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
 _i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
@@ -151,6 +146,10 @@ def create(
             {"protocol_version": PROTOCOL_VERSION, "creator": creator.peer_id, "created_at": 0.0}
             | fields
         )
+        # Settings checked: now the rules' code (torch) and the network stack (hivemind).
+        from p2pdiloco.net.manifests import create_manifest
+        from p2pdiloco.sync.rules import check_supported
+
         check_supported(draft)  # before signing: never publish a run this build cannot follow
         run_id, manifest, raw = create_manifest(creator, **fields)
     except ValidationError as e:
@@ -159,6 +158,9 @@ def create(
             f"invalid run setting {'.'.join(map(str, err['loc']))}: {err['msg']}"
         ) from None
     if not dry_run:
+        from p2pdiloco.cli.net_common import dht_client
+        from p2pdiloco.net.manifests import publish_manifest
+
         with dht_client(bootstrap) as dht:
             publish_manifest(dht, run_id, manifest, raw)
     signed = manifest.model_dump(mode="json")

@@ -10,17 +10,14 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from p2pdiloco.aggregate import RULES
+from p2pdiloco.choices import ATTACKS, CODECS, RULES
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.compress import CODECS
 from p2pdiloco.dashboard.progress import progress_bar
 from p2pdiloco.dashboard.tables import simulation_summary
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.sync.attacks import ATTACKS
-from p2pdiloco.train.inner import InnerConfig
-from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
+from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
+from p2pdiloco.train.model_specs import get_spec
 
 _d = SimulateConfig()
 
@@ -139,7 +136,11 @@ def simulate(
         attack=attack,
         compression=compression,
     )
+    get_spec(model)  # an unknown model is a one-line error before torch is imported
+    from p2pdiloco.train.simulate import run_simulation
+
     console = Console(stderr=True)
+
     with progress_bar(console) as update:
         result = run_simulation(cfg, progress=update).to_dict()
     if json_out:

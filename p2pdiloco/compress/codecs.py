@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from p2pdiloco import choices
 from p2pdiloco.compress.base import (
     Codec,
     CodecError,
@@ -221,7 +222,7 @@ def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
     return h
 
 
-CODECS = ("none", "fp16", "int8", "int4", "topk2")
+CODECS = choices.CODECS  # the names, kept where the command line reads them without torch
 
 
 def get_codec(name: str, **params: int) -> Codec:

@@ -10,7 +10,7 @@ from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, run_id_of
 from p2pdiloco.protocol.signing import seal
-from p2pdiloco.train.models import get_spec
+from p2pdiloco.train.model_specs import get_spec
 
 
 def create_manifest(creator: Identity, **fields: Any) -> tuple[str, RunManifest, bytes]:

@@ -27,7 +27,9 @@ from statistics import NormalDist
 
 import torch
 
-ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "inflate")
+from p2pdiloco import choices
+
+ATTACKS = choices.ATTACKS  # the names, kept where the command line reads them without torch
 INFLATED_STEPS = 10**6  # the steps an ``inflate`` attacker claims per delta
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.compress import CODECS
-from p2pdiloco.errors import ConfigError, UserError
+from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo
@@ -53,27 +53,6 @@ def check_supported(manifest: RunManifest) -> None:
             f"run {manifest.name!r} syncs {manifest.outer.fragments} fragments, but this "
             "p2pdiloco's network syncs one fragment (the whole model) per round; "
             "use fragments=1 (fragments are simulated only: p2pdiloco simulate --fragments)"
-        )
-
-
-# Codecs that send a small share of the entries, and the rules that merge each coordinate on
-# its own: on such deltas (1/64 of the entries kept) most coordinates are zero in most deltas,
-# and the loss measured was 1.9x (trimmed mean) and 3.3x (median) of the mean's, while Krum
-# stayed at 1.0x (bench/sparse_rules.py, docs/adr/0018-sparse-codec.md).
-SPARSE_CODECS = ("topk2",)
-COORDINATE_RULES = ("median", "trimmed_mean")
-
-
-def check_sparse_rule(compression: str, aggregation: str) -> None:
-    """ConfigError (one line) for a run that would merge sparse deltas coordinate by coordinate.
-    A creator's check (``run create``, ``demo``), not a join check: a signed run stays
-    followable."""
-    if compression in SPARSE_CODECS and aggregation in COORDINATE_RULES:
-        raise ConfigError(
-            f"compression {compression} with aggregation {aggregation}: sparse deltas are "
-            "mostly zeros, so a coordinate-wise rule shrinks the update to almost nothing "
-            "(docs/adr/0018-sparse-codec.md); use multi_krum, krum, centered_clip, "
-            "geometric_median or mean"
         )
 
 

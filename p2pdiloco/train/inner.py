@@ -12,24 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from p2pdiloco.train.configs import InnerConfig
 from p2pdiloco.train.device import autocast_for, synchronize
-
-
-@dataclass
-class InnerConfig:
-    """Inner-optimizer hyperparameters (DiLoCo defaults; each is a run-manifest field)."""
-
-    lr: float = 4e-4  # peak AdamW learning rate
-    beta1: float = 0.9
-    beta2: float = 0.95
-    weight_decay: float = 0.1  # applied to matrices only, never to norms
-    warmup_steps: int = 100  # linear warmup, counted in inner steps of one learner
-    total_steps: int = 10_000  # cosine horizon in inner steps; the schedule ends at min_lr
-    min_lr_ratio: float = 0.1  # final lr = lr × min_lr_ratio
-    grad_clip: float = 1.0  # global-norm clip per step; 0 disables
-    grad_accum: int = 1  # micro-batches per step; the step batch is split evenly
-    batch_size: int = 8  # sequences per inner step (before accumulation split)
-    seq_len: int = 128  # tokens per sequence
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -17,21 +17,12 @@ on its own schedule and the outer step only touches that fragment's tensors and 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from p2pdiloco.train.configs import OuterConfig
+
 MOMENTUM_PREFIX = "outer.momentum."
-
-
-@dataclass
-class OuterConfig:
-    """Outer-optimizer hyperparameters (DiLoCo defaults; each is a run-manifest field)."""
-
-    lr: float = 0.7  # outer learning rate η
-    momentum: float = 0.9  # μ
-    nesterov: bool = True
-    fragments: int = 1  # Streaming DiLoCo fragments; 1 = plain DiLoCo
 
 
 def partition_fragments(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:

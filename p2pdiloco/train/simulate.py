@@ -34,6 +34,7 @@ from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.attacks import AttackConfig, Attacker
 from p2pdiloco.sync.weights import merge_weights
+from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
 from p2pdiloco.train.data import (
     PackedCorpus,
     build_corpus,
@@ -42,40 +43,14 @@ from p2pdiloco.train.data import (
     learner_batches,
 )
 from p2pdiloco.train.device import resolve_device
-from p2pdiloco.train.inner import InnerConfig, evaluate, make_inner_optimizer, train_steps
+from p2pdiloco.train.inner import evaluate, make_inner_optimizer, train_steps
 from p2pdiloco.train.memory import check_fits
 from p2pdiloco.train.models import build_model, get_spec, param_state
-from p2pdiloco.train.outer import OuterConfig, partition_fragments, pseudo_gradient
+from p2pdiloco.train.outer import partition_fragments, pseudo_gradient
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 # (description, completed work units, total work units); one unit = one learner inner step.
 ProgressFn = Callable[[str, int, int], None]
-
-
-@dataclass
-class SimulateConfig:
-    """One simulated run. Inner/outer defaults follow DiLoCo; sizes suit 2 CPU cores."""
-
-    model: str = "gemma-tiny"
-    learners: int = 4  # M, DiLoCo replicas
-    inner_steps: int = 20  # H, inner steps between two syncs of a fragment
-    rounds: int = 5  # outer rounds (each fragment syncs once per round)
-    seed: int = 0  # run seed: init, data order, sharding
-    data: str = "embedded"  # "embedded", a directory or file, or "hf:NAME[:CONFIG][@SPLIT]"
-    tokenizer: str | None = None  # None: the model's default tokenizer
-    device: str = "auto"
-    eval_batches: int = 8  # eval batches of inner.batch_size rows at each round end
-    max_data_bytes: int = 16 * 2**20  # cap on text read from the source
-    init_from: str | None = None  # local Hugging Face checkpoint instead of random init
-    baseline: bool = True  # also train the data-parallel baseline
-    # The merge rules of a run manifest: rule and its params, screening, weight cap (the
-    # round-timing fields do not apply in one process).
-    rules: SyncRules = field(default_factory=SyncRules)
-    adversaries: int = 0  # the last N learners poison their deltas
-    attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
-    compression: str = "none"  # delta codec (p2pdiloco.compress.CODECS), with error feedback
-    inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
 
 
 @dataclass
