@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.cert_records import cert_version, signed_claims
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
@@ -163,9 +164,7 @@ class NodeRuntime:
 
     async def close(self) -> None:
         self._stopping = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, "node runtime")
         if self.service is not None:
             await self.service.close()
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from p2pdiloco import failpoints
+from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
@@ -180,9 +181,7 @@ class SyncService:
             self._execute(self.round.on_tick(now))
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks), "sync service")
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""Ending tasks for sure, on Python 3.11's ``wait_for`` that can swallow a cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from p2pdiloco.aio import cancel_and_wait
+
+
+async def _swallowed_once() -> asyncio.Task[None]:
+    """A loop like the runtime's sender whose ``wait_for`` completes as the cancel lands: on
+    3.11 the cancel is lost and the loop goes on."""
+    loop = asyncio.get_running_loop()
+    first = loop.create_future()
+
+    async def sender() -> None:
+        await asyncio.wait_for(first, 10)
+        while True:
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(sender(), name="sender")
+    await asyncio.sleep(0)
+    first.set_result(None)
+    task.cancel()
+    return task
+
+
+def test_a_task_whose_cancel_was_swallowed_is_cancelled_again() -> None:
+    async def main() -> None:
+        task = await _swallowed_once()
+        await asyncio.wait_for(cancel_and_wait([task], "test", pause=0.05), 5)
+        assert task.cancelled()
+
+    asyncio.run(main())
+
+
+def test_a_task_that_never_ends_is_logged_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    give_up = False
+
+    async def stubborn() -> None:
+        while not give_up:
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                continue
+
+    async def main() -> None:
+        nonlocal give_up
+        task = asyncio.create_task(stubborn(), name="stubborn")
+        await asyncio.sleep(0)
+        with caplog.at_level(logging.WARNING):
+            await asyncio.wait_for(cancel_and_wait([task], "node", pause=0.01, tries=3), 5)
+        assert "node: 1 task(s) did not end when cancelled: stubborn" in caplog.text
+        assert not task.done()
+        give_up = True
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+
+    asyncio.run(main())
