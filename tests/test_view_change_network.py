@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,15 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         victims = [n for n in nodes if n.identity.peer_id in info.members[:2]]
         for n in victims:
             n.kill()  # the leader and the next member of the next version's committee
+        killed_at = time.monotonic()
         tokens_before = {n.name: n.status().get("tokens_trained", 0) for n in nodes}
         survivors = [n for n in nodes if n not in victims]
         # View 0 cannot reach its quorum of 3 with two of four dead: a later view certifies.
+        net.wait_versions(base.body.version + 1, survivors, 2 * (VIEW_TIMEOUT + 120))
+        # A figure, not an assertion (timings are benchmarks): the issue asks for the view
+        # timeout plus one round (a 4 s stretch, 6 s grace, 3 s agreement here).
+        print(f"next version on every survivor {time.monotonic() - killed_at:.1f} s after "
+              f"the kill (view timeout {VIEW_TIMEOUT:.0f} s)")  # fmt: skip
         net.wait_versions(base.body.version + 2, survivors, 2 * (VIEW_TIMEOUT + 120))
 
         chain = certificates(survivors[0], run_id)
