@@ -32,6 +32,7 @@ from p2pdiloco.preflight import (
     worst,
 )
 from p2pdiloco.protocol.signing import PROTOCOL_VERSION
+from p2pdiloco.train.island_plan import plan_island
 from p2pdiloco.train.memory import GiB, estimate_memory
 from p2pdiloco.train.models import model_names
 
@@ -84,7 +85,8 @@ def test_model_too_large_names_need_and_a_model_that_fits() -> None:
     named = [n for n in model_names() if n != "gemma-12b" and re.search(rf"\b{n}\b", f.fix)]
     assert named, f.fix
     assert all(estimate_memory(n, "fp32").total <= 24 * GiB for n in named)
-    assert f"island of {-(-need // (24 * GiB))} such devices" in f.fix
+    plan = plan_island("gemma-12b", "fp32", 24 * GiB)  # FSDP2-sharded state: see test_island_plan
+    assert plan is not None and plan.describe() in f.fix
 
 
 def test_small_model_fits() -> None:

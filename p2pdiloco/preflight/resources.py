@@ -3,7 +3,6 @@ is allocated): does the model train on the device, is there room for its checkpo
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -14,6 +13,7 @@ import torch
 from p2pdiloco.errors import UserError
 from p2pdiloco.preflight.findings import Finding, PreflightConfig
 from p2pdiloco.train.device import resolve_device
+from p2pdiloco.train.island_plan import plan_island
 from p2pdiloco.train.memory import (
     GiB,
     ModelTooLarge,
@@ -21,7 +21,7 @@ from p2pdiloco.train.memory import (
     check_fits,
     estimate_memory,
 )
-from p2pdiloco.train.models import get_spec, model_names, parameter_count
+from p2pdiloco.train.model_specs import get_spec, model_names, parameter_count
 
 MAX_AUTO_BATCH = 64
 # Disk headroom beyond the checkpoints themselves (logs, certificates, temp files).
@@ -137,7 +137,7 @@ def check_device_memory(cfg: PreflightConfig) -> Finding:
 def _too_large_fix(model: str, precision: str, need: int, have: int, auto: bool) -> str:
     if have <= 0:
         return "free some memory on the device (or raise --max-memory)"
-    island = math.ceil(need / have)
+    plan = plan_island(model, precision, have)
     fitting = [
         n for n in model_names() if n != model and estimate_memory(n, precision).total <= have
     ]
@@ -149,7 +149,10 @@ def _too_large_fix(model: str, precision: str, need: int, have: int, auto: bool)
         )
     if not auto and estimate_memory(model, precision, micro_batch=1).total <= have:
         options.append("lower --batch-size (or leave it to auto)")
-    options.append(f"train {model} on an island of {island} such devices")
+    if plan is not None:
+        options.append(f"train {model} on {plan.describe()}")
+    else:
+        options.append(f"no island of such devices holds {model}: each needs more memory")
     return "; or ".join(options)
 
 
