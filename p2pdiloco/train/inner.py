@@ -45,6 +45,17 @@ def make_inner_optimizer(
     return opt, sched
 
 
+def seek_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, step: int
+) -> None:
+    """Put the warmup+cosine schedule, and every group's lr, at global inner step ``step``."""
+    scheduler.last_epoch = step
+    for group, base_lr, fn in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base_lr * fn(step)
+
+
 def lm_loss(model: torch.nn.Module, rows_BS: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over a batch of packed rows (fp32 loss)."""
     inputs_BL, targets_BL = rows_BS[:, :-1], rows_BS[:, 1:]

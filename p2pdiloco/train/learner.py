@@ -33,7 +33,13 @@ from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.attacks import AttackConfig, Attacker
 from p2pdiloco.train.data import PackedCorpus, learner_batches
-from p2pdiloco.train.inner import InnerConfig, InnerStats, make_inner_optimizer, train_steps
+from p2pdiloco.train.inner import (
+    InnerConfig,
+    InnerStats,
+    make_inner_optimizer,
+    seek_schedule,
+    train_steps,
+)
 from p2pdiloco.train.models import build_model, param_state
 
 
@@ -114,12 +120,7 @@ class Learner:
 
     def seek(self, global_step: int) -> None:
         """Put the inner lr schedule at ``global_step`` (after joining or catching up)."""
-        sched = self.scheduler
-        sched.last_epoch = global_step
-        for group, base_lr, fn in zip(
-            self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
-        ):
-            group["lr"] = base_lr * fn(global_step)
+        seek_schedule(self.optimizer, self.scheduler, global_step)
 
     def params(self) -> dict[str, torch.Tensor]:
         return param_state(self.model)
