@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         if delta is not None:
             torch.save({"delta": delta, "steps": stats.steps, "tokens": stats.tokens}, out)
     finally:
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -93,3 +94,30 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="does not split over 3 ranks"):
         rank_rows(torch.zeros(2, 4, 8), 0, 3)
     assert rank_rows(torch.arange(8).view(1, 4, 2), 1, 2).tolist() == [[[4, 5], [6, 7]]]
+
+
+def _rank_with_a_nan(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1's loss is NaN at its first step: every rank must raise there, none may hang."""
+    import p2pdiloco.train.inner as inner
+
+    torch.set_num_threads(1)
+    if rank == 1:
+        real = inner.lm_loss
+        inner.lm_loss = lambda model, rows: real(model, rows) * float("nan")  # type: ignore[assignment]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        island_stretch("gemma-tiny", SEED, _base(), CFG, _batches())
+    except FloatingPointError as e:
+        Path(out).with_suffix(f".{rank}").write_text(str(e))
+    finally:
+        dist.barrier()  # both ranks out of the stretch before the group goes
+        dist.destroy_process_group()
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path: Path) -> None:
+    out = tmp_path / "nan"
+    mp.spawn(_rank_with_a_nan, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    said = [out.with_suffix(f".{r}").read_text() for r in (0, 1)]
+    assert all(s.startswith("inner step 0: a loss is not finite on this island") for s in said)
+    assert said[1].endswith("(this rank's: nan)") and "nan" not in said[0], said

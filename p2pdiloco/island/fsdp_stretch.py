@@ -44,6 +44,13 @@ def rank_rows(batches_TBS: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batches_TBS[:, rank * per : (rank + 1) * per]
 
 
+def _all_ranks(finite: bool) -> bool:
+    """True only if every rank's loss is finite (one all-reduce of a flag per step)."""
+    flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def island_stretch(
     model_name: str,
     seed: int,
@@ -70,6 +77,7 @@ def island_stretch(
         rank_rows(batches_TBS, rank, world),
         grad_accum=cfg.grad_accum,
         grad_clip=cfg.grad_clip,
+        all_finite=_all_ranks,
     )
     delta: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     for n, p in named_trainable(model):

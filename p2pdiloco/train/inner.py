@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,12 +83,15 @@ def train_steps(
     *,
     grad_accum: int = 1,
     grad_clip: float = 1.0,
+    all_finite: Callable[[bool], bool] | None = None,
 ) -> InnerStats:
     """Run one inner step per leading slice of ``batches_TBS`` on the model's device.
 
     Raises ValueError if B is not divisible by ``grad_accum``; a non-finite loss raises
     FloatingPointError before the optimizer touches the weights, so a diverged learner never
-    produces a delta from corrupted parameters.
+    produces a delta from corrupted parameters. ``all_finite`` (an island's ranks) turns this
+    rank's verdict into everyone's, so all ranks raise at the same step and none is left
+    waiting in a collective for one that stopped.
     """
     device = next(model.parameters()).device
     steps, batch, seq = batches_TBS.shape
@@ -104,9 +108,17 @@ def train_steps(
                 loss = lm_loss(model, micro_bS) / grad_accum
             loss.backward()
             step_loss += loss.detach()
-        if not torch.isfinite(step_loss):
+        finite = bool(torch.isfinite(step_loss))
+        if all_finite is not None:
+            finite = all_finite(finite)
+        if not finite:
             optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"inner step {t}: loss is {step_loss.item()}")
+            if all_finite is None:
+                raise FloatingPointError(f"inner step {t}: loss is {step_loss.item()}")
+            raise FloatingPointError(
+                f"inner step {t}: a loss is not finite on this island (this rank's: "
+                f"{step_loss.item()})"
+            )
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
         optimizer.step()
