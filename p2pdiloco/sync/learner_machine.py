@@ -21,8 +21,8 @@ version to the next committee), it trains on, and its next delta holds every ste
 last one (claiming at most H, as syncers clip: ADR 0010). ``Send.overtime`` counts the steps
 trained in overtime: the driver folds such a delta to one stretch's norm (ADR 0019), so every
 delta a syncer screens has the scale of one stretch however long the round took. A delta
-undecided for
-``give_up_after`` seconds is given up, so a learner is never tied to a round that died.
+undecided for ``give_up_after`` seconds is given up, so a learner is never tied to a round that
+died.
 
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
 set: syncers never merge it later) has its work carried into the learner's next delta rather
