@@ -18,8 +18,7 @@ async def _swallowed_once() -> asyncio.Task[None]:
 
     async def sender() -> None:
         await asyncio.wait_for(first, 10)
-        while True:
-            await asyncio.sleep(0.01)
+        await asyncio.Event().wait()  # the next submission, which never comes
 
     task = asyncio.create_task(sender(), name="sender")
     await asyncio.sleep(0)
@@ -38,25 +37,24 @@ def test_a_task_whose_cancel_was_swallowed_is_cancelled_again() -> None:
 
 
 def test_a_task_that_never_ends_is_logged_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
-    give_up = False
+    give_up = asyncio.Event()
 
     async def stubborn() -> None:
-        while not give_up:
+        while not give_up.is_set():
             try:
-                await asyncio.sleep(1)
+                await give_up.wait()
             except asyncio.CancelledError:
                 continue
 
     async def main() -> None:
-        nonlocal give_up
         task = asyncio.create_task(stubborn(), name="stubborn")
         await asyncio.sleep(0)
         with caplog.at_level(logging.WARNING):
             await asyncio.wait_for(cancel_and_wait([task], "node", pause=0.01, tries=3), 5)
         assert "node: 1 task(s) did not end when cancelled: stubborn" in caplog.text
         assert not task.done()
-        give_up = True
-        task.cancel()
+        give_up.set()
         await asyncio.wait([task], timeout=5)
+        assert task.done()
 
     asyncio.run(main())

@@ -5,8 +5,8 @@ decoder layer and then the root (embeddings, final norm, the tied head), and tra
 contiguous block of rows of every step's batch: FSDP2 averages the gradients across ranks, so
 a step is the step one process would take on the whole batch. The island's delta is gathered
 tensor by tensor (``DTensor.full_tensor``, a collective every rank joins in the same order)
-and kept on rank 0 only, which speaks for the island: no rank ever holds a second full copy of
-the model beside the base.
+and kept on rank 0 only, which speaks for the island: the other ranks hold one unsharded tensor
+at a time beside their shards and the base, rank 0 the delta it builds.
 
 Runs on any torch.distributed backend: gloo on CPU (tests), NCCL on GPUs. The process group
 is the caller's (``torch.distributed.init_process_group``).

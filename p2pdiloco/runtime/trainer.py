@@ -161,7 +161,6 @@ class Trainer:
         self.view = TrainerView(version=state.version)
         self._c = _Counters()
         self._sent: Outgoing | None = None
-        self._measured = False  # the stretch after ``_sent`` was measured (ADR 0019)
         self._first: Submission | None = None
         self._error: str | None = None
         self._stop = threading.Event()
@@ -237,11 +236,11 @@ class Trainer:
     def _do(self, action: LearnerAction) -> None:
         if isinstance(action, Train):
             self._train(action.steps)
-            if self.machine.phase is LearnerPhase.OVERTIME and not self._measured and self._sent:
+            overtime = self.machine.phase is LearnerPhase.OVERTIME
+            if overtime and self._sent and self.learner.stretch_norm is None:
                 # the stretch after our delta in flight is done: its norm is what the next
                 # delta, holding this overtime too, is folded to (ADR 0019)
                 self.learner.measure_stretch(self._sent)
-                self._measured = True
         elif isinstance(action, Send):
             self._send(action.overtime)
         elif isinstance(action, Wait):
@@ -313,7 +312,7 @@ class Trainer:
         if self.replay and self._first is not None:
             sub = self._first
         self._first = self._first or sub
-        self._sent, c.tokens_since_send, self._measured = out, 0, False
+        self._sent, c.tokens_since_send = out, 0
         self.machine.on_sent(sub.digest)
         self.submit(sub)
 

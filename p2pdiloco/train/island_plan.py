@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from p2pdiloco.train.memory import _ACT_BYTES, _OVERHEAD, estimate_memory
+from p2pdiloco.train.memory import ACT_BYTES, OVERHEAD, estimate_memory
 from p2pdiloco.train.model_specs import get_spec, parameter_count
 
 MAX_DEVICES = 4096
@@ -80,18 +80,18 @@ def _plan(
     name: str, precision: str, device_bytes: int, b: int, seq_len: int | None, ckpt: bool
 ) -> IslandPlan | None:
     spec = get_spec(name)
-    gathered = 2 * _unit_params(name) * _ACT_BYTES[precision]
+    gathered = 2 * _unit_params(name) * ACT_BYTES[precision]
     est = estimate_memory(name, precision, micro_batch=b, seq_len=seq_len)
     state = est.weights + est.gradients + est.optimizer + est.diloco_state
     acts = est.activations
     if ckpt:  # a hidden state per layer boundary, one layer's activations at a time
-        acts = b * est.seq_len * spec.num_layers * spec.hidden_size * _ACT_BYTES[precision]
+        acts = b * est.seq_len * spec.num_layers * spec.hidden_size * ACT_BYTES[precision]
         acts += est.activations // spec.num_layers
-    fixed = (acts + est.logits + gathered) * (1 + _OVERHEAD)
+    fixed = (acts + est.logits + gathered) * (1 + OVERHEAD)
     room = device_bytes - fixed
     if room <= 0:
         return None
-    n = max(1, math.ceil(state * (1 + _OVERHEAD) / room))
+    n = max(1, math.ceil(state * (1 + OVERHEAD) / room))
     if n > MAX_DEVICES:
         return None
     return IslandPlan(
@@ -104,7 +104,7 @@ def _plan(
         shard=state // n,
         gathered=gathered,
         activations=acts + est.logits,
-        per_device=int(fixed + state / n * (1 + _OVERHEAD)),
+        per_device=int(fixed + state / n * (1 + OVERHEAD)),
     )
 
 

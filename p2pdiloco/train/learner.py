@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -173,9 +173,9 @@ class Learner:
         names = sorted(local)
         delta = {n: base[n].float() - local[n] for n in names}
         steps = self.steps_since_send
-        norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         fold, ref = 1.0, self.stretch_norm
         if overtime > 0 and steps > 0:
+            norm = _l2(delta.values())  # only a delta that folds pays this pass
             share = max(0.0, min(1.0, (steps - overtime) / steps))
             fold = min(1.0, ref / norm) if ref is not None and norm > 0 else share
             delta = {n: d * fold for n, d in delta.items()}
@@ -200,10 +200,8 @@ class Learner:
     def measure_stretch(self, sent: Outgoing) -> float:
         """The stretch after ``sent`` is done and that delta is still undecided: keep the norm
         of what was trained since it, ‖θ_sent − θ_local‖, for the fold of the next delta."""
-        sq = 0.0
-        for n, p in self.params().items():
-            sq += float((sent.sent_params[n] - p.detach().float().cpu()).double().square().sum())
-        self.stretch_norm = math.sqrt(sq)
+        moved = (sent.sent_params[n] - p.detach().float().cpu() for n, p in self.params().items())
+        self.stretch_norm = _l2(moved)
         return self.stretch_norm
 
     def unsend(self, sent: Outgoing) -> None:
@@ -228,3 +226,8 @@ class Learner:
         for n, p in self.params().items():
             progress = p.detach().float().cpu() - anchor[n].float()
             p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))
+
+
+def _l2(tensors: Iterable[torch.Tensor]) -> float:
+    """L2 norm over several tensors, summed in float64 (one tensor in memory at a time)."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))

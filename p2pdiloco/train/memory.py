@@ -36,8 +36,8 @@ _PER_PARAM = {  # weights, grads, optimizer, base copy, error feedback
     "bf16-mixed": (4, 4, 8, 4, 4),
     "bf16": (2, 2, 4, 2, 2),
 }
-_ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
-_OVERHEAD = 0.10
+ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
+OVERHEAD = 0.10
 
 
 class ModelTooLarge(UserError):
@@ -77,10 +77,10 @@ def estimate_memory(
     s = seq_len if seq_len is not None else spec.train_seq_len
     p = parameter_count(name)
     w, g, opt, base, ef = (p * k for k in _PER_PARAM[precision])
-    acts = _activation_bytes(spec, b, s, _ACT_BYTES[precision])
+    acts = _activation_bytes(spec, b, s, ACT_BYTES[precision])
     logits = b * s * spec.vocab_size * 4 * 2  # fp32 logits + their gradient
     subtotal = w + g + opt + base + ef + acts + logits
-    overhead = int(subtotal * _OVERHEAD)
+    overhead = int(subtotal * OVERHEAD)
     return MemoryEstimate(
         model=name,
         precision=precision,
@@ -151,7 +151,7 @@ def check_fits(
     """
     est = estimate_memory(name, precision, micro_batch, seq_len)
     per_replica = est.weights + est.gradients + est.optimizer + est.diloco_state
-    needed = est.total + int((replicas - 1) * per_replica * (1 + _OVERHEAD))
+    needed = est.total + int((replicas - 1) * per_replica * (1 + OVERHEAD))
     if available is None:
         have, where = available_memory(device)
     else:
