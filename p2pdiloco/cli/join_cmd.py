@@ -18,6 +18,8 @@ from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
+from p2pdiloco.island.spec import IslandSpec, check_island_fits
+from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
 from p2pdiloco.protocol.identity import default_identity_path
@@ -74,7 +76,12 @@ def join(
     island: Annotated[str | None, typer.Option(help="Island name [default: host name].")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = None,
     gpus: Annotated[
-        str | None, typer.Option(help="CUDA devices to use, e.g. 0,2 (the first trains).")
+        str | None,
+        typer.Option(help="CUDA devices, e.g. 0,2: several form an island, one rank per GPU."),
+    ] = None,
+    island_ranks: Annotated[
+        int | None,
+        typer.Option(help="Processes that train this node's learner together (CPU: gloo)."),
     ] = None,
     max_memory: Annotated[
         float | None, typer.Option(help="GiB this node may use [default: what is free].")
@@ -137,6 +144,9 @@ def join(
     port = _typed("port", port, 0, int, conf)
     dev_name = _typed("device", device, "auto", str, conf)
     gpu_ids = _gpus(_typed("gpus", gpus, None, str, conf))
+    island_spec = spec_from_flags(
+        dev_name, gpu_ids, _typed("island_ranks", island_ranks, None, int, conf), threads
+    )
     max_mem = _typed("max_memory", max_memory, None, float, conf)
     micro = _typed("batch_size", batch_size, None, int, conf)
     cache = _typed("cache_dir", cache_dir, None, Path, conf)
@@ -158,9 +168,12 @@ def join(
     if model:  # refuse before any network or allocation work, with what would fit instead
         dev = resolve_device(dev_name)
         available = int(max_mem * GiB) if max_mem else None
-        check_fits(
-            model, dev, "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32", available=available
-        )
+        if island_spec is not None:
+            per_rank = available or _per_rank_memory(island_spec)
+            print(f"island: {check_island_fits(model, island_spec, per_rank)}", flush=True)
+        else:
+            precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
+            check_fits(model, dev, precision, available=available)
     _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
     addrs, source = bootstrap_addrs(bootstrap)
     _check_ports(host, port, mport, not no_gossip)
@@ -196,7 +209,7 @@ def join(
         _network_findings(node)
         running = _start_node(
             node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
-            share,
+            share, island_spec,
         )  # fmt: skip
         from p2pdiloco.node_view import NodeView
 
@@ -228,6 +241,15 @@ def join(
         if metrics_api is not None:
             metrics_api.close()
         node.close()
+
+
+def _per_rank_memory(spec: IslandSpec) -> int:
+    """Bytes one rank may use: its GPU's free memory, or on CPU the host's shared by all."""
+    from p2pdiloco.train.memory import available_memory
+
+    if spec.backend == "nccl":
+        return min(available_memory(resolve_device(d))[0] for d in spec.devices)
+    return available_memory(resolve_device("cpu"))[0] // spec.ranks
 
 
 def _preflight(
@@ -322,6 +344,7 @@ def _start_node(
     adversary: str | None,
     no_train: bool,
     compute_share: float = 1.0,
+    island: IslandSpec | None = None,
 ) -> Any:
     from p2pdiloco.preflight import auto_batch_size
     from p2pdiloco.runtime.launch import RunningNode, TrainConfig
@@ -347,9 +370,10 @@ def _start_node(
     else:
         how = "--batch-size"
     micro = max(d for d in range(1, step_batch + 1) if step_batch % d == 0 and d <= micro)
+    ranks = f" over {island.ranks} island ranks" if island is not None else ""
     print(
         f"batch: {micro} sequences per micro-batch ({how}), {step_batch // micro} accumulation "
-        f"steps per inner step of {step_batch} × {manifest.inner.seq_len} tokens",
+        f"steps per inner step of {step_batch} × {manifest.inner.seq_len} tokens{ranks}",
         flush=True,
     )
     running = RunningNode(
@@ -362,6 +386,7 @@ def _start_node(
             attack=adversary,
             micro_batch=micro,
             compute_share=compute_share,
+            island=island,
         ),
     )
     version = running.start()

@@ -12,9 +12,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.node import Node
 from p2pdiloco.runtime.node_runtime import NodeRuntime, RuntimeConfig
 from p2pdiloco.runtime.plane import Presence
@@ -48,6 +50,7 @@ class TrainConfig:
     max_data_bytes: int = 16 * 2**20
     micro_batch: int | None = None  # sequences per forward pass; None: the whole step batch
     train: bool = True  # False: membership only (heartbeats; no state, no learner)
+    island: IslandSpec | None = None  # several processes train this node's learner (FSDP2)
     runtime: RuntimeConfig | None = field(default=None)
 
 
@@ -93,16 +96,7 @@ class RunningNode:
         )
         state = bridge.run(self.runtime.start(), 900)
         H = self.manifest.inner_steps
-        learner = Learner(
-            self.manifest,
-            corpus,
-            self.me,
-            state.params,
-            device=resolve_device(cfg.device),
-            attack=AttackConfig(cfg.attack) if cfg.attack else None,
-            base_version=state.version,
-            micro_batch=cfg.micro_batch,
-        )
+        learner = self._learner(corpus, state.params, state.version)
         machine = LearnerMachine(
             inner_steps=H,
             chunk=max(1, H // 4) if H % 4 == 0 else H,
@@ -139,6 +133,26 @@ class RunningNode:
         trainer.start()
         return state.version
 
+    def _learner(self, corpus: Any, params: Any, version: int) -> Learner:
+        """This node's learner: one process on ``cfg.device``, or rank 0 of an island."""
+        cfg = self.cfg
+        kw: dict[str, Any] = dict(
+            attack=AttackConfig(cfg.attack) if cfg.attack else None,
+            base_version=version,
+            micro_batch=cfg.micro_batch,
+        )
+        if cfg.island is None:
+            return Learner(
+                self.manifest, corpus, self.me, params, device=resolve_device(cfg.device), **kw
+            )
+        from p2pdiloco.island.learner import IslandLearner
+
+        learner = IslandLearner(
+            self.manifest, corpus, self.me, params, spec=cfg.island, log_dir=cfg.state_dir, **kw
+        )
+        log.info("island of %d ranks (%s) formed", learner.world, cfg.island.backend)
+        return learner
+
     def stop(self, timeout: float = 60.0) -> str:
         """Stop after the current chunk of steps (an in-flight delta is abandoned), save the
         local progress next to the certified state, and say what was kept.
@@ -170,6 +184,8 @@ class RunningNode:
                 kept += f"; local progress not saved ({e.strerror or e})"
             else:
                 kept += f", plus {trainer.learner.steps_since_send} local steps not yet merged"
+        if trainer is not None and not trainer.alive:
+            trainer.learner.close()  # an island's members stop with it
         if runtime is not None:
             runtime.write_final_status()
         return kept

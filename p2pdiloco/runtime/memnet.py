@@ -69,6 +69,7 @@ class MemoryNetwork:
         seed: int = 0,
         time_budget: float | None = None,  # the manifest's seconds of training per delta
         slowdown: Mapping[int, float] | None = None,  # node index: each of its steps takes ×s
+        islands: Mapping[int, int] | None = None,  # node index: an island of that many ranks
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -82,6 +83,7 @@ class MemoryNetwork:
         self.seed = seed
         self.time_budget = time_budget
         self.slowdown = dict(slowdown or {})
+        self.islands = dict(islands or {})
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -124,12 +126,26 @@ class MemoryNetwork:
         state = await runtime.start()
         node = MemNode(name, identity, runtime)
         if train:
-            attack = self.attackers.get(len(self.nodes))
-            learner = Learner(
-                self.manifest, self.corpus, me, state.params, device=torch.device("cpu"),
-                attack=AttackConfig(attack) if attack else None, base_version=state.version,
-            )  # fmt: skip
             index = next((i for i, n in enumerate(self.nodes) if n.name == name), len(self.nodes))
+            attack = self.attackers.get(index)
+            kw: dict[str, Any] = dict(
+                attack=AttackConfig(attack) if attack else None, base_version=state.version
+            )
+            if self.islands.get(index, 1) > 1:  # rank 0 here, the members real processes
+                from p2pdiloco.island.learner import IslandLearner
+                from p2pdiloco.island.spec import IslandSpec
+
+                spec = IslandSpec(("cpu",) * self.islands[index], threads=1, timeout_s=60)
+                learner: Learner = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: IslandLearner(
+                        self.manifest, self.corpus, me, state.params, spec=spec,  # type: ignore[arg-type]
+                        log_dir=self.workdir / name, **kw,
+                    ),
+                )  # fmt: skip
+            else:
+                learner = Learner(
+                    self.manifest, self.corpus, me, state.params, device=torch.device("cpu"), **kw
+                )
             if self.slowdown.get(index, 1.0) > 1.0:
                 _throttle(learner, self.slowdown[index])
             machine = LearnerMachine(
@@ -162,7 +178,9 @@ class MemoryNetwork:
         self.hub.handlers.pop(node.peer_id, None)
         node.stopped = True
         if node.trainer is not None:
-            await asyncio.get_running_loop().run_in_executor(None, node.trainer.stop, 30.0)
+            trainer = node.trainer
+            await asyncio.get_running_loop().run_in_executor(None, trainer.stop, 30.0)
+            await asyncio.get_running_loop().run_in_executor(None, trainer.learner.close)
         await node.runtime.close()
 
     async def __aexit__(self, *exc: object) -> None:

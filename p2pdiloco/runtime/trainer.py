@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pdiloco.island.leader import IslandBroken
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
@@ -201,9 +202,12 @@ class Trainer:
     def _main(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain()
-                for action in self.machine.next_action(time.monotonic()):
-                    self._do(action)
+                try:
+                    self._drain()
+                    for action in self.machine.next_action(time.monotonic()):
+                        self._do(action)
+                except IslandBroken as e:
+                    self._reform(e)
                 self._publish()
         except Exception as e:  # reported on the dashboard and in the status file
             log.exception("training loop stopped")
@@ -271,6 +275,18 @@ class Trainer:
             self.catch_up(action.version)
 
     _new_state: CertifiedState
+
+    def _reform(self, e: IslandBroken) -> None:
+        """A member of this learner's island stopped: the survivors re-form and go on from the
+        last certified version (or, with a delta in flight, from the parameters that delta was
+        taken from, so rebasing stays exact); the broken stretch's steps are gone."""
+        if self.machine.version > self.state.version:  # broken while rebasing onto it
+            self.state, self._sent = self._new_state, None
+        anchor = self._sent.sent_params if self._sent is not None else self.state.params
+        size = self.learner.reform(anchor)
+        self.machine.on_progress_lost()
+        self._c.tokens_since_send = 0
+        self._event(f"{e}; island re-formed with {size} ranks on version {self.state.version}")
 
     def _train(self, steps: int) -> None:
         c = self._c

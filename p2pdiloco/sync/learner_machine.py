@@ -197,6 +197,12 @@ class LearnerMachine:
             old = self.seconds_per_step
             self.seconds_per_step = pace if old is None else 0.5 * old + 0.5 * pace
 
+    def on_progress_lost(self) -> None:
+        """The steps trained since the last send (or the base) are gone (an island re-formed
+        from the last certified state): the stretch starts again."""
+        self.trained, self.trained_seconds, self.overtime = 0, 0.0, 0
+        self._overtime_chunk = False
+
     def on_sent(self, digest: str) -> None:
         """The delta of the last ``Send`` was sealed as submission ``digest``."""
         if self.in_flight is not None and self.in_flight.digest is None:

@@ -97,10 +97,7 @@ class Learner:
         self.corpus = corpus
         self.seed = data_seed(manifest.seed, peer_id)
         self.device = device
-        self.model = build_model(manifest.model, seed=manifest.seed, device=device)
-        self.load(base_params)
-        self.optimizer, self.scheduler = make_inner_optimizer(self.model, self.cfg)
-        self.seek(base_version * manifest.inner_steps)
+        self._setup(base_params, base_version * manifest.inner_steps)
         self.codec = get_codec(manifest.compression)
         self.feedback = ErrorFeedback(self.codec)
         self.attack = attack
@@ -118,6 +115,13 @@ class Learner:
         # down to (``outgoing``, ADR 0019).
         self.stretch_norm: float | None = None
 
+    def _setup(self, base_params: Mapping[str, torch.Tensor], global_step: int) -> None:
+        """The model at ``base_params``, its inner optimizer, the schedule at ``global_step``."""
+        self.model = build_model(self.manifest.model, seed=self.manifest.seed, device=self.device)
+        self.load(base_params)
+        self.optimizer, self.scheduler = make_inner_optimizer(self.model, self.cfg)
+        self.seek(global_step)
+
     def seek(self, global_step: int) -> None:
         """Put the inner lr schedule at ``global_step`` (after joining or catching up)."""
         seek_schedule(self.optimizer, self.scheduler, global_step)
@@ -129,6 +133,11 @@ class Learner:
     def load(self, params: Mapping[str, torch.Tensor]) -> None:
         for n, p in self.params().items():
             p.copy_(params[n].to(p.device, p.dtype))
+
+    def optimizer_state(self) -> dict | None:
+        """The inner optimizer's state to save with local progress; None if it cannot be
+        restored by a later start (an island's moments are sharded over its ranks)."""
+        return self.optimizer.state_dict()
 
     def train(self, steps: int) -> InnerStats:
         """``steps`` inner steps on the next rows of this learner's data."""
@@ -143,6 +152,9 @@ class Learner:
         )
         self.rounds_done += 1
         self.steps_since_send += steps
+        return self._train_batches(batches)
+
+    def _train_batches(self, batches: torch.Tensor) -> InnerStats:
         return train_steps(
             self.model,
             self.optimizer,
@@ -203,6 +215,13 @@ class Learner:
         moved = (sent.sent_params[n] - p.detach().float().cpu() for n, p in self.params().items())
         self.stretch_norm = _l2(moved)
         return self.stretch_norm
+
+    def reform(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Only an island re-forms (``IslandLearner``); one process never breaks apart."""
+        raise NotImplementedError("a single-process learner has no island to re-form")
+
+    def close(self) -> None:
+        """Release what the learner holds beyond this process (an island's members)."""
 
     def unsend(self, sent: Outgoing) -> None:
         """``sent`` will not be merged: its error-feedback residual goes back to what it was

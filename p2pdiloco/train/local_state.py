@@ -36,7 +36,7 @@ def save_local(state_dir: Path, learner: Learner, run_id: str, base_version: int
         "rounds_done": learner.rounds_done,
         "steps_since_send": learner.steps_since_send,
         "params": {n: t.detach().cpu() for n, t in learner.params().items()},
-        "optimizer": learner.optimizer.state_dict(),
+        "optimizer": learner.optimizer_state(),  # None: an island's (sharded) moments
         "feedback": learner.feedback.state_tensors(),
     }
     atomic_write(path, lambda tmp: torch.save(blob, tmp))
@@ -68,6 +68,8 @@ def restore_local(learner: Learner, blob: dict[str, Any]) -> bool:
         return False
     learner.load(saved)
     try:
+        if blob.get("optimizer") is None or learner.optimizer_state() is None:
+            raise ValueError("the saved moments are sharded over an island's ranks, or none")
         learner.optimizer.load_state_dict(blob["optimizer"])
         learner.feedback.load_state_tensors(blob.get("feedback", {}))
     except (KeyError, ValueError, RuntimeError) as e:

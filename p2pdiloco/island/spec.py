@@ -1,0 +1,65 @@
+"""What an island is made of, decided from ``join``'s flags before anything starts (no torch
+import: ``join --help`` stays fast), and whether the run's model trains on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pdiloco.errors import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class IslandSpec:
+    """One device per rank (rank 0's first, in this process) and the collectives' backend."""
+
+    devices: tuple[str, ...]  # "cpu", "cuda:1", ...
+    backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
+    timeout_s: float = 120.0  # a collective that waits longer fails (a hung member)
+    threads: int | None = None  # torch threads per member
+
+    @property
+    def ranks(self) -> int:
+        return len(self.devices)
+
+
+def island_spec(
+    device: str, gpus: tuple[int, ...], ranks: int | None, threads: int | None = None
+) -> IslandSpec | None:
+    """The island ``join`` forms: one rank per GPU of ``--gpus`` (NCCL), or ``--island-ranks``
+    gloo processes on CPU; None for one process. ConfigError for a combination that cannot be."""
+    if ranks is not None and ranks < 1:
+        raise ConfigError(f"--island-ranks must be at least 1, not {ranks}")
+    if len(gpus) > 1:
+        if ranks not in (None, len(gpus)):
+            raise ConfigError(
+                f"--island-ranks {ranks} with {len(gpus)} --gpus: an island has one rank per GPU"
+            )
+        return IslandSpec(tuple(f"cuda:{g}" for g in gpus), backend="nccl", threads=threads)
+    if ranks is None or ranks == 1:
+        return None
+    if device.startswith("cuda") or gpus:
+        raise ConfigError("an island on CUDA takes --gpus 0,1,... (one rank per GPU)")
+    if device not in ("cpu", "auto"):
+        raise ConfigError(f"an island of several ranks runs on CUDA or CPU, not {device}")
+    return IslandSpec(("cpu",) * ranks, backend="gloo", threads=threads)
+
+
+def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> str:
+    """The plan line if ``model`` trains on ``spec`` with ``device_bytes`` per rank (FSDP over
+    all ranks); ModelTooLarge naming the island it would need otherwise."""
+    from p2pdiloco.train.island_plan import plan_island
+    from p2pdiloco.train.memory import ModelTooLarge
+
+    precision = "bf16-mixed" if spec.backend == "nccl" else "fp32"
+    plan = plan_island(model, precision, device_bytes)
+    per = f"{device_bytes / GiB:.1f} GiB"
+    if plan is None:
+        raise ModelTooLarge(f"{model} does not train on devices of {per}, at any island size")
+    if plan.devices > spec.ranks:
+        raise ModelTooLarge(
+            f"{model} needs an island of {plan.devices} devices of {per} "
+            f"({plan.devices - spec.ranks} more than the {spec.ranks} ranks here)"
+        )
+    return f"{spec.ranks} ranks; {model} needs {plan.describe()}"

@@ -1,0 +1,48 @@
+"""``join``'s island flags: which island forms, what is refused, and whether the model fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pdiloco.errors import ConfigError
+from p2pdiloco.island.spec import IslandSpec, check_island_fits, island_spec
+from p2pdiloco.train.memory import ModelTooLarge
+
+GiB = 2**30
+
+
+def test_several_gpus_form_an_nccl_island_one_rank_per_gpu() -> None:
+    spec = island_spec("cuda:0", (0, 2), None, threads=2)
+    assert spec == IslandSpec(("cuda:0", "cuda:2"), backend="nccl", threads=2)
+    assert island_spec("auto", (1, 3), 2) is not None
+
+
+def test_cpu_ranks_form_a_gloo_island_and_one_process_is_no_island() -> None:
+    assert island_spec("cpu", (), 3) == IslandSpec(("cpu",) * 3, backend="gloo")
+    assert island_spec("auto", (), 2) == IslandSpec(("cpu", "cpu"))
+    assert island_spec("cpu", (), None) is None
+    assert island_spec("cuda:0", (0,), 1) is None
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "ranks", "said"),
+    [
+        ("cpu", (), 0, "at least 1"),
+        ("cuda:0", (0, 1), 3, "one rank per GPU"),
+        ("cuda:0", (), 2, "takes --gpus"),
+        ("cuda:0", (0,), 2, "takes --gpus"),
+        ("mps", (), 2, "not mps"),
+    ],
+)
+def test_impossible_islands_are_refused_in_one_line(
+    device: str, gpus: tuple[int, ...], ranks: int, said: str
+) -> None:
+    with pytest.raises(ConfigError, match=said):
+        island_spec(device, gpus, ranks)
+
+
+def test_the_plan_says_how_the_model_trains_or_how_many_devices_it_lacks() -> None:
+    line = check_island_fits("gemma-tiny", IslandSpec(("cpu", "cpu")), 4 * GiB)
+    assert line.startswith("2 ranks; gemma-tiny needs an island of 1 such devices")
+    with pytest.raises(ModelTooLarge, match=r"gemma-12b needs an island of 5 devices of 80.0 GiB"):
+        check_island_fits("gemma-12b", IslandSpec(("cuda:0", "cuda:1"), "nccl"), 80 * GiB)
