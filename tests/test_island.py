@@ -22,7 +22,7 @@ from p2pdiloco.train.models import build_model, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 CFG = InnerConfig(lr=3e-3, warmup_steps=2, total_steps=40, batch_size=4, seq_len=32)
-STEPS, SEED, GLOBAL_STEP = 3, 7, 5
+STEPS, SEED = 3, 7
 
 
 def _batches() -> torch.Tensor:

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,12 +94,23 @@ def test_a_member_killed_mid_stretch_makes_the_others_re_form_and_train_on(
     try:
         assert island.world == 3
         victim = island.island.members[1]
-        timer = threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL))
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(victim.pid, signal.SIGKILL)
+
+        timer = threading.Timer(1.0, kill)
         timer.start()
         with pytest.raises(IslandBroken, match="island member \\[1\\] stopped during 'train'"):
             island.train(500)  # minutes of steps: the kill lands mid-stretch
+        broken_at = time.monotonic()
         timer.join()
         assert island.reform(base) == 2  # rank 0 and member 2, which kept its process
+        print(
+            f"kill → IslandBroken {broken_at - killed_at[0]:.2f} s, "
+            f"re-form + load {time.monotonic() - broken_at:.2f} s"
+        )
         assert island.steps_since_send == 0 and _rel(island.params(), base) == 0.0
         stats = island.train(2)
         assert stats.steps == 2 and stats.tokens == 2 * 6 * 32 and math.isfinite(stats.loss_last)
