@@ -17,7 +17,7 @@ from p2pdiloco.net.record_rules import RecordRefused, RejectionLog
 from p2pdiloco.protocol.certificates import CertificateBody, assemble, sign_body
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.protocol.records import Hardware, Heartbeat, run_id_of_body
+from p2pdiloco.protocol.records import Hardware, Heartbeat, IslandRendezvous, run_id_of_body
 from p2pdiloco.protocol.signing import PROTOCOL_VERSION, open_envelope, seal
 
 NOW = 1_900_000_000.0
@@ -182,3 +182,29 @@ def test_validator_uses_the_local_clock_by_default() -> None:
     raw = heartbeat(ALICE, RUN_ID, ts=time.time())
     rec = record(PEERS, ALICE.peer_id, raw, time.time() + 30)
     assert EnvelopeValidator().validate(rec)
+
+
+def island_record(
+    ident: Identity, ts: float = NOW, peer_id: str | None = None, store: str = "10.0.0.2:29500"
+) -> bytes:
+    rdv = IslandRendezvous(
+        peer_id=peer_id or ident.peer_id, island="lab", store=store, backend="gloo", ranks=2
+    )
+    return seal(ident, "island", RUN_ID, rdv.model_dump(mode="json"), ts=ts)
+
+
+def test_an_island_rendezvous_sits_only_in_its_signer_s_slot_and_stays_fresh() -> None:
+    islands = keys.run_islands_key(RUN_ID)
+    assert refusal(record(islands, ALICE.peer_id, island_record(ALICE), NOW + 30)) is None
+    spoke_for = island_record(MALLORY, peer_id=ALICE.peer_id)
+    assert refusal(record(islands, ALICE.peer_id, spoke_for, NOW + 30)) is Reason.WRONG_SIGNER
+    mine = island_record(MALLORY)
+    assert refusal(record(islands, ALICE.peer_id, mine, NOW + 30)) is Reason.WRONG_SLOT
+    assert refusal(record(PEERS, MALLORY.peer_id, mine, NOW + 30)) is Reason.WRONG_SLOT
+    stale = island_record(ALICE, ts=NOW - 3600)
+    assert refusal(record(islands, ALICE.peer_id, stale, NOW + 30)) is Reason.BAD_TIMESTAMP
+    assert refusal(record(islands, ALICE.peer_id, island_record(ALICE), NOW + TEN_YEARS)) is (
+        Reason.BAD_EXPIRY
+    )
+    with pytest.raises(ValueError, match="store"):
+        island_record(ALICE, store="10.0.0.2:29500; rm -rf /")

@@ -14,11 +14,13 @@ from typing import Annotated, Any
 import typer
 
 from p2pdiloco.cli.common import user_errors
+from p2pdiloco.cli.join_island import print_island_plan, serve_lan_member
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
-from p2pdiloco.island.spec import IslandSpec, check_island_fits
+from p2pdiloco.island.lan import Announcer, find_leader, lan_host
+from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
@@ -83,6 +85,12 @@ def join(
         int | None,
         typer.Option(help="Processes that train this node's learner together (CPU: gloo)."),
     ] = None,
+    lan_island: Annotated[
+        bool,
+        typer.Option(
+            "--lan-island", help="Form or join the LAN island named by --island (first host leads)."
+        ),
+    ] = False,
     max_memory: Annotated[
         float | None, typer.Option(help="GiB this node may use [default: what is free].")
     ] = None,
@@ -144,9 +152,12 @@ def join(
     port = _typed("port", port, 0, int, conf)
     dev_name = _typed("device", device, "auto", str, conf)
     gpu_ids = _gpus(_typed("gpus", gpus, None, str, conf))
+    if lan_island and not island:
+        raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
     island_spec = spec_from_flags(
-        dev_name, gpu_ids, _typed("island_ranks", island_ranks, None, int, conf), threads
-    )
+        dev_name, gpu_ids, _typed("island_ranks", island_ranks, None, int, conf), threads,
+        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1",
+    )  # fmt: skip
     max_mem = _typed("max_memory", max_memory, None, float, conf)
     micro = _typed("batch_size", batch_size, None, int, conf)
     cache = _typed("cache_dir", cache_dir, None, Path, conf)
@@ -169,8 +180,7 @@ def join(
         dev = resolve_device(dev_name)
         available = int(max_mem * GiB) if max_mem else None
         if island_spec is not None:
-            per_rank = available or _per_rank_memory(island_spec)
-            print(f"island: {check_island_fits(model, island_spec, per_rank)}", flush=True)
+            print_island_plan(model, island_spec, available)
         else:
             precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
             check_fits(model, dev, precision, available=available)
@@ -196,6 +206,7 @@ def join(
     )
     running = None
     metrics_api = None
+    announcer: Any = None
     try:
         node.start()
         snap: dict[str, Any] = dict(node.snapshot())
@@ -207,6 +218,9 @@ def join(
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
         _network_findings(node)
+        if lan_island and (leader := find_leader(node, node.island)) is not None:
+            serve_lan_member(node, leader, dev_name, stop)
+            return
         running = _start_node(
             node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
             share, island_spec,
@@ -226,7 +240,13 @@ def join(
                 ) from None
             print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
         tui = sys.stdout.isatty() and not no_tui and not json_logs
+        if lan_island and running.trainer is not None:
+            announcer = Announcer(node, node.island, running.trainer.learner)
+            announcer.start()
+            print(f"island {node.island}: leading; members join at {announcer.address}", flush=True)
         _serve(view, running if not no_train else None, stop, tui, json_logs, heartbeat_interval)
+        if announcer is not None:
+            announcer.stop()
         kept = running.stop()
         error, running = running.error, None
         if no_train:
@@ -241,15 +261,6 @@ def join(
         if metrics_api is not None:
             metrics_api.close()
         node.close()
-
-
-def _per_rank_memory(spec: IslandSpec) -> int:
-    """Bytes one rank may use: its GPU's free memory, or on CPU the host's shared by all."""
-    from p2pdiloco.train.memory import available_memory
-
-    if spec.backend == "nccl":
-        return min(available_memory(resolve_device(d))[0] for d in spec.devices)
-    return available_memory(resolve_device("cpu"))[0] // spec.ranks
 
 
 def _preflight(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -26,6 +27,16 @@ from p2pdiloco.island.shards import Shards
 from p2pdiloco.train.configs import InnerConfig
 
 OPS = ("scatter", "gather", "train", "seek", "reform", "stop")
+MEMBERS = "members"  # counter: member ids are handed out by incrementing it
+GENS = "gens"  # counter: generations formed so far
+
+
+def beat_key(member: int) -> str:
+    """Counter a member increments every ``BEAT`` seconds while it runs."""
+    return f"beat/{member}"
+
+
+BEAT = 0.5
 
 
 def gen_key(gen: int) -> str:
@@ -106,9 +117,14 @@ def run_op(shards: Shards, cmd: dict[str, Any], full: Any = None) -> Any:
     raise ValueError(f"unknown island command {op!r}")
 
 
-def wait_for(store: dist.Store, key: str, parent: int | None = None) -> bytes | None:
+def wait_for(
+    store: dist.Store,
+    key: str,
+    parent: int | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> bytes | None:
     """The value of ``key`` once rank 0 posts it; None once rank 0 is gone (its store closed,
-    or, on its host, the process that started this one exited)."""
+    or, on its host, the process that started this one exited) or ``stop()`` says so."""
     while True:
         try:
             if store.check([key]):
@@ -116,5 +132,7 @@ def wait_for(store: dist.Store, key: str, parent: int | None = None) -> bytes | 
         except dist.DistNetworkError:
             return None
         if parent is not None and os.getppid() != parent:
+            return None
+        if stop is not None and stop():
             return None
         time.sleep(0.02)

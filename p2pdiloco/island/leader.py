@@ -34,6 +34,9 @@ class IslandBroken(RuntimeError):
     """A member of the island stopped mid-command: the island must re-form."""
 
 
+BEAT_WINDOW = 1.5  # seconds: a member whose beat counter did not move in this long is gone
+
+
 def _gist(e: BaseException) -> str:
     """The first sentence of a backend's error, without its source location prefix."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0] if str(e) else "")
@@ -58,39 +61,65 @@ class Island:
         log_dir: Path,
         micro_batch: int | None = None,
     ) -> None:
-        if spec.ranks < 2:
-            raise ValueError("an island has at least 2 ranks")
+        if spec.ranks < 2 and not spec.lan:
+            raise ValueError("an island has at least 2 ranks (or is open to its LAN)")
         self.spec, self.model, self.seed, self.cfg = spec, model, seed, cfg
         self.micro_batch = micro_batch
         self.device = torch.device(spec.devices[0])
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "0.0.0.0" if spec.lan else "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=spec.timeout_s),
         )  # fmt: skip
+        # Where members reach the store: other hosts at ``spec.host``, children on loopback.
+        self.address = f"{spec.host if spec.lan else '127.0.0.1'}:{self.store.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.members: dict[int, subprocess.Popen[bytes]] = {}
-        for i in range(1, spec.ranks):
+        self.members: dict[int, subprocess.Popen[bytes]] = {}  # this host's, by member id
+        for r in range(1, spec.ranks):
+            i = int(self.store.add(channel.MEMBERS, 1))
             cmd = [sys.executable, "-m", "p2pdiloco.island.member",
                    f"--store=127.0.0.1:{self.store.port}", f"--id={i}",
-                   f"--device={spec.devices[i]}"]  # fmt: skip
+                   f"--device={spec.devices[r]}"]  # fmt: skip
             if spec.threads:
                 cmd.append(f"--threads={spec.threads}")
             with open(log_dir / f"island-member-{i}.log", "ab") as out:
                 self.members[i] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         self.gen, self.seq = -1, 0
+        self.in_gen: list[int] = []  # member ids of the current generation
+        self.seen = 0  # members registered when it formed
         self.shards: Shards | None = None
 
     @property
     def world(self) -> int:
         return self.shards.world if self.shards is not None else 0
 
+    def registered(self) -> int:
+        return int(self.store.add(channel.MEMBERS, 0))
+
     def alive(self) -> list[int]:
-        return sorted(i for i, p in self.members.items() if p.poll() is None)
+        """Members running now: this host's children that have not exited, and other hosts'
+        members whose beat counter moved within ``BEAT_WINDOW`` seconds."""
+        local = {i for i, p in self.members.items() if p.poll() is None}
+        remote = [i for i in range(1, self.registered() + 1) if i not in self.members]
+        if remote:
+            before = {i: self._beat(i) for i in remote}
+            time.sleep(BEAT_WINDOW)
+            remote = [i for i in remote if self._beat(i) != before[i]]
+        return sorted(local | set(remote))
+
+    def newcomers(self) -> bool:
+        """Members have registered since this generation formed (LAN hosts joining): forming
+        the next one at a send boundary takes them in without losing a step."""
+        return self.registered() > self.seen
+
+    def _beat(self, member: int) -> int:
+        return int(self.store.add(channel.beat_key(member), 0))
 
     def form(self, global_step: int) -> Shards:
         """Form the next generation from rank 0 and every member still running."""
         self.gen, self.seq = self.gen + 1, 0
+        self.seen = self.registered()
         ranks = generation_ranks(self.alive(), self.cfg.batch_size)
+        self.in_gen = [int(i) for i in ranks if i != "0"]
         channel.put(
             self.store,
             channel.gen_key(self.gen),
@@ -99,6 +128,7 @@ class Island:
                 self.spec.timeout_s, self.micro_batch,
             ),
         )  # fmt: skip
+        self.store.add(channel.GENS, 1)
         dist.init_process_group(
             self.spec.backend,
             store=channel.pg_store(self.store, self.gen),
@@ -166,7 +196,7 @@ class Island:
         """Members that exited, waiting up to ``grace`` s for a dying one to be reaped."""
         deadline = time.monotonic() + grace
         while True:
-            lost = sorted(set(self.members) - set(self.alive()))
+            lost = sorted(set(self.in_gen) - set(self.alive()))
             if lost or time.monotonic() > deadline:
                 return lost
             time.sleep(0.05)

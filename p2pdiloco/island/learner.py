@@ -105,5 +105,17 @@ class IslandLearner(Learner):
         self.steps_since_send, self.stretch_norm = 0, None
         return self.island.world
 
+    def after_send(self, sent: Outgoing) -> int | None:
+        """Right after a send, θ_local is ``sent.sent_params``: the moment members that
+        registered since the island formed (other hosts of a LAN island) are taken in, by
+        forming the next generation and loading those parameters, so no step is lost (the
+        inner optimizer's moments start afresh). Returns the new size, or None."""
+        if not self.island.newcomers():
+            return None
+        before = self.island.world
+        self._adopt(self.island.reform(int(self.scheduler.last_epoch)))
+        self.load(sent.sent_params)
+        return self.island.world if self.island.world != before else None
+
     def close(self) -> None:
         self.island.close()

@@ -1,12 +1,14 @@
-"""A member of an island (rank ≥ 1): started by rank 0's ``join``, it trains its rows of each
-step and holds its shards, and never speaks to the network.
+"""A member of an island (rank ≥ 1): it trains its rows of each step and holds its shards, and
+never speaks to the network.
 
-    python -m p2pdiloco.island.member --store HOST:PORT --id 1 [--device cpu] [--threads 1]
+    python -m p2pdiloco.island.member --store HOST:PORT [--id 1] [--device cpu] [--threads 1]
 
-It waits for each generation's plan, joins that generation's process group, and runs the
-commands rank 0 posts (``channel.run_op``) until ``stop``. When a collective fails (another
-member died) or rank 0 posts ``reform``, it waits for the next generation's plan; a plan that
-leaves it out, or rank 0 gone, ends it. Exit status 0 in every one of those cases.
+Started by rank 0's ``join`` on its own host (with ``--id``), or run by ``join --lan-island`` on
+another host of the LAN (``run_member``, which registers for an id). It beats a counter in the
+store while it runs, waits for each generation's plan, joins that generation's process group,
+and runs the commands rank 0 posts (``channel.run_op``) until ``stop``. When a collective fails
+(another member died) or rank 0 posts ``reform``, it waits for the next generation. A plan that
+leaves it out after it has served, rank 0 gone, or ``stop()``, ends it (exit status 0).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import datetime
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +30,12 @@ log = logging.getLogger("p2pdiloco.island.member")
 
 
 def serve_generation(
-    store: dist.Store, gen: int, plan: dict, rank: int, device: torch.device, parent: int
+    store: dist.Store,
+    gen: int,
+    plan: dict,
+    rank: int,
+    device: torch.device,
+    wait: Callable[[str], bytes | None],
 ) -> str:
     """Run generation ``gen``'s commands; 'stop', 'reform' or 'gone' (rank 0 went away)."""
     dist.init_process_group(
@@ -40,7 +49,7 @@ def serve_generation(
         shards = channel.shards_for(plan, device)
         seq = 0
         while True:
-            raw = channel.wait_for(store, channel.cmd_key(gen, seq), parent)
+            raw = wait(channel.cmd_key(gen, seq))
             if raw is None:
                 return "gone"
             cmd = channel.decode(raw)
@@ -55,46 +64,90 @@ def serve_generation(
         dist.destroy_process_group()
 
 
+def _beat(address: tuple[str, int], member: int, done: threading.Event) -> None:
+    """Increment this member's beat counter every ``channel.BEAT`` s (its own connection)."""
+    try:
+        store = dist.TCPStore(address[0], address[1], is_master=False, wait_for_workers=False)
+        while not done.wait(channel.BEAT):
+            store.add(channel.beat_key(member), 1)
+    except dist.DistError:
+        return  # rank 0 is gone: the main loop notices too
+
+
+def run_member(
+    store_addr: str,
+    *,
+    member_id: int | None = None,
+    device: torch.device | None = None,
+    parent: int | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> int:
+    """Serve rank 0 at ``store_addr`` until it stops us or goes; returns the member id.
+    ``member_id``: given by rank 0 to its own children; None registers for one."""
+    device = device or torch.device("cpu")
+    host, _, port = store_addr.rpartition(":")
+    store = dist.TCPStore(
+        host, int(port), is_master=False, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    if member_id is None:  # another host's: its first generation is the next one formed
+        member_id, gen = int(store.add(channel.MEMBERS, 1)), int(store.add(channel.GENS, 0))
+    else:
+        gen = 0
+    done = threading.Event()
+    threading.Thread(
+        target=_beat, args=((host, int(port)), member_id, done), daemon=True, name="beat"
+    ).start()
+
+    def wait(key: str) -> bytes | None:
+        return channel.wait_for(store, key, parent, stop)
+
+    served = False
+    try:
+        while True:
+            raw = wait(channel.gen_key(gen))
+            if raw is None:
+                log.info("rank 0 is gone: stopping")
+                return member_id
+            plan = channel.decode(raw)
+            rank = plan["ranks"].get(str(member_id))
+            if rank is None and served:
+                log.info("generation %d leaves this member out: stopping", gen)
+                return member_id
+            if rank is None:  # formed before we registered: wait for the next
+                gen += 1
+                continue
+            served = True
+            log.info("generation %d: rank %d of %d", gen, rank, len(plan["ranks"]))
+            try:
+                how = serve_generation(store, gen, plan, rank, device, wait)
+            except (RuntimeError, dist.DistError) as e:  # a member died mid-collective
+                log.info("generation %d broke (%s): waiting for the next", gen, str(e)[:200])
+                how = "reform"
+            if how != "reform":
+                log.info("generation %d ended: %s", gen, how)
+                return member_id
+            gen += 1
+    finally:
+        done.set()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m p2pdiloco.island.member")
     ap.add_argument("--store", required=True, help="rank 0's store, HOST:PORT")
-    ap.add_argument("--id", type=int, required=True, help="this member's id (1, 2, ...)")
+    ap.add_argument("--id", type=int, default=None, help="given by rank 0 to its children")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s member {args.id}: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s member: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    host, _, port = args.store.rpartition(":")
-    parent = os.getppid()
-    store = dist.TCPStore(
-        host, int(port), is_master=False, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    gen = 0
-    while True:
-        raw = channel.wait_for(store, channel.gen_key(gen), parent)
-        if raw is None:
-            log.info("rank 0 is gone: stopping")
-            return 0
-        plan = channel.decode(raw)
-        rank = plan["ranks"].get(str(args.id))
-        if rank is None:
-            log.info("generation %d leaves this member out: stopping", gen)
-            return 0
-        log.info("generation %d: rank %d of %d", gen, rank, len(plan["ranks"]))
-        try:
-            how = serve_generation(store, gen, plan, rank, device, parent)
-        except (RuntimeError, dist.DistError) as e:  # a member died mid-collective
-            log.info("generation %d broke (%s): waiting for the next", gen, str(e)[:200])
-            how = "reform"
-        if how != "reform":
-            log.info("generation %d ended: %s", gen, how)
-            return 0
-        gen += 1
+    parent = os.getppid() if args.id is not None else None
+    run_member(args.store, member_id=args.id, device=device, parent=parent)
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ class IslandSpec:
     backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
     timeout_s: float = 120.0  # a collective that waits longer fails (a hung member)
     threads: int | None = None  # torch threads per member
+    # A LAN island: rank 0's store listens on ``host`` (all interfaces: 0.0.0.0) and other
+    # hosts' ``join --lan-island`` become members as they come (their devices are their own).
+    lan: bool = False
+    host: str = "127.0.0.1"
 
     @property
     def ranks(self) -> int:
@@ -25,10 +29,17 @@ class IslandSpec:
 
 
 def island_spec(
-    device: str, gpus: tuple[int, ...], ranks: int | None, threads: int | None = None
+    device: str,
+    gpus: tuple[int, ...],
+    ranks: int | None,
+    threads: int | None = None,
+    *,
+    lan: bool = False,
+    host: str = "127.0.0.1",
 ) -> IslandSpec | None:
     """The island ``join`` forms: one rank per GPU of ``--gpus`` (NCCL), or ``--island-ranks``
-    gloo processes on CPU; None for one process. ConfigError for a combination that cannot be."""
+    gloo processes on CPU, plus with ``lan`` the members other hosts bring; None for one process.
+    ConfigError for a combination that cannot be."""
     if ranks is not None and ranks < 1:
         raise ConfigError(f"--island-ranks must be at least 1, not {ranks}")
     if len(gpus) > 1:
@@ -36,14 +47,19 @@ def island_spec(
             raise ConfigError(
                 f"--island-ranks {ranks} with {len(gpus)} --gpus: an island has one rank per GPU"
             )
-        return IslandSpec(tuple(f"cuda:{g}" for g in gpus), backend="nccl", threads=threads)
-    if ranks is None or ranks == 1:
+        devices = tuple(f"cuda:{g}" for g in gpus)
+        return IslandSpec(devices, backend="nccl", threads=threads, lan=lan, host=host)
+    if (ranks is None or ranks == 1) and not lan:
         return None
-    if device.startswith("cuda") or gpus:
+    cuda = device.startswith("cuda") or bool(gpus)
+    if cuda and (not lan or (ranks or 1) > 1):
         raise ConfigError("an island on CUDA takes --gpus 0,1,... (one rank per GPU)")
-    if device not in ("cpu", "auto"):
+    if device not in ("cpu", "auto") and not cuda:
         raise ConfigError(f"an island of several ranks runs on CUDA or CPU, not {device}")
-    return IslandSpec(("cpu",) * ranks, backend="gloo", threads=threads)
+    if cuda:
+        first = f"cuda:{gpus[0]}" if gpus else device
+        return IslandSpec((first,), backend="nccl", threads=threads, lan=True, host=host)
+    return IslandSpec(("cpu",) * (ranks or 1), threads=threads, lan=lan, host=host)
 
 
 def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> str:

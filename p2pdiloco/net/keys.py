@@ -6,6 +6,7 @@
 | ``p2pdiloco/v1/runs/<model>``         | run id      | ``manifest``            | manifest TTL      |
 | ``p2pdiloco/v1/run/<run id>/peers``   | peer id     | ``heartbeat``           | heartbeat TTL     |
 | ``p2pdiloco/v1/run/<run id>/certs``   | peer id     | ``certificate``         | certificate TTL   |
+| ``p2pdiloco/v1/run/<run id>/islands`` | peer id     | ``island``              | heartbeat TTL     |
 | ``p2pdiloco/v1/bootstraps``           | peer id     | ``heartbeat`` (run "")  | heartbeat TTL     |
 
 Keys are plain strings (hivemind hashes them into DHT ids); subkeys are the ids they name, so one
@@ -46,3 +47,8 @@ def bootstraps_key() -> str:
 
 def run_certs_key(run_id: str) -> str:
     return f"{PREFIX}/run/{run_id}/certs"
+
+
+def run_islands_key(run_id: str) -> str:
+    """LAN islands' rendezvous records (``island``), one per rank 0."""
+    return f"{PREFIX}/run/{run_id}/islands"

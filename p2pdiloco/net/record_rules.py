@@ -12,6 +12,7 @@ each with a ``Reason`` code:
   its run's peers key (bootstraps key for run "") in the signer's subkey; a manifest only under
   the all-runs key or its model's key, in the subkey equal to its own hash (the run id), signed
   by its creator; a certificate record only under its run's certs key, in the signer's subkey;
+  an island rendezvous only under its run's islands key, in the signer's subkey;
 - a signed time more than ``SKEW`` ahead of local time, or (heartbeats, certificate records,
   re-signed at every store) older than the kind's TTL plus ``SKEW`` (BAD_TIMESTAMP);
 - an expiry more than the kind's TTL plus ``SKEW`` after now, or after the signed time
@@ -35,9 +36,11 @@ from p2pdiloco.protocol.certificates import CERTIFICATE_KIND, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import (
     HEARTBEAT_KIND,
+    ISLAND_KIND,
     MANIFEST_KIND,
     IncompatibleProtocol,
     parse_heartbeat,
+    parse_island,
     parse_manifest,
     run_id_of_body,
 )
@@ -52,9 +55,10 @@ TTL = {
     HEARTBEAT_KIND: keys.MAX_HEARTBEAT_TTL,
     MANIFEST_KIND: keys.MANIFEST_TTL,
     CERTIFICATE_KIND: keys.CERT_RECORD_TTL,
+    ISLAND_KIND: keys.MAX_HEARTBEAT_TTL,
 }
 # Kinds re-signed at every store: their signed time must be recent, and bounds their expiry.
-_FRESH = (HEARTBEAT_KIND, CERTIFICATE_KIND)
+_FRESH = (HEARTBEAT_KIND, CERTIFICATE_KIND, ISLAND_KIND)
 
 
 class RecordRefused(Exception):
@@ -125,6 +129,9 @@ def _slots(env: Envelope) -> list[tuple[str, str]]:
             return [(key, env.signer)]
         if env.kind == MANIFEST_KIND:
             return _manifest_slots(env)
+        if env.kind == ISLAND_KIND:
+            parse_island(env)
+            return [(keys.run_islands_key(env.run), env.signer)]
         return _certificate_slots(env)
     except InvalidRecord as e:
         code = Reason.WRONG_SIGNER if e.signer_verified else Reason.MALFORMED

@@ -29,6 +29,7 @@ from p2pdiloco.protocol.signing import (
 
 HEARTBEAT_KIND = "heartbeat"
 MANIFEST_KIND = "manifest"
+ISLAND_KIND = "island"
 ROLES = ("bootstrap", "learner", "syncer")
 _RUN_ID_DOMAIN = b"p2pdiloco/run-id/v1\x00"
 _MAX_INT = 2**63 - 1
@@ -100,6 +101,31 @@ def parse_heartbeat(env: Envelope) -> Heartbeat:
     if env.kind != HEARTBEAT_KIND:
         raise InvalidRecord(f"expected a heartbeat, got {env.kind[:64]!r}", signer=env.signer)
     return typed_body(env, Heartbeat, "heartbeat", "peer_id")
+
+
+# ---------------------------------------------------------------------------------------------
+# island rendezvous
+
+HostPort = Annotated[
+    str, Field(min_length=3, max_length=128, pattern=r"^[A-Za-z0-9.\-]+:[0-9]{1,5}$")
+]
+
+
+class IslandRendezvous(_Strict):
+    """Body of an ``island`` record: where the members of a LAN island find its rank 0."""
+
+    peer_id: PeerIdStr  # rank 0: the node that speaks for the island
+    island: ShortText  # the name every host of the island passes to ``join --island``
+    store: HostPort  # rank 0's TCPStore (commands and torch.distributed rendezvous)
+    backend: Literal["gloo", "nccl"]
+    ranks: int = Field(ge=1, le=4096)  # ranks of the island now
+
+
+def parse_island(env: Envelope) -> IslandRendezvous:
+    """The typed rendezvous of a verified envelope; InvalidRecord as ``parse_heartbeat``."""
+    if env.kind != ISLAND_KIND:
+        raise InvalidRecord(f"expected an island record, got {env.kind[:64]!r}", signer=env.signer)
+    return typed_body(env, IslandRendezvous, "island record", "peer_id")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -331,6 +331,9 @@ class Trainer:
         self._sent, c.tokens_since_send = out, 0
         self.machine.on_sent(sub.digest)
         self.submit(sub)
+        grown = self.learner.after_send(out)
+        if grown is not None:
+            self._event(f"island now {grown} ranks: members joined at the send boundary")
 
     def _seal(self, out: Outgoing) -> Submission:
         # A delta holding carried work may span up to 2H steps; it claims at most one delta's

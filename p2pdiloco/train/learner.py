@@ -220,6 +220,10 @@ class Learner:
         """Only an island re-forms (``IslandLearner``); one process never breaks apart."""
         raise NotImplementedError("a single-process learner has no island to re-form")
 
+    def after_send(self, sent: Outgoing) -> int | None:
+        """Hook for an island to take in new members at a send boundary; None: no change."""
+        return None
+
     def close(self) -> None:
         """Release what the learner holds beyond this process (an island's members)."""
 

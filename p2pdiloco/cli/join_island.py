@@ -1,0 +1,53 @@
+"""``join``'s island parts: the plan printed before joining, and a host serving another's LAN
+island as a member (``--lan-island``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from p2pdiloco.errors import UserError
+from p2pdiloco.island.lan import serve_as_member
+from p2pdiloco.island.spec import IslandSpec, check_island_fits
+from p2pdiloco.node import Node
+from p2pdiloco.train.device import resolve_device
+
+
+def print_island_plan(model: str, spec: IslandSpec, available: int | None) -> None:
+    """Say how ``model`` trains on the island, or refuse in one line (ModelTooLarge) unless the
+    island is open to its LAN, which may grow to the size it needs."""
+    per_rank = available or _per_rank_memory(spec)
+    try:
+        print(f"island: {check_island_fits(model, spec, per_rank)}", flush=True)
+    except UserError as e:
+        if not spec.lan:
+            raise
+        print(f"island: {e} (this host; LAN members add theirs)", flush=True)
+
+
+def serve_lan_member(node: Node, leader: Any, device: str, stop: Any) -> None:
+    """This host serves another's LAN island as a member (no learner of its own), heartbeating
+    in the run meanwhile, until rank 0 stops or goes, or Ctrl-C."""
+    from p2pdiloco.runtime.launch import RunningNode, TrainConfig
+
+    print(
+        f"island {leader.island}: joining {leader.peer_id[:16]}'s island at {leader.store} "
+        f"as a member ({leader.backend}, {leader.ranks} ranks now)",
+        flush=True,
+    )
+    membership = RunningNode(node, TrainConfig(state_dir=Path("."), train=False))
+    membership.start()
+    try:
+        member = serve_as_member(leader, device, stop)
+    finally:
+        membership.stop()
+    print(f"stopped (island member {member})", flush=True)
+
+
+def _per_rank_memory(spec: IslandSpec) -> int:
+    """Bytes one rank may use: its GPU's free memory, or on CPU the host's shared by all."""
+    from p2pdiloco.train.memory import available_memory
+
+    if spec.backend == "nccl":
+        return min(available_memory(resolve_device(d))[0] for d in spec.devices)
+    return available_memory(resolve_device("cpu"))[0] // spec.ranks

@@ -1,0 +1,72 @@
+"""A LAN island on real processes (issue 13 item 2): ``join --island lab --lan-island`` leads a
+one-rank island and announces it in the DHT (a signed rendezvous record); a second host's
+``join --island lab --lan-island`` finds it and serves as its member (rank 1, gloo over TCP).
+The leader takes it in at a send boundary, the certificates credit the leader as one learner
+with both ranks' rows, and when the member is SIGKILLed the leader re-forms alone and goes on.
+Loopback stands in for the LAN."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from p2pdiloco.demo import LocalNetwork, NodeProc
+from p2pdiloco.protocol.identity import Identity
+from tests.netutil import wait_for
+from tests.test_sync_network import SMALL, certificates
+
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
+
+LAN = ("--island", "lab", "--lan-island")
+
+
+def _credits(node: NodeProc, run_id: str, peer: str, after: int) -> list[tuple[int, int, int]]:
+    return [
+        (c.body.version, a.steps, a.tokens)
+        for c in certificates(node, run_id)
+        for a in c.body.accepted
+        if a.peer_id == peer and c.body.version > after
+    ]
+
+
+def test_a_lan_island_forms_through_the_dht_grows_and_re_forms(tmp_path: Path) -> None:
+    with LocalNetwork(tmp_path, SMALL) as net:
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(2)]
+        run_id = net.publish_run(keys)
+        lead = net.start_node("lead", keys[0], until_version=100, extra=LAN)
+        other = net.start_node("other", keys[1], until_version=100)
+        net.wait_versions(1, [lead, other], 300)
+        assert "island lab: leading; members join at 127.0.0.1:" in lead.text()
+
+        host_b = net.start_node("hostB", Identity.generate(), until_version=100, extra=LAN)
+        wait_for("the leader to take host B in", lambda: "island now 2 ranks" in lead.text(), 180)
+        grown_at = lead.status()["version"]
+        assert "as a member (gloo, 1 ranks now)" in host_b.text()
+        assert "generation 1: rank 1 of 2" in host_b.text()
+
+        per_step = net.manifest.inner.batch_size * net.manifest.inner.seq_len
+        me = keys[0].peer_id
+        wait_for(
+            "a credit for the 2-rank island", lambda: _credits(lead, run_id, me, grown_at), 180
+        )
+        for _, steps, tokens in _credits(lead, run_id, me, grown_at):
+            assert tokens == steps * per_step  # one learner, both ranks' rows
+
+        host_b.proc.send_signal(signal.SIGKILL)
+        host_b.proc.wait()
+        killed_at = other.status()["version"]
+        t0 = time.monotonic()
+        wait_for(
+            "the leader to re-form alone",
+            lambda: "island re-formed with 1 ranks" in lead.text(), 120,
+        )  # fmt: skip
+        print(f"re-formed {time.monotonic() - t0:.1f} s after the kill (version {killed_at})")
+        wait_for(
+            "a credit after the member is gone",
+            lambda: _credits(lead, run_id, me, killed_at + 1), 180,
+        )  # fmt: skip
+        assert "Traceback" not in lead.text()
