@@ -42,7 +42,12 @@ def test_impossible_islands_are_refused_in_one_line(
 
 
 def test_the_plan_says_how_the_model_trains_or_how_many_devices_it_lacks() -> None:
-    line = check_island_fits("gemma-tiny", IslandSpec(("cpu", "cpu")), 4 * GiB)
+    line, checkpointing = check_island_fits("gemma-tiny", IslandSpec(("cpu", "cpu")), 4 * GiB)
     assert line.startswith("2 ranks; gemma-tiny needs an island of 1 such devices")
+    assert not checkpointing
+    line, checkpointing = check_island_fits(
+        "gemma-12b", IslandSpec(("cuda:0",) * 8, "nccl"), 80 * GiB
+    )
+    assert checkpointing and "activation checkpointing" in line
     with pytest.raises(ModelTooLarge, match=r"gemma-12b needs an island of 5 devices of 80.0 GiB"):
         check_island_fits("gemma-12b", IslandSpec(("cuda:0", "cuda:1"), "nccl"), 80 * GiB)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.cli.join_island import print_island_plan, serve_lan_member
+from p2pdiloco.cli.join_island import plan_island_for, serve_lan_member
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
@@ -180,7 +180,7 @@ def join(
         dev = resolve_device(dev_name)
         available = int(max_mem * GiB) if max_mem else None
         if island_spec is not None:
-            print_island_plan(model, island_spec, available)
+            island_spec = plan_island_for(model, island_spec, available)
         else:
             precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
             check_fits(model, dev, precision, available=available)

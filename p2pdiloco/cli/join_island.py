@@ -3,6 +3,7 @@ island as a member (``--lan-island``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,20 @@ from p2pdiloco.node import Node
 from p2pdiloco.train.device import resolve_device
 
 
-def print_island_plan(model: str, spec: IslandSpec, available: int | None) -> None:
-    """Say how ``model`` trains on the island, or refuse in one line (ModelTooLarge) unless the
+def plan_island_for(model: str, spec: IslandSpec, available: int | None) -> IslandSpec:
+    """Say how ``model`` trains on the island and return the spec following that plan
+    (activation checkpointing where it needs it); refuse in one line (ModelTooLarge) unless the
     island is open to its LAN, which may grow to the size it needs."""
     per_rank = available or _per_rank_memory(spec)
     try:
-        print(f"island: {check_island_fits(model, spec, per_rank)}", flush=True)
+        line, checkpointing = check_island_fits(model, spec, per_rank)
     except UserError as e:
         if not spec.lan:
             raise
         print(f"island: {e} (this host; LAN members add theirs)", flush=True)
+        return replace(spec, checkpointing=True)
+    print(f"island: {line}", flush=True)
+    return replace(spec, checkpointing=checkpointing)
 
 
 def serve_lan_member(node: Node, leader: Any, device: str, stop: Any) -> None:

@@ -78,8 +78,12 @@ def plan(
     backend: str,
     timeout_s: float,
     micro_batch: int | None,
+    checkpointing: bool = False,
+    offload: bool = False,
 ) -> dict[str, Any]:
     return {
+        "checkpointing": checkpointing,
+        "offload": offload,
         "op": "plan",
         "ranks": ranks,
         "model": model,
@@ -97,7 +101,8 @@ def shards_for(p: dict[str, Any], device: torch.device) -> Shards:
     cfg = InnerConfig(**p["cfg"])
     return Shards(
         p["model"], p["seed"], cfg, global_step=p["global_step"], device=device,
-        micro_batch=p["micro_batch"],
+        micro_batch=p["micro_batch"], checkpointing=bool(p.get("checkpointing")),
+        offload=bool(p.get("offload")),
     )  # fmt: skip
 
 

@@ -125,7 +125,7 @@ class Island:
             channel.gen_key(self.gen),
             channel.plan(
                 ranks, self.model, self.seed, self.cfg, global_step, self.spec.backend,
-                self.spec.timeout_s, self.micro_batch,
+                self.spec.timeout_s, self.micro_batch, self.spec.checkpointing, self.spec.offload,
             ),
         )  # fmt: skip
         self.store.add(channel.GENS, 1)
@@ -139,7 +139,8 @@ class Island:
         log.info("island generation %d: %d ranks", self.gen, len(ranks))
         self.shards = Shards(
             self.model, self.seed, self.cfg, global_step=global_step, device=self.device,
-            micro_batch=self.micro_batch,
+            micro_batch=self.micro_batch, checkpointing=self.spec.checkpointing,
+            offload=self.spec.offload,
         )  # fmt: skip
         return self.shards
 

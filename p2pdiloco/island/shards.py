@@ -28,13 +28,23 @@ from p2pdiloco.train.inner import InnerStats, make_inner_optimizer, seek_schedul
 from p2pdiloco.train.models import build_model, named_trainable
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root (what is left: embeddings, norms)."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(
+    model: torch.nn.Module, *, checkpointing: bool = False, offload: bool = False
+) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root (what is left: embeddings, norms).
+    ``checkpointing``: recompute each layer's activations in the backward pass (the island
+    plan's choice when they would not fit); ``offload``: keep parameters, gradients and the
+    optimizer's moments in host memory (CUDA only), streamed to the device layer by layer."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    if checkpointing:
+        model.activation_checkpointing_enable(  # type: ignore[operator]
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for layer in model.model.layers:  # type: ignore[union-attr]
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
     return model
 
 
@@ -67,8 +77,11 @@ class Shards:
         global_step: int = 0,
         device: torch.device | None = None,
         micro_batch: int | None = None,
+        checkpointing: bool = False,
+        offload: bool = False,
     ) -> None:
-        """``micro_batch``: sequences per forward pass on this rank (None: all its rows)."""
+        """``micro_batch``: sequences per forward pass on this rank (None: all its rows);
+        ``checkpointing``, ``offload``: see ``shard_model``."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = device or torch.device("cpu")
         rows = cfg.batch_size // self.world if cfg.batch_size % self.world == 0 else 0
@@ -82,7 +95,10 @@ class Shards:
         elif cfg.grad_accum > 1 and rows % cfg.grad_accum:
             cfg = replace(cfg, grad_accum=1)
         self.cfg = cfg
-        self.model = shard_model(build_model(model_name, seed=seed, device=self.device))
+        if offload and self.device.type != "cuda":
+            raise ValueError("optimizer offload moves state off a GPU: it needs CUDA ranks")
+        model = build_model(model_name, seed=seed, device=self.device)
+        self.model = shard_model(model, checkpointing=checkpointing, offload=offload)
         self.optimizer, self.scheduler = make_inner_optimizer(self.model, cfg)
         seek_schedule(self.optimizer, self.scheduler, global_step)
 

@@ -22,6 +22,8 @@ class IslandSpec:
     # hosts' ``join --lan-island`` become members as they come (their devices are their own).
     lan: bool = False
     host: str = "127.0.0.1"
+    checkpointing: bool = False  # activation checkpointing per decoder layer (the plan's)
+    offload: bool = False  # parameters, gradients and moments in host memory (CUDA only)
 
     @property
     def ranks(self) -> int:
@@ -62,9 +64,10 @@ def island_spec(
     return IslandSpec(("cpu",) * (ranks or 1), threads=threads, lan=lan, host=host)
 
 
-def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> str:
-    """The plan line if ``model`` trains on ``spec`` with ``device_bytes`` per rank (FSDP over
-    all ranks); ModelTooLarge naming the island it would need otherwise."""
+def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> tuple[str, bool]:
+    """The plan line, and whether the plan checkpoints activations, if ``model`` trains on
+    ``spec`` with ``device_bytes`` per rank (FSDP over all ranks); ModelTooLarge naming the
+    island it would need otherwise."""
     from p2pdiloco.train.island_plan import plan_island
     from p2pdiloco.train.memory import ModelTooLarge
 
@@ -78,4 +81,4 @@ def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> str:
             f"{model} needs an island of {plan.devices} devices of {per} "
             f"({plan.devices - spec.ranks} more than the {spec.ranks} ranks here)"
         )
-    return f"{spec.ranks} ranks; {model} needs {plan.describe()}"
+    return f"{spec.ranks} ranks; {model} needs {plan.describe()}", plan.checkpointing
