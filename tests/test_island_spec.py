@@ -51,3 +51,12 @@ def test_the_plan_says_how_the_model_trains_or_how_many_devices_it_lacks() -> No
     assert checkpointing and "activation checkpointing" in line
     with pytest.raises(ModelTooLarge, match=r"gemma-12b needs an island of 5 devices of 80.0 GiB"):
         check_island_fits("gemma-12b", IslandSpec(("cuda:0", "cuda:1"), "nccl"), 80 * GiB)
+
+
+def test_offload_is_for_cuda_islands_only() -> None:
+    assert island_spec("cuda:0", (0, 1), None, offload=True) == IslandSpec(
+        ("cuda:0", "cuda:1"), backend="nccl", offload=True
+    )
+    for device, gpus, ranks in (("cpu", (), 2), ("cpu", (), None), ("cuda:0", (0,), None)):
+        with pytest.raises(ConfigError, match="--offload .* needs --gpus"):
+            island_spec(device, gpus, ranks, offload=True)

@@ -85,6 +85,12 @@ def join(
         int | None,
         typer.Option(help="Processes that train this node's learner together (CPU: gloo)."),
     ] = None,
+    offload: Annotated[
+        bool,
+        typer.Option(
+            "--offload", help="Keep a CUDA island's optimizer state and weights in host RAM."
+        ),
+    ] = False,
     lan_island: Annotated[
         bool,
         typer.Option(
@@ -156,7 +162,7 @@ def join(
         raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
     island_spec = spec_from_flags(
         dev_name, gpu_ids, _typed("island_ranks", island_ranks, None, int, conf), threads,
-        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1",
+        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
     )  # fmt: skip
     max_mem = _typed("max_memory", max_memory, None, float, conf)
     micro = _typed("batch_size", batch_size, None, int, conf)

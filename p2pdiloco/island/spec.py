@@ -3,7 +3,7 @@ import: ``join --help`` stays fast), and whether the run's model trains on it.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from p2pdiloco.errors import ConfigError
 
@@ -38,10 +38,29 @@ def island_spec(
     *,
     lan: bool = False,
     host: str = "127.0.0.1",
+    offload: bool = False,
 ) -> IslandSpec | None:
     """The island ``join`` forms: one rank per GPU of ``--gpus`` (NCCL), or ``--island-ranks``
     gloo processes on CPU, plus with ``lan`` the members other hosts bring; None for one process.
+    ``offload`` (CUDA islands only) keeps weights, gradients and moments in host memory.
     ConfigError for a combination that cannot be."""
+    spec = _island_spec(device, gpus, ranks, threads, lan=lan, host=host)
+    if not offload:
+        return spec
+    if spec is None or spec.backend != "nccl":
+        raise ConfigError("--offload moves an island's state off its GPUs: it needs --gpus 0,1,...")
+    return replace(spec, offload=True)
+
+
+def _island_spec(
+    device: str,
+    gpus: tuple[int, ...],
+    ranks: int | None,
+    threads: int | None = None,
+    *,
+    lan: bool = False,
+    host: str = "127.0.0.1",
+) -> IslandSpec | None:
     if ranks is not None and ranks < 1:
         raise ConfigError(f"--island-ranks must be at least 1, not {ranks}")
     if len(gpus) > 1:
