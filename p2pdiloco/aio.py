@@ -1,4 +1,5 @@
-"""asyncio helpers shared by the node runtime and the sync service: ending tasks for sure.
+"""asyncio helpers shared by the node runtime and the sync service: ending tasks for sure, and
+keeping hivemind's leaked daemon streams out of the logs.
 
 On Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that arrives as the awaited call
 completes (fixed in 3.12, gh-86296): the task then carries on, and a ``gather`` of cancelled
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,3 +34,29 @@ async def cancel_and_wait(
     if pending:
         names = ", ".join(sorted(t.get_name() for t in pending))
         log.warning("%s: %d task(s) did not end when cancelled: %s", what, len(pending), names)
+
+
+def quiet_stream_gc() -> None:
+    """Install (once per process) an unraisable-exception hook that turns the error of a leaked
+    ``asyncio.StreamWriter`` being collected into one debug line.
+
+    hivemind's daemon client opens a unix-socket stream per call and does not close it when the
+    call is cancelled (our ``wait_for`` around a dial to a dead peer). When such a writer is
+    collected after its transport went away, Python 3.11's ``StreamWriter.__del__`` fails in the
+    ``repr`` of its own warning and prints "Exception ignored in ... Traceback" into the node's
+    log: nothing is wrong with the node, and nothing else would be dropped. Every other
+    unraisable exception goes to the default hook.
+    """
+    if getattr(sys.unraisablehook, "_p2pdiloco", False):
+        return
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        if where == "StreamWriter.__del__":
+            log.debug("a leaked daemon stream was collected: %s", unraisable.exc_value)
+            return
+        default(unraisable)
+
+    hook._p2pdiloco = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook

@@ -30,6 +30,7 @@ CONFIG_KEYS = frozenset(
         "port",
         "device",
         "gpus",
+        "island_ranks",
         "max_memory",
         "batch_size",
         "cache_dir",

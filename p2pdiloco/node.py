@@ -322,7 +322,11 @@ class Node:
             self._gossip_dialed.intersection_update(self.gossip.peers(timeout=2.0))
         now = time.monotonic()
         for peer_id, addrs in targets:
-            if any(self.gossip.connect(addr, timeout=5) for addr in addrs[:4]):
+            try:
+                reached = any(self.gossip.connect(addr, timeout=5) for addr in addrs[:4])
+            except GossipError:  # the child died mid-dial (restarted, or stopping): next tick
+                return
+            if reached:
                 self._gossip_dialed.add(peer_id)
                 self._gossip_retry_at.pop(peer_id, None)
             else:  # unreachable for now (relayed, firewalled): DHT polling still covers it

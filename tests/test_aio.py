@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from types import SimpleNamespace
 
 import pytest
 
-from p2pdiloco.aio import cancel_and_wait
+from p2pdiloco.aio import cancel_and_wait, quiet_stream_gc
 
 
 async def _swallowed_once() -> asyncio.Task[None]:
@@ -58,3 +60,21 @@ def test_a_task_that_never_ends_is_logged_not_waited_for(caplog: pytest.LogCaptu
         assert task.done()
 
     asyncio.run(main())
+
+
+def test_a_leaked_stream_writer_collected_late_is_one_debug_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.object))
+    quiet_stream_gc()
+    quiet_stream_gc()  # once per process: not wrapped twice
+    err = AttributeError("'NoneType' object has no attribute '_selector'")
+    with caplog.at_level("DEBUG", logger="p2pdiloco.aio"):
+        sys.unraisablehook(SimpleNamespace(object=asyncio.StreamWriter.__del__, exc_value=err))
+    assert seen == [] and "leaked daemon stream" in caplog.text
+
+    def other_finalizer() -> None: ...
+
+    sys.unraisablehook(SimpleNamespace(object=other_finalizer, exc_value=err))
+    assert seen == [other_finalizer]  # everything else still reaches the default hook
