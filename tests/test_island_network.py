@@ -35,7 +35,7 @@ def test_an_island_is_one_learner_in_the_certificate_and_re_forms_when_a_member_
     tmp_path: Path,
 ) -> None:
     async def main() -> None:
-        async with MemoryNetwork(tmp_path, nodes=3, islands={0: 2}) as net:
+        async with MemoryNetwork(tmp_path, nodes=2, islands={0: 2}) as net:
             island: MemNode = net.nodes[0]
             assert island.trainer is not None
             learner = island.trainer.learner

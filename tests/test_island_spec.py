@@ -60,3 +60,20 @@ def test_offload_is_for_cuda_islands_only() -> None:
     for device, gpus, ranks in (("cpu", (), 2), ("cpu", (), None), ("cuda:0", (0,), None)):
         with pytest.raises(ConfigError, match="--offload .* needs --gpus"):
             island_spec(device, gpus, ranks, offload=True)
+
+
+def test_several_visible_gpus_are_one_island_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from p2pdiloco.island.spec import default_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_gpus() == (0, 1, 2, 3)
+    assert island_spec("auto", default_gpus(), None) == IslandSpec(
+        ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), backend="nccl"
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert default_gpus() == ()  # one GPU: one process, as before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_gpus() == ()

@@ -20,7 +20,7 @@ from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
 from p2pdiloco.island.lan import Announcer, find_leader, lan_host
-from p2pdiloco.island.spec import IslandSpec
+from p2pdiloco.island.spec import IslandSpec, default_gpus
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
 from p2pdiloco.node import Node, NodeConfig
@@ -158,10 +158,13 @@ def join(
     port = _typed("port", port, 0, int, conf)
     dev_name = _typed("device", device, "auto", str, conf)
     gpu_ids = _gpus(_typed("gpus", gpus, None, str, conf))
+    ranks = _typed("island_ranks", island_ranks, None, int, conf)
     if lan_island and not island:
         raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
+    if not gpu_ids and ranks is None and dev_name in ("auto", "cuda"):
+        gpu_ids = default_gpus()  # every visible GPU, as one island
     island_spec = spec_from_flags(
-        dev_name, gpu_ids, _typed("island_ranks", island_ranks, None, int, conf), threads,
+        dev_name, gpu_ids, ranks, threads,
         lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
     )  # fmt: skip
     max_mem = _typed("max_memory", max_memory, None, float, conf)

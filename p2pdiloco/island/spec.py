@@ -101,3 +101,12 @@ def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> tuple[
             f"({plan.devices - spec.ranks} more than the {spec.ranks} ranks here)"
         )
     return f"{spec.ranks} ranks; {model} needs {plan.describe()}", plan.checkpointing
+
+
+def default_gpus() -> tuple[int, ...]:
+    """Every CUDA device visible to this process when there are several (``join`` then forms
+    one island of them); () with one GPU or none, where one process trains as before."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return tuple(range(count)) if count > 1 else ()
