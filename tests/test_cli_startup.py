@@ -15,14 +15,15 @@ from p2pdiloco.cli.app import COMMANDS, app
 HEAVY = ("torch", "hivemind", "transformers", "libp2p", "numpy")
 
 
-LIGHT = ["app", "status_cmd", "models_cmd", "simulate_cmd", "run_cmd"]
+LIGHT = ["app", "status_cmd", "models_cmd", "simulate_cmd", "run_cmd", "join_cmd"]
 
 
 @pytest.mark.parametrize("module", [f"p2pdiloco.cli.{m}" for m in LIGHT])
 def test_importing_the_cli_loads_no_heavy_package(module: str) -> None:
     """``status_cmd`` too: ``status --api`` answers without the DHT stack; ``models`` reads
     sizes from the shapes alone, without building a model; ``simulate`` and ``run create``
-    show their help and refuse bad flags before torch or hivemind is imported."""
+    show their help and refuse bad flags before torch or hivemind is imported; ``join``
+    refuses bad flags and a missing or mistyped bootstrap address before either."""
     probe = f"import {module}, sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True

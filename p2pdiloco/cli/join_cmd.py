@@ -9,25 +9,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from p2pdiloco.choices import ATTACKS
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.cli.join_island import plan_island_for, serve_lan_member
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
-from p2pdiloco.island.lan import Announcer, find_leader, lan_host
-from p2pdiloco.island.spec import IslandSpec, default_gpus
+from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
-from p2pdiloco.node import Node, NodeConfig
 from p2pdiloco.protocol.identity import default_identity_path
-from p2pdiloco.sync.attacks import ATTACKS
-from p2pdiloco.train.device import resolve_device
-from p2pdiloco.train.memory import check_fits
+
+if TYPE_CHECKING:  # hivemind, torch: imported once the settings and addresses are known good
+    from p2pdiloco.node import Node
 
 log = logging.getLogger("p2pdiloco.join")
 GiB = 2**30
@@ -161,12 +159,6 @@ def join(
     ranks = _typed("island_ranks", island_ranks, None, int, conf)
     if lan_island and not island:
         raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
-    if not gpu_ids and ranks is None and dev_name in ("auto", "cuda"):
-        gpu_ids = default_gpus()  # every visible GPU, as one island
-    island_spec = spec_from_flags(
-        dev_name, gpu_ids, ranks, threads,
-        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
-    )  # fmt: skip
     max_mem = _typed("max_memory", max_memory, None, float, conf)
     micro = _typed("batch_size", batch_size, None, int, conf)
     cache = _typed("cache_dir", cache_dir, None, Path, conf)
@@ -177,27 +169,41 @@ def join(
         raise ConfigError(f"--compute-share must be in (0, 1], not {share}")
     if not model and not run:
         raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
-    if gpu_ids:
-        dev_name = f"cuda:{gpu_ids[0]}"
     if micro is not None and micro < 1:
         raise ConfigError("--batch-size must be at least 1")
+    # Before anything heavy is imported: a missing or mistyped address fails at once.
+    addrs, source = bootstrap_addrs(bootstrap)
+    if not gpu_ids and ranks is None and dev_name in ("auto", "cuda"):
+        gpu_ids = default_gpus()  # every visible GPU, as one island
+    island_spec = spec_from_flags(
+        dev_name, gpu_ids, ranks, threads,
+        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
+    )  # fmt: skip
+    if gpu_ids:
+        dev_name = f"cuda:{gpu_ids[0]}"
     if cache is not None:
         os.environ["HF_HOME"] = str(cache)  # read by transformers when tokenizers load
     if json_logs:
         _json_logging()
     if model:  # refuse before any network or allocation work, with what would fit instead
+        from p2pdiloco.train.device import resolve_device
+        from p2pdiloco.train.memory import check_fits
+
         dev = resolve_device(dev_name)
         available = int(max_mem * GiB) if max_mem else None
         if island_spec is not None:
+            from p2pdiloco.cli.join_island import plan_island_for
+
             island_spec = plan_island_for(model, island_spec, available)
         else:
             precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
             check_fits(model, dev, precision, available=available)
     _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
-    addrs, source = bootstrap_addrs(bootstrap)
     _check_ports(host, port, mport, not no_gossip)
     stop = stop_event()
     log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
+    from p2pdiloco.node import Node, NodeConfig
+
     node = Node(
         NodeConfig(
             bootstrap=addrs,
@@ -227,9 +233,13 @@ def join(
         if node.reachability.fix:
             print(f"fix: {node.reachability.fix}", flush=True)
         _network_findings(node)
-        if lan_island and (leader := find_leader(node, node.island)) is not None:
-            serve_lan_member(node, leader, dev_name, stop)
-            return
+        if lan_island:
+            from p2pdiloco.cli.join_island import serve_lan_member
+            from p2pdiloco.island.lan import Announcer, find_leader
+
+            if (leader := find_leader(node, node.island)) is not None:
+                serve_lan_member(node, leader, dev_name, stop)
+                return
         running = _start_node(
             node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
             share, island_spec,
@@ -381,8 +391,10 @@ def _start_node(
     _refuse_disk(manifest.model, state)
     step_batch = manifest.inner.batch_size
     if micro is None:
-        dev = resolve_device(device)
+        from p2pdiloco.train.device import resolve_device
         from p2pdiloco.train.memory import available_memory
+
+        dev = resolve_device(device)
 
         have = int(max_mem * GiB) if max_mem else available_memory(dev)[0]
         micro = auto_batch_size(manifest.model, dev, have)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from p2pdiloco.config import resolve_bootstrap
 from p2pdiloco.errors import ConfigError, UserError
-from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.protocol.identity import Identity
+
+if TYPE_CHECKING:  # hivemind: imported when a DHT client is made, not to check an address
+    from p2pdiloco.net.dht import DHTPlane
 
 
 def bootstrap_addrs(flags: list[str] | None) -> tuple[list[str], str]:
@@ -42,5 +45,7 @@ def check_multiaddrs(addrs: list[str], source: str) -> None:
 def dht_client(flags: list[str] | None) -> Iterator[DHTPlane]:
     """A client-mode DHT node with a throw-away key (it serves nothing and signs nothing)."""
     addrs, _ = bootstrap_addrs(flags)
+    from p2pdiloco.net.dht import DHTPlane
+
     with DHTPlane(Identity.generate(), initial_peers=addrs, client_mode=True) as dht:
         yield dht

@@ -4,7 +4,6 @@ the other hosts of the LAN that pass the same name find it and serve as its memb
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from typing import Any
 
@@ -13,19 +12,6 @@ from p2pdiloco.net.islands import find_island, publish_island
 from p2pdiloco.protocol.records import IslandRendezvous
 
 log = logging.getLogger(__name__)
-
-
-def lan_host(host: str) -> str:
-    """The address other hosts of the LAN reach this one at: ``host``, or for 0.0.0.0 the
-    address of the interface with the default route (no packet is sent)."""
-    if host not in ("0.0.0.0", "", "::"):
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks a route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 class Announcer:

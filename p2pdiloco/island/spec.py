@@ -3,6 +3,7 @@ import: ``join --help`` stays fast), and whether the run's model trains on it.""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, replace
 
 from p2pdiloco.errors import ConfigError
@@ -110,3 +111,16 @@ def default_gpus() -> tuple[int, ...]:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return tuple(range(count)) if count > 1 else ()
+
+
+def lan_host(host: str) -> str:
+    """The address other hosts of the LAN reach this one at: ``host``, or for 0.0.0.0 the
+    address of the interface with the default route (no packet is sent)."""
+    if host not in ("0.0.0.0", "", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.net import keys
-from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, run_id_of
 from p2pdiloco.protocol.signing import seal
 from p2pdiloco.train.model_specs import get_spec
+
+if TYPE_CHECKING:  # hivemind: only publishing needs it, not signing a manifest
+    from p2pdiloco.net.dht import DHTPlane
 
 
 def create_manifest(creator: Identity, **fields: Any) -> tuple[str, RunManifest, bytes]:
@@ -38,4 +40,6 @@ def publish_manifest(dht: DHTPlane, run_id: str, manifest: RunManifest, raw: byt
     ok_all = dht.store(keys.runs_key(), run_id, raw, keys.MANIFEST_TTL)
     ok_model = dht.store(keys.model_runs_key(manifest.model), run_id, raw, keys.MANIFEST_TTL)
     if not (ok_all or ok_model):
+        from p2pdiloco.net.dht import NetworkError
+
         raise NetworkError("no DHT peer accepted the manifest (is a bootstrap server reachable?)")

@@ -14,10 +14,10 @@ clock, protocol).
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
 
 from p2pdiloco.preflight.findings import SEVERITIES, Finding, PreflightConfig, Severity, worst
-from p2pdiloco.preflight.machine import MIN_PYTHON, MIN_TORCH, check_python, check_torch
 from p2pdiloco.preflight.network import (
     CLOCK_ERROR_S,
     CLOCK_WARN_S,
@@ -28,16 +28,46 @@ from p2pdiloco.preflight.network import (
     check_reachability,
     parse_bootstrap,
 )
-from p2pdiloco.preflight.resources import (
-    DISK_SLACK,
-    DISK_STATES,
-    MAX_AUTO_BATCH,
-    auto_batch_size,
-    check_device_memory,
-    check_disk,
-    default_state_root,
-    fp32_state_bytes,
-)
+
+if TYPE_CHECKING:
+    from p2pdiloco.preflight.machine import MIN_PYTHON, MIN_TORCH, check_python, check_torch
+    from p2pdiloco.preflight.resources import (
+        DISK_SLACK,
+        DISK_STATES,
+        MAX_AUTO_BATCH,
+        auto_batch_size,
+        check_device_memory,
+        check_disk,
+        default_state_root,
+        fp32_state_bytes,
+    )
+
+# Loaded on first use: ``machine`` and ``resources`` import torch, and ``join`` checks its
+# bootstrap addresses (``parse_bootstrap``) before anything heavy, so a typo fails in a moment.
+_LAZY = {
+    **dict.fromkeys(("MIN_PYTHON", "MIN_TORCH", "check_python", "check_torch"), "machine"),
+    **dict.fromkeys(
+        (
+            "DISK_SLACK",
+            "DISK_STATES",
+            "MAX_AUTO_BATCH",
+            "auto_batch_size",
+            "check_device_memory",
+            "check_disk",
+            "default_state_root",
+            "fp32_state_bytes",
+        ),
+        "resources",
+    ),  # fmt: skip
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "CLOCK_ERROR_S",
@@ -90,6 +120,9 @@ def run_preflight(
     ``reachability`` is a status string or a ``net.reachability.Reachability`` (its fix is
     used). The measurements default to None, reported as info ("not measured").
     """
+    from p2pdiloco.preflight.machine import check_python, check_torch
+    from p2pdiloco.preflight.resources import check_device_memory, check_disk
+
     if isinstance(reachability, str) or reachability is None:
         status, fix = reachability, ""
     else:
