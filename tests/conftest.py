@@ -80,7 +80,7 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> None:
     """``LocalNetwork`` nodes and bootstraps fork from the worker's zygote (tests/zygote.py)
-    instead of paying their imports; the `p2pdiloco demo` subprocess test still runs whole."""
+    instead of paying their imports (the demo test too: it runs the `demo` command in process)."""
 
     def spawn(args: list[str], log: Path, env: dict[str, str]) -> zygote_mod.Child:
         return zygote_mod.zygote().spawn(args, log, None, env, Path.cwd())

@@ -8,8 +8,6 @@ refuse and store. They take one to three minutes each on 2 CPU cores.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,14 +37,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 SMALL = DemoConfig(inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=4, seq_len=64)
 
 
-def demo_json(*args: str, timeout: float = 500) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", "demo", "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+def demo_json(*args: str) -> dict:
+    """``p2pdiloco demo --json ARGS`` through the command line's own code, in this process: its
+    bootstrap and nodes are real processes, forked from the worker's zygote (tests/zygote.py)
+    instead of paying five interpreters' imports. Whole interpreters are started by the
+    process-hygiene and CLI tests."""
+    from typer.testing import CliRunner
+
+    from p2pdiloco.cli.app import app
+
+    out = CliRunner().invoke(app, ["demo", "--json", *args])
+    assert out.exit_code == 0, (out.stderr[-4000:], out.exception)
     return json.loads(out.stdout)
 
 
