@@ -7,7 +7,7 @@ real process: its own pid and session, its own p2pd daemon, DHT process and goss
 running `p2pdiloco`'s own main with the given argv, environment and working directory, its
 output in files, ended by signals like any other. Only the imports are shared (hivemind forks
 its DHT process from the same state in production). The CLI's own start-up stays tested by the
-tests that run `python -m p2pdiloco` (test_cli, test_process_hygiene, the demo test, ...).
+tests that run `python -m p2pdiloco` (test_cli, test_process_hygiene, ...).
 
 ``spawn`` returns a ``Child`` with the part of ``subprocess.Popen`` the tests use.
 """
