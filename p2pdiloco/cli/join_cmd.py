@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import sys
@@ -15,6 +13,7 @@ import typer
 
 from p2pdiloco.choices import ATTACKS
 from p2pdiloco.cli.common import user_errors
+from p2pdiloco.cli.join_logs import json_logging, log_to_file
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
@@ -184,7 +183,7 @@ def join(
     if cache is not None:
         os.environ["HF_HOME"] = str(cache)  # read by transformers when tokenizers load
     if json_logs:
-        _json_logging()
+        json_logging()
     if model:  # refuse before any network or allocation work, with what would fit instead
         from p2pdiloco.train.device import resolve_device
         from p2pdiloco.train.memory import check_fits
@@ -439,7 +438,7 @@ def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, inter
         from rich.live import Live
 
         log_file = (running.cfg.state_dir if running else Path(".")) / "join.log"
-        _log_to_file(log_file)
+        log_to_file(log_file)
         with Live(render(view.snapshot()), refresh_per_second=4, screen=False) as live:
             while not stop.wait(0.25) and not failed():
                 live.update(render(view.snapshot()))
@@ -462,39 +461,6 @@ def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, inter
                 if running is not None:
                     log.info(plain_line(snap))
             next_line = time.monotonic() + interval
-
-
-class _JSONFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        obj = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            obj["exc"] = self.formatException(record.exc_info)
-        return json.dumps(obj)
-
-
-def _json_logging() -> None:
-    root = logging.getLogger()
-    for h in root.handlers:
-        h.setFormatter(_JSONFormatter())
-
-
-def _log_to_file(path: Path) -> None:
-    """While the dashboard owns the terminal, log lines go to a file next to the state."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    logging.raiseExceptions = False  # a full disk must not print a traceback per log line
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-            with contextlib.suppress(Exception):
-                root.removeHandler(h)
-    root.addHandler(handler)
 
 
 def default_state_dir(run_id: str) -> Path:
