@@ -4,7 +4,7 @@ import: ``join --help`` stays fast), and whether the run's model trains on it.""
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from p2pdiloco.errors import ConfigError
 
@@ -45,23 +45,20 @@ def island_spec(
     gloo processes on CPU, plus with ``lan`` the members other hosts bring; None for one process.
     ``offload`` (CUDA islands only) keeps weights, gradients and moments in host memory.
     ConfigError for a combination that cannot be."""
-    spec = _island_spec(device, gpus, ranks, threads, lan=lan, host=host)
-    if not offload:
-        return spec
-    if spec is None or spec.backend != "nccl":
+    devices = _rank_devices(device, gpus, ranks, lan)
+    nccl = devices is not None and devices[0].startswith("cuda")
+    if offload and not nccl:
         raise ConfigError("--offload moves an island's state off its GPUs: it needs --gpus 0,1,...")
-    return replace(spec, offload=True)
+    if devices is None:
+        return None
+    backend = "nccl" if nccl else "gloo"
+    return IslandSpec(devices, backend, threads=threads, lan=lan, host=host, offload=offload)
 
 
-def _island_spec(
-    device: str,
-    gpus: tuple[int, ...],
-    ranks: int | None,
-    threads: int | None = None,
-    *,
-    lan: bool = False,
-    host: str = "127.0.0.1",
-) -> IslandSpec | None:
+def _rank_devices(
+    device: str, gpus: tuple[int, ...], ranks: int | None, lan: bool
+) -> tuple[str, ...] | None:
+    """This host's device per rank (rank 0's first); None for one process."""
     if ranks is not None and ranks < 1:
         raise ConfigError(f"--island-ranks must be at least 1, not {ranks}")
     if len(gpus) > 1:
@@ -69,8 +66,7 @@ def _island_spec(
             raise ConfigError(
                 f"--island-ranks {ranks} with {len(gpus)} --gpus: an island has one rank per GPU"
             )
-        devices = tuple(f"cuda:{g}" for g in gpus)
-        return IslandSpec(devices, backend="nccl", threads=threads, lan=lan, host=host)
+        return tuple(f"cuda:{g}" for g in gpus)
     if (ranks is None or ranks == 1) and not lan:
         return None
     cuda = device.startswith("cuda") or bool(gpus)
@@ -78,10 +74,9 @@ def _island_spec(
         raise ConfigError("an island on CUDA takes --gpus 0,1,... (one rank per GPU)")
     if device not in ("cpu", "auto") and not cuda:
         raise ConfigError(f"an island of several ranks runs on CUDA or CPU, not {device}")
-    if cuda:
-        first = f"cuda:{gpus[0]}" if gpus else device
-        return IslandSpec((first,), backend="nccl", threads=threads, lan=True, host=host)
-    return IslandSpec(("cpu",) * (ranks or 1), threads=threads, lan=lan, host=host)
+    if cuda:  # a LAN island's rank 0 on this host's one GPU
+        return (f"cuda:{gpus[0]}" if gpus else device,)
+    return ("cpu",) * (ranks or 1)
 
 
 def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> tuple[str, bool]:
