@@ -35,6 +35,7 @@ __all__ = [
     "CommitteeInfo",
     "beacon_of",
     "committee_for",
+    "committee_of_roster",
     "genesis_roster",
     "next_roster",
     "roster_of",
@@ -156,9 +157,24 @@ def committee_for(
     """
     if cert is not None and cert.body.run != run_id:
         raise ValueError("certificate is for another run")
+    base = cert.body.version if cert is not None else 0
+    return committee_of_roster(
+        manifest, roster_of(manifest, cert), base, beacon_of(run_id, cert), view
+    )
+
+
+def committee_of_roster(
+    manifest: RunManifest,
+    roster: Sequence[RosterEntry],
+    base: int,
+    beacon: bytes,
+    view: int = 0,
+) -> CommitteeInfo:
+    """:func:`committee_for` on its inputs: the certified roster of version ``base`` and the
+    beacon after it. Pure; the simulator (``p2pdiloco.sim``) calls it with rosters it keeps
+    without certificate bodies."""
     if not 0 <= view < MAX_VIEWS:
         raise ValueError(f"view {view} out of range")
-    base = cert.body.version if cert is not None else 0
     candidates = [
         committee.Candidate(
             peer_id=e.peer_id,
@@ -167,9 +183,8 @@ def committee_for(
             accepted_tokens=e.tokens,
             vouched=e.peer_id in manifest.genesis_committee,
         )
-        for e in roster_of(manifest, cert)
+        for e in roster
     ]
-    beacon = beacon_of(run_id, cert)
     k, r = manifest.committee_size, manifest.rules
     rules = committee.CommitteeRules(
         size=k, min_age_versions=r.trust_min_age, min_accepted=r.trust_min_accepted

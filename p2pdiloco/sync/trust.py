@@ -26,9 +26,9 @@ agrees.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from p2pdiloco.protocol.certificates import Certificate
+from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.roster import roster_of
 
@@ -36,11 +36,18 @@ from p2pdiloco.sync.roster import roster_of
 def trusted_peers(manifest: RunManifest, cert: Certificate | None) -> frozenset[str] | None:
     """The identities trusted in the round after ``cert`` (after genesis when None), or None
     when the run is young and everyone counts as trusted."""
-    rules = manifest.rules
     base = cert.body.version if cert is not None else 0
+    return trusted_of_roster(manifest, roster_of(manifest, cert), base)
+
+
+def trusted_of_roster(
+    manifest: RunManifest, roster: Iterable[RosterEntry], base: int
+) -> frozenset[str] | None:
+    """:func:`trusted_peers` on its inputs: the certified roster of version ``base``."""
+    rules = manifest.rules
     earned = {
         e.peer_id
-        for e in roster_of(manifest, cert)
+        for e in roster
         if e.accepted >= rules.trust_min_accepted and base - e.joined_version >= rules.trust_min_age
     }
     if len(earned) < manifest.committee_size:
