@@ -32,6 +32,9 @@ COMMANDS: dict[str, LazyCommand] = {
     "simulate": LazyCommand(
         "p2pdiloco.cli.simulate_cmd", "simulate", "Train DiLoCo beside data-parallel, no network."
     ),
+    "netsim": LazyCommand(
+        "p2pdiloco.cli.netsim_cmd", "netsim", "Simulate a network of peers on the real round code."
+    ),
     "demo": LazyCommand(
         "p2pdiloco.cli.demo_cmd", "demo", "Run a whole network on this machine and verify it."
     ),

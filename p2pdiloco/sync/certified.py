@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.protocol.certificates import Certificate
-from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.records import RunManifest, SyncRules
+from p2pdiloco.sync.aggregator import MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.state import StateBlob, encode_state
 from p2pdiloco.train.models import build_model, param_state
-from p2pdiloco.train.outer import MOMENTUM_PREFIX
+from p2pdiloco.train.outer import MOMENTUM_PREFIX, OuterConfig
 
 
 @dataclass
@@ -60,3 +61,15 @@ def genesis_state(manifest: RunManifest) -> CertifiedState:
     params = {n: t.detach().float().clone() for n, t in param_state(model).items()}
     momentum = {n: torch.zeros_like(t) for n, t in params.items()}
     return CertifiedState(0, None, params, momentum)
+
+
+def next_state(
+    base: CertifiedState, inputs: list[MergeInput], rules: SyncRules, outer: OuterConfig
+) -> tuple[MergeResult, CertifiedState]:
+    """The state a syncer signs after merging ``inputs`` on ``base`` (its hash computed): the
+    one tensor path of the network syncer (``sync.service``) and the simulator's tensor mode.
+    Raises what ``merge_round`` raises."""
+    result = merge_round(base.params, base.momentum, inputs, rules=rules, outer=outer)
+    state = CertifiedState(base.version + 1, None, result.params, result.momentum)
+    state.blob()
+    return result, state

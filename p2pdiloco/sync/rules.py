@@ -70,10 +70,30 @@ def round_params(
     signed manifest (its ``rules``, the token bound and H) and the base's certificate (who is
     trusted, ``sync.trust``), the committee of the view, the learners alive (heartbeats, or
     the roster: live heartbeats lag at start-up; at least 1)."""
+    trusted = trusted_peers(manifest, base.cert)
+    return params_of(
+        run_id, manifest, base.version, trusted, committee, active_learners, now, locked,
+        close_after,
+    )  # fmt: skip
+
+
+def params_of(
+    run_id: str,
+    manifest: RunManifest,
+    version: int,
+    trusted: frozenset[str] | None,
+    committee: CommitteeInfo,
+    active_learners: int,
+    now: float,
+    locked: tuple[str, ...] | None = None,
+    close_after: float | None = None,
+) -> RoundParams:
+    """:func:`round_params` on its inputs (the base version and who is trusted after it), for
+    drivers that keep no certificate bodies (the simulator, ``p2pdiloco.sim``)."""
     r, inner = manifest.rules, manifest.inner
     return RoundParams(
         run_id=run_id,
-        version=base.version,
+        version=version,
         committee=committee.members,
         quorum=committee.quorum,
         active_learners=max(1, active_learners),
@@ -88,6 +108,6 @@ def round_params(
         linger=r.linger,
         locked=locked,
         close_after=close_after,
-        trusted=trusted_peers(manifest, base.cert),
+        trusted=trusted,
         probation_share=r.probation_share,
     )

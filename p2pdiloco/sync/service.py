@@ -3,7 +3,7 @@
 When the node sits on the committee of the next version, this feeds the round with what
 arrives (submissions, the leader's proposal, fellow syncers' signatures, clock ticks) and
 carries out the actions it returns: reject (logged with the peer id and a ``Reason`` code),
-propose, fetch, merge (``sync.aggregator.merge_round`` in a worker thread), sign, assemble the
+propose, fetch, merge (``sync.certified.next_state`` in a worker thread), sign, assemble the
 certificate. Every rule that changes certified bytes comes from the signed manifest
 (``manifest.rules``); nothing local does. A merge that fails starts the round's next attempt
 instead of leaving it stuck. Every per-peer and per-submission structure is bounded. All
@@ -28,10 +28,10 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.runtime.transport import Transport
-from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
 from p2pdiloco.sync.arrivals import ArrivalWindow
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
-from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.certified import CertifiedState, next_state
 from p2pdiloco.sync.committee_msgs import (
     BadMessage,
     certificate_body,
@@ -461,12 +461,7 @@ class SyncService:
             MergeInput(digest=d, peer_id=p, delta=self.intake.decode(b), weight=w, trusted=a)
             for d, p, b, w, a in inputs
         ]
-        result = merge_round(
-            base.params, base.momentum, merge_inputs, rules=self.rules, outer=self.outer
-        )
-        state = CertifiedState(base.version + 1, None, result.params, result.momentum)
-        state.blob()
-        return result, state
+        return next_state(base, merge_inputs, self.rules, self.outer)
 
     async def _send_signature(self, digest: str) -> None:
         msg = self.signatures.message(self.me, digest)

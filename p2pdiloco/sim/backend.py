@@ -1,0 +1,150 @@
+"""What a simulated syncer computes when the round says ``Aggregate``.
+
+``MetadataMerge`` (10,000 peers): no tensors; the state hash is a hash of the base state, the
+input set and its weights, so syncers that merge the same set with the same weights sign the
+same state, as honest syncers do with real tensors (ADR 0005), and a faulty syncer signs
+another. ``TensorMerge``: the network syncer's own tensor path (``sync.certified.next_state``)
+on real deltas, so a small case can be checked against the real network bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.submissions import (
+    FragmentRef,
+    SubmissionHeader,
+    open_submission,
+    payload_digest,
+    seal_submission,
+)
+from p2pdiloco.sim.config import identity
+from p2pdiloco.sync.aggregator import MergeError, MergeInput
+from p2pdiloco.sync.certified import CertifiedState, genesis_state, next_state
+from p2pdiloco.sync.intake import Intake
+from p2pdiloco.sync.round import Aggregate, Submission
+from p2pdiloco.train.outer import OuterConfig
+
+
+class MergeFailed(Exception):
+    def __init__(self, screened_out: frozenset[str]) -> None:
+        super().__init__("no input survived screening")
+        self.screened_out = screened_out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state_hash: str
+    merged: tuple[str, ...]  # digests merged (the input set less those screened out)
+    screened_out: tuple[str, ...]
+
+
+class Merge(Protocol):
+    def bind(self, run_id: str, manifest: RunManifest) -> None:
+        """The run the simulation made (called once, before anything else)."""
+
+    def genesis_hash(self) -> str: ...
+
+    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
+        """Learner ``index``'s ``serial``-th delta with header ``sub``: the submission as sent
+        (its digest filled in)."""
+        ...
+
+    def merge(self, base_hash: str, agg: Aggregate, subs: Mapping[str, Submission]) -> Outcome:
+        """The state the input set of ``agg`` merges into; MergeFailed if screening refuses
+        every input."""
+        ...
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@dataclass
+class MetadataMerge:
+    """Screening takes out the submissions of ``poisoned`` learners (what the real screen does
+    to a sign-flip or scaled delta); the rest merge into a state named by its inputs."""
+
+    poisoned: frozenset[str] = frozenset()  # peer ids whose deltas screening refuses
+
+    def bind(self, run_id: str, manifest: RunManifest) -> None:
+        self.run_id = run_id
+
+    def genesis_hash(self) -> str:
+        return _hash("genesis", self.run_id)
+
+    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
+        return replace(sub, digest=hashlib.sha256(f"{sub.peer_id}/{serial}".encode()).hexdigest())
+
+    def merge(self, base_hash: str, agg: Aggregate, subs: Mapping[str, Submission]) -> Outcome:
+        digests, weights = agg.digests, agg.weights
+        out = tuple(d for d in digests if subs[d].peer_id in self.poisoned)
+        kept = tuple(d for d in digests if d not in out)
+        if not kept:
+            raise MergeFailed(frozenset(out))
+        w = tuple(round(x, 12) for d, x in zip(digests, weights, strict=True) if d in kept)
+        return Outcome(_hash(base_hash, kept, w), kept, out)
+
+
+@dataclass
+class TensorMerge:
+    """Learners send seeded random deltas (scale ``delta_scale``), compressed with the run's
+    codec and sealed with their real keys (``sim.config.identity``); syncers decode them as the
+    network's intake does and merge with the network syncer's tensor path. Payloads, sealed
+    headers and states are kept, so a test can replay any round on a real syncer."""
+
+    seed: int = 0
+    delta_scale: float = 1e-3
+    payloads: dict[str, bytes] = field(default_factory=dict)  # digest → payload
+    sealed: dict[str, bytes] = field(default_factory=dict)  # digest → signed header
+    states: dict[str, CertifiedState] = field(default_factory=dict)
+
+    def bind(self, run_id: str, manifest: RunManifest) -> None:
+        self.run_id, self.manifest = run_id, manifest
+        self.genesis = genesis_state(manifest)
+        shapes = {n: tuple(t.shape) for n, t in self.genesis.params.items()}
+        self.intake = Intake(manifest, shapes, run_id)
+        self.states[self.genesis.state_hash] = self.genesis
+        o = manifest.outer
+        self.outer = OuterConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+
+    def genesis_hash(self) -> str:
+        return self.genesis.state_hash
+
+    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
+        key = hashlib.sha256(f"{self.seed}/{index}/{serial}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key[:7], "big"))
+        params = self.genesis.params
+        delta = {n: self.delta_scale * torch.randn(params[n].shape, generator=gen) for n in params}
+        codec = self.intake.codec
+        payload = pack_deltas({n: codec.encode(delta[n]) for n in sorted(delta)})
+        header = SubmissionHeader(
+            peer_id=sub.peer_id, base_version=sub.base_version, steps=sub.steps,
+            tokens=sub.tokens, loss=3.0, codec=self.manifest.compression,
+            fragments=[FragmentRef(index=0, digest=payload_digest(payload), nbytes=len(payload))],
+        )  # fmt: skip
+        raw = seal_submission(identity(self.seed, index), self.run_id, header)
+        digest = open_submission(raw, run_id=self.run_id).digest
+        self.payloads[digest], self.sealed[digest] = payload, raw
+        return replace(sub, digest=digest)
+
+    def merge(self, base_hash: str, agg: Aggregate, subs: Mapping[str, Submission]) -> Outcome:
+        base = self.states[base_hash]
+        inputs = [
+            MergeInput(digest=d, peer_id=subs[d].peer_id,
+                       delta=self.intake.decode(self.payloads[d]), weight=w, trusted=a)
+            for d, w, a in zip(agg.digests, agg.weights, agg.anchors(), strict=True)
+        ]  # fmt: skip
+        try:
+            result, state = next_state(base, inputs, self.manifest.rules, self.outer)
+        except MergeError as e:
+            raise MergeFailed(frozenset(e.rejected)) from e
+        self.states.setdefault(state.state_hash, state)
+        return Outcome(state.state_hash, tuple(result.accepted), tuple(result.rejected))

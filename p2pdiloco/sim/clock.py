@@ -1,0 +1,81 @@
+"""Simulated time: an event heap, and links that take time and count bytes."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pdiloco.sim.config import Profile
+
+SMALL = 512  # bytes of a small signed message (proposal, signature, reply, certificate header)
+
+
+class Clock:
+    """Events run in time order, ties in the order they were scheduled (reproducible)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+
+    def after(self, dt: float, fn: Callable[..., None], *args: Any) -> None:
+        self.at(self.now + dt, fn, *args)
+
+    def run(self, until: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            t, _, fn, args = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            fn(*args)
+        self.now = until
+
+
+@dataclass
+class Link:
+    """One peer's access link: transfers through it are served one after the other."""
+
+    profile: Profile
+    up_free: float = 0.0
+    down_free: float = 0.0
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
+class Links:
+    by_index: dict[int, Link] = field(default_factory=dict)
+
+    def add(self, profile: Profile) -> None:
+        self.by_index.setdefault(profile.index, Link(profile))
+
+    def transfer(self, src: int, dst: int, nbytes: int, now: float) -> float:
+        """When ``nbytes`` sent by ``src`` at ``now`` have arrived at ``dst``: the transfer
+        waits for both ends to be free, runs at the slower of the two, then takes the latency.
+        Small messages take the latency only (they do not queue behind bulk transfers)."""
+        a, b = self.by_index[src], self.by_index[dst]
+        a.sent += nbytes
+        b.received += nbytes
+        latency = a.profile.latency + b.profile.latency
+        if nbytes <= SMALL:
+            return now + latency
+        start = max(now, a.up_free, b.down_free)
+        end = start + nbytes / min(a.profile.up_bps, b.profile.down_bps)
+        a.up_free = b.down_free = end
+        return end + latency
+
+    def download(self, dst: int, nbytes: int, now: float) -> float:
+        """When ``dst`` has fetched ``nbytes`` from many holders at once (chunks in parallel,
+        ``sync.fetch``): its own download link is the bound."""
+        b = self.by_index[dst]
+        b.received += nbytes
+        start = max(now, b.down_free)
+        b.down_free = start + nbytes / b.profile.down_bps
+        return b.down_free + b.profile.latency

@@ -1,0 +1,150 @@
+"""One island in the simulator: a real ``LearnerMachine`` whose inner steps take simulated time.
+
+Like the trainer thread, it looks at certificates between chunks of steps, never waits on the
+network (sending runs beside training), and sends each delta to every member of the committee
+it knows, again to those that answer "later" (retryable codes), telling the machine once: as
+soon as one syncer accepts, or once every one that answered refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.sync.learner_machine import (
+    CatchUp,
+    LearnerAction,
+    LearnerMachine,
+    Send,
+    Train,
+    Wait,
+)
+from p2pdiloco.sync.round import Submission
+
+if TYPE_CHECKING:
+    from p2pdiloco.sim.world import World
+
+RETRY = 1.0  # seconds before a retryable refusal is sent again
+MAX_TRIES = 20
+
+
+@dataclass
+class Pending:
+    sub: Submission
+    answers: dict[int, bool] = field(default_factory=dict)  # member index → accepted
+    codes: list[Reason] = field(default_factory=list)
+    hint: int | None = None
+    told: bool = False
+    tries: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SimLearner:
+    world: World
+    index: int
+    machine: LearnerMachine
+    epoch: int
+    pending: Pending | None = None
+    certs: list[int] = field(default_factory=list)  # versions arrived, applied between chunks
+    deltas: int = 0
+
+    @property
+    def alive(self) -> bool:
+        peer = self.world.peers[self.index]
+        return peer.up and peer.epoch == self.epoch
+
+    @property
+    def step_seconds(self) -> float:
+        return self.world.peers[self.index].profile.step_seconds
+
+    def go(self) -> None:
+        """Carry out what the machine says until it trains (a timed event) or waits."""
+        w = self.world
+        for _ in range(16):
+            for a in self.machine.next_action(w.clock.now):
+                if isinstance(a, Train):
+                    dur = a.steps * self.step_seconds
+                    w.clock.after(dur, self._trained, a.steps, dur)
+                    return
+                if isinstance(a, Send):
+                    self._send(a)
+                elif isinstance(a, Wait):
+                    w.clock.after(a.seconds, self._resume)
+                    return
+        raise RuntimeError("learner machine neither trains nor waits")  # a machine bug
+
+    def _resume(self) -> None:
+        if self.alive:
+            self._apply_certs()
+            self.go()
+
+    def _trained(self, steps: int, seconds: float) -> None:
+        if not self.alive:
+            return
+        self.machine.on_trained(steps, seconds)
+        self.world.trained_tokens += steps * self.world.cfg.tokens_per_step
+        self._apply_certs()
+        self.go()
+
+    def _apply_certs(self) -> None:
+        if not self.certs:
+            return
+        newest, self.certs = max(self.certs), []
+        merged = self.world.merged_since(self.machine.version, newest)
+        self.machine.on_certified(newest, merged)
+        self.pending = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, send: Send) -> None:
+        w = self.world
+        self.deltas += 1
+        w.deltas_sent += 1
+        peer_id = w.peers[self.index].profile.peer_id
+        tokens = send.steps * w.cfg.tokens_per_step
+        sub = Submission(peer_id, w.run_id, send.base_version, send.steps, tokens, "")
+        sub = w.merge.seal(self.index, sub, w.deltas_sent)
+        self.machine.on_sent(sub.digest)
+        w.subs[sub.digest] = sub
+        self.pending = Pending(sub)
+        w.deliver(self, sub, set())
+
+    def redeliver(self) -> None:
+        """A new view's committee: send the delta in flight to its members not asked yet."""
+        p = self.pending
+        if p is not None and self.alive and not p.told:
+            self.world.deliver(self, p.sub, set(p.answers))
+
+    def reply(self, digest: str, member: int, accepted: bool, code: Reason | None,
+              hint: int | None) -> None:  # fmt: skip
+        p, w = self.pending, self.world
+        if not self.alive or p is None or p.sub.digest != digest:
+            return
+        if not accepted and code in RETRYABLE:
+            tries = p.tries.get(member, 0)
+            if tries < MAX_TRIES and w.version == p.sub.base_version:
+                p.tries[member] = tries + 1
+                w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
+            return
+        p.answers[member] = accepted
+        if not accepted:
+            p.codes.append(code or Reason.MALFORMED)
+            p.hint = hint if hint is not None else p.hint
+        if p.told:
+            return
+        if accepted:
+            p.told = True
+            self.machine.on_reply(digest, True, None, None)
+        elif len(p.answers) >= len(w.committee.members) and not any(p.answers.values()):
+            p.told = True
+            self._after(self.machine.on_reply(digest, False, p.codes[0], p.hint))
+
+    def dropped(self, digest: str, code: Reason) -> None:
+        if self.alive:
+            self._after(self.machine.on_dropped(digest, code))
+
+    def _after(self, actions: list[LearnerAction]) -> None:
+        for a in actions:
+            if isinstance(a, CatchUp):
+                self.world.catch_up(self)

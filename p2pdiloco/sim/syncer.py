@@ -1,0 +1,164 @@
+"""One committee member's round in the simulator: a real ``SyncerRound`` and what its actions
+cost in simulated time (messages over links, fetches, the merge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sim.backend import MergeFailed
+from p2pdiloco.sim.clock import SMALL
+from p2pdiloco.sync.round import (
+    Action,
+    Aggregate,
+    Done,
+    FastForward,
+    Fetch,
+    Phase,
+    Propose,
+    Reject,
+    RoundParams,
+    Sign,
+    Submission,
+    SyncerRound,
+)
+
+if TYPE_CHECKING:
+    from p2pdiloco.sim.world import World
+
+TICK = 1.0  # seconds between a member's timer events (grace, linger, leader silence, view)
+
+
+@dataclass
+class Member:
+    """Peer ``index`` on the committee of ``view`` of the round after version ``base``."""
+
+    world: World
+    index: int
+    view: int
+    round: SyncerRound
+    base_hash: str
+    epoch: int  # the peer's life when the round opened: a crash ends the member
+    faulty: bool
+    votes_cast: bool = False
+    merging: bool = False
+    senders: dict[str, int] = field(default_factory=dict)  # digest → peer index that sent it
+
+    @property
+    def peer_id(self) -> str:
+        return self.round.me
+
+    @property
+    def alive(self) -> bool:
+        w = self.world
+        return (
+            w.peers[self.index].up
+            and w.peers[self.index].epoch == self.epoch
+            and (w.round_key == (self.round.params.version, self.view))
+        )
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def submit(self, sub: Submission, sender: int) -> tuple[bool, Reason | None, int | None]:
+        """A learner's submission arrived: (accepted, code, fast-forward hint)."""
+        self.senders.setdefault(sub.digest, sender)
+        actions = self.round.on_submission(sub, self.world.clock.now)
+        refusal = next((a for a in actions if isinstance(a, Reject) and a.peer_id == sub.peer_id),
+                       None)  # fmt: skip
+        hint = next((a.to_version for a in actions if isinstance(a, FastForward)), None)
+        self.execute(actions, skip_reply_to=sub.peer_id)
+        if refusal is not None:
+            return False, refusal.code, hint
+        return True, None, None
+
+    def proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None:
+        if self.alive:
+            actions = self.round.on_proposal(sender, digests, self.world.clock.now, attempt)
+            for a in actions:
+                if isinstance(a, Reject) and a.code is Reason.NO_OPEN_ROUND:
+                    self.world.retry_proposal(sender, digests, attempt)
+            self.execute([a for a in actions if not isinstance(a, Reject)])
+
+    def fetched(self, subs: list[Submission]) -> None:
+        if self.alive:
+            for sub in subs:
+                self.execute(self.round.on_fetched(sub))
+
+    def signature(self, syncer: str, state_hash: str) -> None:
+        if self.alive:
+            self.execute(self.round.on_signature(syncer, state_hash))
+
+    def tick(self) -> None:
+        if not self.alive or self.round.phase is Phase.CERTIFIED:
+            return
+        w, now = self.world, self.world.clock.now
+        self.execute(self.round.on_tick(now))
+        timed_out = now >= w.view_opened + w.manifest.rules.view_timeout_s
+        if not self.votes_cast and (timed_out or self.round.leader_silent(now)):
+            self.votes_cast = True
+            w.vote(self, self.round.abandon())
+        w.clock.after(TICK, self.tick)
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def execute(self, actions: list[Action], skip_reply_to: str | None = None) -> None:
+        w = self.world
+        for a in actions:
+            if isinstance(a, Reject):
+                if a.peer_id != skip_reply_to and a.code in (
+                    Reason.SCREENED_OUT, Reason.MERGE_FAILED, Reason.BUSY
+                ):  # fmt: skip
+                    w.dropped(a.peer_id, a.code, self.index)
+            elif isinstance(a, Propose):
+                for m in w.members_of_view(self.view):
+                    if m.index != self.index:
+                        t = w.links.transfer(self.index, m.index, SMALL, w.clock.now)
+                        w.clock.at(t, m.proposal, self.peer_id, a.digests, a.attempt)
+            elif isinstance(a, Fetch):
+                self._fetch(a)
+            elif isinstance(a, Aggregate):
+                self.merging = True
+                cost = w.cfg.merge_seconds_per_input * len(a.digests)
+                w.clock.after(cost, self._merged, a)
+            elif isinstance(a, Sign):
+                for m in w.members_of_view(self.view):
+                    if m.index != self.index:
+                        t = w.links.transfer(self.index, m.index, SMALL, w.clock.now)
+                        w.clock.at(t, m.signature, self.peer_id, a.state_hash)
+            elif isinstance(a, Done):
+                w.certify(self, a)
+
+    def _fetch(self, fetch: Fetch) -> None:
+        w = self.world
+        holder = w.member_by_id(self.view, fetch.from_peer)
+        src = holder.index if holder is not None else self.index
+        subs = [w.subs[d] for d in fetch.digests if d in w.subs]
+        t = w.links.transfer(src, self.index, w.cfg.payload_bytes * len(subs), w.clock.now)
+        w.fetched_bytes += w.cfg.payload_bytes * len(subs)
+        w.syncer_in += w.cfg.payload_bytes * len(subs)
+        w.clock.at(t, self.fetched, subs)
+
+    def _merged(self, agg: Aggregate) -> None:
+        self.merging = False
+        if not self.alive:
+            return
+        w, now = self.world, self.world.clock.now
+        subs = {d: w.subs[d] for d in agg.digests}
+        try:
+            out = w.merge.merge(self.base_hash, agg, subs)
+        except MergeFailed as e:
+            w.failed_merges += 1
+            self.execute(self.round.on_merge_failed(now, agg.attempt, e.screened_out))
+            return
+        w.outcomes[out.state_hash] = out
+        state_hash = out.state_hash
+        if self.faulty:  # colluding faulty syncers all sign the same wrong state
+            state_hash = w.wrong_hash(self.round.params.version)
+        self.execute(self.round.on_aggregated(state_hash, agg.attempt))
+
+
+def open_member(world: World, index: int, view: int, params: RoundParams) -> Member:
+    peer = world.peers[index]
+    rnd = SyncerRound(params, peer.profile.peer_id)
+    return Member(world, index, view, rnd, world.state_hash, peer.epoch, peer.profile.faulty)

@@ -1,0 +1,354 @@
+"""The simulated network: peers, the certified chain, committees and their views.
+
+Certification follows the real rules: the round of version v + 1 is driven by the committee
+``committee_of_roster`` draws from the certified roster and the beacon after v; its members
+run ``SyncerRound``; a ``Done`` certifies; the next roster is ``next_roster`` of the receipts;
+trust is ``trusted_of_roster``. A view whose members time out (or whose leader is silent) is
+left once a quorum of its members voted, as ``ViewState`` does with a timeout certificate; the
+next view's committee is ``committee_of_roster(view=j)``, locked to the input set a voter signed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+
+from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.protocol.certificates import Accepted, RosterEntry
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.view_change import MAX_VIEWS
+from p2pdiloco.sim.backend import Merge, Outcome
+from p2pdiloco.sim.clock import SMALL, Clock, Links
+from p2pdiloco.sim.config import Fault, Profile, SimConfig
+from p2pdiloco.sim.learner import SimLearner
+from p2pdiloco.sim.syncer import TICK, Member, open_member
+from p2pdiloco.sync import committee as election
+from p2pdiloco.sync.learner_machine import LearnerMachine
+from p2pdiloco.sync.roster import CommitteeInfo, committee_of_roster, genesis_roster, next_roster
+from p2pdiloco.sync.round import Done, Submission
+from p2pdiloco.sync.rules import params_of
+from p2pdiloco.sync.trust import trusted_of_roster
+from p2pdiloco.sync.weights import plausible_claim
+
+
+@dataclass
+class Peer:
+    profile: Profile
+    present: bool = False
+    up: bool = False
+    epoch: int = 0  # bumped by every crash: events of an earlier life are ignored
+    up_since: float = 0.0
+    up_seconds: float = 0.0  # time up while present: the hardware the run could use
+    learner: SimLearner | None = None
+
+
+@dataclass(frozen=True)
+class CertRecord:
+    version: int
+    state_hash: str
+    view: int
+    opened_at: float  # when the round's view 0 opened (the previous certificate)
+    certified_at: float
+    merged: tuple[str, ...]
+    tokens: int  # tokens trained into the merged deltas (carried steps included)
+    credited: int  # tokens the certificate credits (claims clipped to H, ADR 0010)
+    wrong: bool  # a state no honest syncer computed
+    committee: tuple[str, ...]  # the view's members
+    signers: tuple[str, ...]
+
+
+def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
+    rules = {"grace": 60.0, "linger": 3.0, **cfg.rules}
+    creator = Identity.from_seed(hashlib.sha256(f"sim/{cfg.seed}/creator".encode()).digest())
+    run_id, manifest, _ = create_manifest(
+        creator, created_at=0.0, name="sim", model="gemma-tiny", data="embedded", seed=cfg.seed,
+        inner_steps=cfg.inner_steps, committee_size=cfg.committee_size,
+        time_budget=cfg.budget, inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
+        rules=rules, genesis_committee=genesis,
+    )  # fmt: skip
+    return run_id, manifest
+
+
+@dataclass
+class World:
+    cfg: SimConfig
+    merge: Merge
+    profiles: list[Profile]
+    clock: Clock = field(default_factory=Clock)
+    links: Links = field(default_factory=Links)
+    peers: dict[int, Peer] = field(default_factory=dict)
+    certs: list[CertRecord] = field(default_factory=list)
+    subs: dict[str, Submission] = field(default_factory=dict)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    # counters
+    trained_tokens: int = 0
+    failed_merges: int = 0
+    view_changes: int = 0
+    conflicts: int = 0  # two certificates of one version with different states
+    fetched_bytes: int = 0
+    learner_up: int = 0  # delta bytes learners sent (every copy, retries included)
+    learner_down: int = 0  # certified-update bytes learners fetched
+    syncer_in: int = 0  # bytes members received: deltas, fetched inputs, states to sync from
+    member_rounds: int = 0  # (member, view) rounds opened
+    deltas_sent: int = 0
+
+    def __post_init__(self) -> None:
+        genesis = [p.peer_id for p in self.profiles[: self.cfg.committee_size]]
+        self.run_id, self.manifest = manifest_for(self.cfg, genesis)
+        self.merge.bind(self.run_id, self.manifest)
+        self.by_id = {p.peer_id: p.index for p in self.profiles}
+        self.version = 0
+        self.state_hash = self.merge.genesis_hash()
+        self.roster: list[RosterEntry] = genesis_roster(self.manifest)
+        self.beacon = election.beacon(self.run_id, None)
+        self.round_opened = 0.0
+        self.view = 0
+        self.view_opened = 0.0
+        self.members: dict[int, dict[int, Member]] = {}  # view → peer index → member
+        self.votes: dict[int, dict[str, str | None]] = {}  # view → voter → state it signed
+        self.committee = self._committee(0)
+        self.prev_agreed: set[int] = set()  # members that computed the last certified state
+        self.wrong = hashlib.sha256(b"faulty").hexdigest()
+        self._sets: dict[int, frozenset[str]] = {}
+
+    @property
+    def round_key(self) -> tuple[int, int]:
+        return self.version, self.view
+
+    # -- peers -------------------------------------------------------------------------------
+
+    def start(self, faults: list[Fault]) -> None:
+        for p in self.profiles[: self.cfg.peers]:
+            self._arrive(p, fresh_state=False)
+        for f in faults:
+            self.clock.at(f.time, self._fault, f)
+        self._open_view()
+
+    def _arrive(self, profile: Profile, fresh_state: bool) -> None:
+        self.links.add(profile)
+        peer = self.peers.setdefault(profile.index, Peer(profile))
+        peer.present = True
+        self._boot(peer, fresh_state)
+
+    def _boot(self, peer: Peer, download: bool) -> None:
+        peer.up, peer.up_since = True, self.clock.now
+        peer.epoch += 1
+        delay = self.cfg.restart_seconds if download else 0.0
+        ready = self.links.download(peer.profile.index, self.cfg.state_bytes, self.clock.now + delay) \
+            if download else self.clock.now  # fmt: skip
+        self.clock.at(ready, self._start_learner, peer, peer.epoch)
+
+    def _start_learner(self, peer: Peer, epoch: int) -> None:
+        if not (peer.up and peer.epoch == epoch):
+            return
+        r = self.manifest.rules
+        machine = LearnerMachine(
+            inner_steps=self.cfg.inner_steps, chunk=self.cfg.inner_steps, version=self.version,
+            give_up_after=r.give_up_after, time_budget=self.manifest.time_budget,
+        )  # fmt: skip
+        peer.learner = SimLearner(self, peer.profile.index, machine, epoch)
+        peer.learner.go()
+        members = self.members.get(self.view, {})
+        if peer.profile.peer_id in self.committee.members and peer.profile.index not in members:
+            self._open_member(peer.profile.index)
+
+    def _fault(self, f: Fault) -> None:
+        if f.kind == "join":
+            self._arrive(self.profiles[f.peer], fresh_state=True)
+            return
+        peer = self.peers[f.peer]
+        if f.kind == "up" and peer.present and not peer.up:
+            self._boot(peer, download=True)
+        elif f.kind in ("down", "leave") and peer.present:
+            if peer.up:
+                peer.up_seconds += self.clock.now - peer.up_since
+            peer.up, peer.epoch, peer.learner = False, peer.epoch + 1, None
+            peer.present = f.kind != "leave"
+
+    def finish(self) -> None:
+        for peer in self.peers.values():
+            if peer.up:
+                peer.up_seconds += self.clock.now - peer.up_since
+                peer.up_since = self.clock.now
+
+    # -- delivery ----------------------------------------------------------------------------
+
+    def deliver(self, learner: SimLearner, sub: Submission, asked: set[int]) -> None:
+        for peer_id in self.committee.members:
+            index = self.by_id[peer_id]
+            if index not in asked:
+                self.deliver_one(learner, sub, index)
+
+    def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
+        if not learner.alive:
+            return
+        t = self.links.transfer(learner.index, index, self.cfg.payload_bytes, self.clock.now)
+        self.learner_up += self.cfg.payload_bytes
+        self.syncer_in += self.cfg.payload_bytes
+        self.clock.at(t, self._arrival, learner, sub, index)
+
+    def _arrival(self, learner: SimLearner, sub: Submission, index: int) -> None:
+        member = self.members.get(self.view, {}).get(index)
+        code: Reason | None = Reason.NO_OPEN_ROUND  # up, but not in this round yet: "later"
+        ok, hint = False, None
+        if member is not None and member.alive:
+            ok, code, hint = member.submit(sub, learner.index)
+        elif index not in self.peers or not self.peers[index].up:
+            return  # unreachable: no answer
+        t = self.links.transfer(index, learner.index, SMALL, self.clock.now)
+        self.clock.at(t, learner.reply, sub.digest, index, ok, code, hint)
+
+    def dropped(self, peer_id: str, code: Reason, src: int) -> None:
+        peer = self.peers.get(self.by_id[peer_id])
+        learner = peer.learner if peer is not None else None
+        if learner is not None and learner.pending is not None:
+            digest = learner.pending.sub.digest
+            t = self.links.transfer(src, learner.index, SMALL, self.clock.now)
+            self.clock.at(t, learner.dropped, digest, code)
+
+    def catch_up(self, learner: SimLearner) -> None:
+        t = self.links.download(learner.index, self.cfg.update_bytes, self.clock.now)
+        self.learner_down += self.cfg.update_bytes
+        self.clock.at(t, learner.certs.append, self.version)
+
+    def retry_proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None:
+        member = self.member_by_id(self.view, sender)
+        if member is not None:
+            for m in self.members_of_view(self.view):
+                if m is not member and m.round.attempt != attempt:
+                    self.clock.after(TICK, m.proposal, sender, digests, attempt)
+
+    # -- committees --------------------------------------------------------------------------
+
+    def _committee(self, view: int) -> CommitteeInfo:
+        roster = self.roster or genesis_roster(self.manifest)
+        return committee_of_roster(self.manifest, roster, self.version, self.beacon, view)
+
+    def members_of_view(self, view: int) -> list[Member]:
+        return [m for m in self.members.get(view, {}).values() if m.alive]
+
+    def member_by_id(self, view: int, peer_id: str) -> Member | None:
+        return self.members.get(view, {}).get(self.by_id.get(peer_id, -1))
+
+    def _open_view(self, locked: tuple[str, ...] | None = None) -> None:
+        self.view_opened = self.clock.now
+        self.committee = self._committee(self.view)
+        self.locked = locked
+        for peer_id in self.committee.members:
+            index = self.by_id[peer_id]
+            peer = self.peers.get(index)
+            if peer is None or not peer.up:
+                continue
+            held = index in self.prev_agreed or self.version == 0
+            ready = self.clock.now + peer.profile.latency
+            if not held:
+                ready = self.links.download(index, self.cfg.state_bytes, ready)
+                self.syncer_in += self.cfg.state_bytes
+            self.clock.at(ready, self._open_member, index, self.round_key)
+
+    def _open_member(self, index: int, key: tuple[int, int] | None = None) -> None:
+        peer = self.peers[index]
+        if (key is not None and key != self.round_key) or not peer.up:
+            return
+        if index in self.members.setdefault(self.view, {}):
+            return
+        active = sum(1 for p in self.peers.values() if p.up)
+        params = params_of(
+            self.run_id, self.manifest, self.version,
+            trusted_of_roster(self.manifest, self.roster, self.version), self.committee,
+            active, self.clock.now, locked=self.locked,
+        )  # fmt: skip
+        params = replace(params, max_inputs=self.cfg.max_inputs or 2 * len(self.profiles))
+        member = open_member(self, index, self.view, params)
+        self.member_rounds += 1
+        self.members[self.view][index] = member
+        self.clock.after(TICK, member.tick)
+        if self.locked is not None:  # fetch the locked set from a voter that signed it
+            holders = [m for m in self.members_of_view(self.view - 1) if m.round.own_hash]
+            src = holders[0].index if holders else index
+            subs = [self.subs[d] for d in self.locked if d in self.subs]
+            t = self.links.transfer(src, index, self.cfg.payload_bytes * len(subs), self.clock.now)
+            self.clock.at(t, self._hand_locked, member, subs, src)
+
+    def _hand_locked(self, member: Member, subs: list[Submission], src: int) -> None:
+        for sub in subs:
+            if member.alive:
+                member.submit(sub, src)
+
+    def vote(self, member: Member, signed: str | None) -> None:
+        """A member votes to leave its view; a quorum of the view's votes moves everyone on."""
+        if member.view != self.view:
+            return
+        votes = self.votes.setdefault(self.view, {})
+        votes[member.peer_id] = signed
+        if len(votes) < self.committee.quorum or self.view + 1 >= MAX_VIEWS:
+            return
+        signed_hashes = [h for h in votes.values() if h is not None]
+        locked = None
+        if signed_hashes and self.outcomes.get(max(signed_hashes, key=signed_hashes.count)):
+            out = self.outcomes[max(signed_hashes, key=signed_hashes.count)]
+            locked = tuple(sorted(out.merged + out.screened_out))
+        self.view_changes += 1
+        self.view += 1
+        self._open_view(locked)
+        for peer in self.peers.values():
+            if peer.learner is not None:
+                peer.learner.redeliver()
+
+    # -- certificates ------------------------------------------------------------------------
+
+    def wrong_hash(self, version: int) -> str:
+        return hashlib.sha256(f"{self.wrong}/{version}".encode()).hexdigest()
+
+    def certify(self, member: Member, done: Done) -> None:
+        if done.version <= self.version:
+            if done.version == self.version and done.state_hash != self.state_hash:
+                self.conflicts += 1
+            return
+        out = self.outcomes.get(done.state_hash)
+        merged = out.merged if out is not None else ()
+        h = self.cfg.inner_steps
+        counted = [plausible_claim(self.subs[d].steps, self.subs[d].tokens, h) for d in merged]
+        tokens = sum(self.subs[d].tokens for d in merged)
+        self.certs.append(CertRecord(
+            done.version, done.state_hash, self.view, self.round_opened, self.clock.now, merged,
+            tokens, sum(t for _, t in counted), out is None, self.committee.members, done.signers,
+        ))  # fmt: skip
+        receipts = [
+            Accepted(peer_id=self.subs[d].peer_id, digest=d, steps=s, tokens=t)
+            for d, (s, t) in zip(merged, counted, strict=True)
+        ]
+        self.roster = next_roster(self.roster, new_version=done.version, accepted=receipts)
+        self.prev_agreed = {
+            m.index for m in self.members_of_view(self.view) if m.round.last_hash == done.state_hash
+        }
+        self.version, self.state_hash = done.version, done.state_hash
+        self.beacon = election.beacon(self.run_id, f"{done.version}/{done.state_hash}".encode())
+        self.round_opened, self.view, self.members, self.votes = self.clock.now, 0, {}, {}
+        self._forget_old_subs()
+        for peer in self.peers.values():
+            learner = peer.learner
+            if learner is not None and learner.alive:
+                t = self.links.download(learner.index, self.cfg.update_bytes,
+                                        self.clock.now + peer.profile.latency)  # fmt: skip
+                self.learner_down += self.cfg.update_bytes
+                self.clock.at(t, learner.certs.append, done.version)
+        self._open_view()
+
+    def merged_since(self, version: int, newest: int) -> frozenset[str]:
+        """Digests merged by versions ``version`` + 1 … ``newest`` (certs[i] is version i + 1)."""
+        sets = [self._merged_set(c) for c in self.certs[version:newest]]
+        return sets[0] if len(sets) == 1 else frozenset().union(*sets)
+
+    def _merged_set(self, cert: CertRecord) -> frozenset[str]:
+        got = self._sets.get(cert.version)
+        if got is None:
+            got = self._sets[cert.version] = frozenset(cert.merged)
+        return got
+
+    def _forget_old_subs(self) -> None:
+        oldest = self.version - self.manifest.rules.staleness - 1
+        if len(self.subs) > 4 * len(self.profiles):
+            self.subs = {d: s for d, s in self.subs.items() if s.base_version >= oldest}

@@ -1,0 +1,112 @@
+"""The network simulator (``p2pdiloco.sim``): reproducible, sane figures, and the protocol's
+guarantees held on simulated time (quorum certificates, view changes, faulty syncers)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from p2pdiloco.sim import SimConfig, simulate_run
+from p2pdiloco.sim.config import fault_schedule, profiles
+from p2pdiloco.sim.dp import data_parallel, up_seconds
+
+SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
+                  rules={"grace": 30.0, "agree_timeout": 10.0})  # fmt: skip
+
+
+def _figures(cfg: SimConfig) -> dict[str, object]:
+    result, _ = simulate_run(cfg)
+    out = result.to_dict()
+    out.pop("wall_seconds")
+    return out
+
+
+def test_a_seed_gives_the_same_run_twice() -> None:
+    cfg = replace(SMALL, mtbf_hours=2.0, churn_per_hour=0.5)
+    assert _figures(cfg) == _figures(cfg)
+
+
+def test_without_faults_nearly_all_trained_work_is_certified() -> None:
+    result, world = simulate_run(replace(SMALL, duration=3600.0))
+    assert result.versions >= 40 and result.view_changes == 0
+    assert result.goodput > 0.95, result
+    assert result.data_parallel is not None and result.data_parallel.goodput == pytest.approx(1.0)
+    # Both methods count the same hardware.
+    assert result.capacity_tokens == pytest.approx(result.data_parallel.capacity_tokens)
+    # Every version was certified by a quorum of its own committee, in order.
+    assert [c.version for c in world.certs] == list(range(1, result.versions + 1))
+    assert result.wrong_certificates == 0 and result.conflicts == 0
+
+
+def test_failures_cost_diloco_its_own_work_and_stall_data_parallel() -> None:
+    result, _ = simulate_run(replace(SMALL, duration=3600.0, mtbf_hours=3.0, repair_seconds=300))
+    dp = result.data_parallel
+    assert dp is not None and dp.stalls > 0
+    assert result.faults > 0
+    assert result.goodput > 0.85 and result.goodput > dp.goodput + 0.2, (result, dp)
+
+
+def test_a_committee_that_loses_its_members_hands_the_version_to_the_next_view() -> None:
+    # Failures long enough that committee members are down when their round is due.
+    cfg = replace(SMALL, duration=3600.0, mtbf_hours=0.5, repair_seconds=900, seed=5)
+    result, world = simulate_run(cfg, baseline=False)
+    assert result.view_changes > 0
+    assert any(c.view > 0 for c in world.certs)  # certified by a later view's committee
+    assert result.versions >= 10 and result.conflicts == 0 and result.wrong_certificates == 0
+
+
+def test_faulty_syncers_below_a_third_never_get_a_wrong_state_certified() -> None:
+    cfg = replace(SMALL, peers=24, committee_size=7, faulty_syncers=0.25, seed=11)
+    result, world = simulate_run(cfg, baseline=False)
+    faulty = {p.peer_id for p in world.profiles if p.faulty}
+    sat = [c for c in world.certs if faulty & set(c.committee)]
+    assert len(sat) >= 5, "the draw should seat faulty syncers on several committees"
+    assert result.versions >= 20, result
+    assert result.wrong_certificates == 0 and result.conflicts == 0
+    assert all(not faulty & set(c.signers) for c in world.certs)  # they signed another state
+
+
+def test_a_committee_of_faulty_syncers_certifies_their_state_and_the_simulator_says_so() -> None:
+    # k = 1: a faulty member alone is a quorum (the protocol's assumption is broken on purpose).
+    cfg = replace(SMALL, committee_size=1, faulty_syncers=0.99, duration=600.0)
+    result, _ = simulate_run(cfg, baseline=False)
+    assert result.versions > 0 and result.wrong_certificates == result.versions
+    assert result.goodput == 0.0
+
+
+def test_data_parallel_loses_the_work_since_its_checkpoint_and_waits_for_the_repair() -> None:
+    cfg = SimConfig(peers=4, duration=3600.0, mtbf_hours=1.0, repair_seconds=600, seed=1)
+    import random
+
+    rng = random.Random(cfg.seed)
+    faults, count = fault_schedule(cfg, rng)
+    profs = profiles(cfg, count, rng)
+    slow = data_parallel(cfg, profs, faults, checkpoint_seconds=1200.0)
+    fast = data_parallel(cfg, profs, faults, checkpoint_seconds=60.0)
+    spare = data_parallel(cfg, profs, faults, checkpoint_seconds=60.0, replace_seconds=30.0)
+    assert slow.stalls > 0 and slow.lost_tokens > fast.lost_tokens
+    assert slow.goodput < fast.goodput < spare.goodput <= 1.0
+    total = sum(up_seconds(cfg, count, faults))
+    assert 0 < total < cfg.peers * cfg.duration
+
+
+def test_churn_brings_fresh_peers_that_train_and_get_merged() -> None:
+    # k = 7 loses up to 2 members; k = 4 only 1, and under this much churn a committee of 4
+    # sometimes seats two volunteers who leave during its round: the run then stalls, as the
+    # real protocol would (docs/adr/0021-network-simulator.md).
+    cfg = replace(SMALL, peers=24, committee_size=7, duration=3600.0, churn_per_hour=1.0, seed=7)
+    result, world = simulate_run(cfg, baseline=False)
+    fresh = {p.peer_id for p in world.profiles[cfg.peers :]}
+    merged_from = {
+        world.subs[d].peer_id for c in world.certs[-3:] for d in c.merged if d in world.subs
+    }
+    assert fresh and fresh & merged_from
+    assert result.goodput > 0.8, result
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="faulty_syncers"):
+        SimConfig(faulty_syncers=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        SimConfig(peers=0)
