@@ -20,7 +20,7 @@ from p2pdiloco.sync.learner_machine import (
 
 H = 10
 CHUNK = 4
-NON_RETRYABLE = sorted(set(Reason) - RETRYABLE)
+NON_RETRYABLE = sorted(set(Reason) - RETRYABLE - {Reason.ROUND_CLOSED})
 
 
 def machine(**over: Any) -> LearnerMachine:
@@ -164,6 +164,16 @@ def test_refusal_with_a_final_code_drops_the_delta(code: Reason) -> None:
     assert counters(m) == (1, 0, 1)
     assert m.version == 3  # a refusal never moves the base
     assert m.phase is LearnerPhase.TRAINING
+
+
+def test_a_delta_late_for_its_round_waits_for_the_certificate_and_is_carried() -> None:
+    m = machine()
+    sent(m)
+    assert m.on_reply("d1", accepted=False, code=Reason.ROUND_CLOSED, fast_forward=None) == []
+    assert m.in_flight is not None and counters(m) == (1, 0, 0)
+    [rebase] = m.on_certified(4, frozenset({"x"}))
+    assert rebase == Rebase(4, anchor_sent=True, merged=False, seek_step=None, carried=H)
+    assert counters(m) == (1, 0, 1) and m.trained == H  # its steps go into the next delta
 
 
 def test_a_delta_whose_fate_is_unknown_is_not_carried() -> None:

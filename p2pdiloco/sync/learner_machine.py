@@ -26,8 +26,9 @@ died.
 
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
 set: syncers never merge it later) has its work carried into the learner's next delta rather
-than thrown away (docs/adr/0014-late-deltas-are-carried.md). A refused one is dropped at once,
-so the learner's next delta goes out without waiting (a later view's committee needs it).
+than thrown away (docs/adr/0014-late-deltas-are-carried.md); so is one refused only because its
+round had closed (ROUND_CLOSED). Any other refusal drops it at once, so the learner's next delta
+goes out without waiting (a later view's committee needs it).
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ class LearnerMachine:
             return []
         if code in RETRYABLE:
             return []  # the runtime sends it again
+        if code is Reason.ROUND_CLOSED:
+            # Late for its round, not bad: the certificate will not merge it, and then its steps
+            # are carried into the next delta (ADR 0014) instead of being thrown away now. The
+            # simulator measured what dropping cost: 5 % of goodput with no fault at all.
+            return []
         newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
             newer.append(CatchUp(fast_forward))
