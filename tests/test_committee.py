@@ -75,6 +75,22 @@ def test_banned_young_and_idle_peers_are_not_eligible_when_enough_veterans_exist
         assert not {"banned", "young", "idle"} & set(committee)
 
 
+def test_a_peer_whose_deltas_stopped_being_merged_is_not_drawn_once_recency_applies() -> None:
+    rules = CommitteeRules(size=3, min_age_versions=2, min_accepted=1, recency=2)
+    active = [
+        Candidate(f"peer{i:03d}", 0, 5, 1000, last_version=v) for i, v in enumerate((10, 9, 10, 9))
+    ]
+    gone = Candidate("gone", joined_version=0, accepted=50, accepted_tokens=10**9, last_version=8)
+    assert "gone" not in {c.peer_id for c in eligible([*active, gone], 10, rules)}
+    for v in range(30):
+        committee = elect([*active, gone], version=10, beacon_bytes=beacon(RUN, bytes([v])),
+                          rules=rules)  # fmt: skip
+        assert "gone" not in committee
+    # Without the condition it would sit: it holds by far the most weight.
+    loose = CommitteeRules(size=3, min_age_versions=2, min_accepted=1)
+    assert "gone" in {c.peer_id for c in eligible([*active, gone], 10, loose)}
+
+
 def test_sybil_flood_of_fresh_identities_never_sits() -> None:
     rules = CommitteeRules(size=4)
     pool = veterans(6) + [Candidate(f"sybil{i}", joined_version=99, accepted=0) for i in range(500)]

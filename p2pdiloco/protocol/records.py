@@ -203,6 +203,12 @@ class SyncRules(_Strict):
     trust_min_accepted: int = Field(default=3, ge=0, le=1_000_000)
     trust_min_age: int = Field(default=3, ge=0, le=1_000_000)
     probation_share: float = Field(default=0.25, gt=0, le=1)
+    # An identity may be elected to a committee only if a delta of it was merged in one of the
+    # last ``committee_recency`` versions (roster ``last_version``): a volunteer who left stops
+    # being drawn at once, instead of for the roster's window, and a committee that seats more
+    # departed members than it can lose (k − q) never certifies (the simulator found this
+    # stalling runs under churn: docs/adr/0021-network-simulator.md). None: no such condition.
+    committee_recency: int | None = Field(default=2, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _grace_bounds(self) -> SyncRules:

@@ -33,7 +33,8 @@ from p2pdiloco.protocol.identity import (
 # refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``. 3: views
 # (a certificate names its view and carries the timeout certificates of earlier views).
 # 4: trust (``rules.trust_min_accepted``, ``trust_min_age``, ``probation_share``; sync.trust).
-PROTOCOL_VERSION = 4
+# 5: committee recency (``rules.committee_recency``: only recent contributors are elected).
+PROTOCOL_VERSION = 5
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -8,7 +8,8 @@ can check a claimed one:
   position themselves for a future committee;
 - **eligibility** needs time in the run and accepted work: a peer must have been a member since
   at least ``min_age_versions`` versions, hold at least ``min_accepted`` accepted deltas
-  (receipts), and not be banned. Until enough peers qualify (the first rounds of a run), the
+  (receipts), have had one merged in the last ``recency`` versions (it is still there), and not
+  be banned. Until enough peers qualify (the first rounds of a run), the
   oldest members fill the committee, so a run can start;
 - the draw is **weighted rendezvous hashing**: each eligible peer gets the score
   ``-weight / ln(u)`` with ``u`` uniform in (0, 1) from sha256(beacon ‖ peer id), and the k
@@ -48,6 +49,7 @@ class Candidate:
     accepted_tokens: int = 0  # tokens of accepted deltas, the draw weight
     banned: bool = False
     vouched: bool = False  # named by the run's creator (genesis committee): tops up first
+    last_version: int = 0  # the version that last merged one of its deltas
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class CommitteeRules:
     min_age_versions: int = 2
     min_accepted: int = 1
     weight_cap_fraction: float = 0.1  # no peer weighs more than this share of the total
+    recency: int | None = None  # a delta merged in the last this many versions; None: any
 
 
 def quorum(size: int) -> int:
@@ -84,6 +87,7 @@ def eligible(
             if not c.banned
             and version - c.joined_version >= rules.min_age_versions
             and c.accepted >= rules.min_accepted
+            and (rules.recency is None or version - c.last_version < rules.recency)
         ),
         key=lambda c: c.peer_id,
     )

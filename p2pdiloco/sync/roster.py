@@ -182,12 +182,16 @@ def committee_of_roster(
             accepted=e.accepted,
             accepted_tokens=e.tokens,
             vouched=e.peer_id in manifest.genesis_committee,
+            last_version=e.last_version,
         )
         for e in roster
     ]
     k, r = manifest.committee_size, manifest.rules
     rules = committee.CommitteeRules(
-        size=k, min_age_versions=r.trust_min_age, min_accepted=r.trust_min_accepted
+        size=k,
+        min_age_versions=r.trust_min_age,
+        min_accepted=r.trust_min_accepted,
+        recency=r.committee_recency,
     )
     members = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=rules)
     if view:
