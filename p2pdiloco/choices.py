@@ -23,7 +23,17 @@ RULES: tuple[str, ...] = (
 # Delta codecs (p2pdiloco.compress).
 CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "topk2")
 # Attacks a test or demo node can play (p2pdiloco.sync.attacks).
-ATTACKS: tuple[str, ...] = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "inflate")
+ATTACKS: tuple[str, ...] = (
+    "sign-flip",
+    "scale",
+    "noise",
+    "alie",
+    "ipm",
+    "replay",
+    "inflate",
+    "mimic",
+    "collude",
+)
 
 # Codecs that send a small share of the entries, and the rules that merge each coordinate on
 # its own: on such deltas (1/64 of the entries kept) most coordinates are zero in most deltas,

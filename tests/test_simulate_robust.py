@@ -64,6 +64,12 @@ def test_scaled_deltas_are_rejected_by_screening_every_round(corpus_dir: Path, c
     assert out["diloco"]["eval_loss_final"] < clean["diloco"]["eval_loss_final"] * 1.03
 
 
+def test_colluders_pass_screening_and_poison_the_plain_mean(corpus_dir: Path, clean: dict) -> None:
+    out = sim(corpus_dir, adversaries=2, attack="collude")  # default screening: 3 × median
+    assert out["accepted_deltas"] == [3, 3, 3, 3] and out["rejected_deltas"] == [0, 0, 0, 0]
+    assert out["diloco"]["eval_loss_final"] > clean["diloco"]["eval_loss_final"] * 1.03
+
+
 def test_bad_rule_or_attack_is_a_config_error(corpus_dir: Path) -> None:
     with pytest.raises(ConfigError, match="unknown"):
         sim(corpus_dir, rules=SyncRules(aggregation="nope"))

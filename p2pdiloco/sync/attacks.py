@@ -4,8 +4,9 @@ Each attack turns what an attacker could know (its own honest delta, and for the
 attacks the honest deltas of the round) into the delta it sends. An attack is a transform of
 the attacker's own delta *before* it is compressed and sent (``Attacker.transform``), the same
 object in a network learner (``train/learner.py``) and in the simulator; the syncers' merge
-never knows who attacks. Shapes: M learners, D parameters (a delta's tensors flattened in
-sorted-name order); ``honest_MD`` holds the honest learners' deltas of the round.
+never knows who attacks. Shapes: M learners, D parameters, B colluding attackers (a delta's
+tensors flattened in sorted-name order); ``honest_MD`` holds the honest learners' deltas of the
+round, ``coalition_BD`` the colluding attackers' own (unpoisoned) deltas.
 
 | name      | sends                                                                  | source |
 |-----------|------------------------------------------------------------------------|--------|
@@ -15,7 +16,19 @@ sorted-name order); ``honest_MD`` holds the honest learners' deltas of the round
 | alie      | μ − z·σ per coordinate over the honest deltas, z from n and f          | Baruch et al. 2019, "A Little Is Enough" |
 | ipm       | −ε · mean of the honest deltas                                          | Xie et al. 2020, inner-product manipulation |
 | replay    | a delta from an earlier round (stale base)                              | caught by version checks |
+| mimic     | a copy of one honest learner's delta (the most outlying one, kept)     | Karimireddy et al. 2022 |
+| collude   | one vector all attackers share: −c · median norm · unit(mean)          | adaptive, screening-aware |
 | inflate   | its honest delta, with a signed claim of 10⁶ steps (tokens to match)   | clipped to H (`plausible_claim`) |
+
+``mimic`` over-weights one honest learner's data (Karimireddy, He and Jaggi 2022, "Byzantine-robust
+learning on heterogeneous datasets via bucketing"): every attacker copies the same honest
+delta, the one farthest from the honest mean in the first round it sees, and follows that
+learner from then on. It needs the honest deltas; a lone network attacker has none and sends
+its own delta unchanged. ``collude`` is a coalition that pools its members' own deltas (and the
+honest ones, when it sees them): each member sends the same vector, the pool's mean direction
+reversed, with c (2.9) times the pool's median norm, just inside the default norm screening
+(3 × the median): identical copies, so a coordinate-wise rule that trims f < B of them keeps
+the rest. Without a pool (a lone network attacker) it is a 2.9× sign flip.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ class AttackConfig:
     scale: float = 20.0  # λ of the scaling attack
     noise: float = 10.0  # ν: noise std relative to the delta's rms
     ipm_epsilon: float = 0.5  # ε of inner-product manipulation
+    collude_norm: float = 2.9  # c: the shared vector's norm / the pool's median norm
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,9 +78,19 @@ def poison(
     num_attackers: int,
     previous_D: torch.Tensor | None = None,
     round_index: int = 0,
+    coalition_BD: torch.Tensor | None = None,
+    mimic_row: int = 0,
 ) -> torch.Tensor:
-    """The delta an attacker sends this round (float32, shape of ``own_D``)."""
+    """The delta an attacker sends this round (float32, shape of ``own_D``).
+
+    ``mimic`` copies row ``mimic_row`` of ``honest_MD`` (``own_D`` if it has no rows);
+    ``collude`` pools ``honest_MD`` and ``coalition_BD`` (``own_D`` alone if both are empty).
+    """
     own = own_D.float()
+    if cfg.kind == "mimic":
+        return (honest_MD[mimic_row] if len(honest_MD) else own).float().clone()
+    if cfg.kind == "collude":
+        return collude(cfg, own, honest_MD, coalition_BD)
     if cfg.kind == "sign-flip":
         return -cfg.flip_scale * own
     if cfg.kind == "scale":
@@ -87,6 +111,33 @@ def poison(
     return (previous_D if previous_D is not None else own).float().clone()
 
 
+def collude(
+    cfg: AttackConfig,
+    own_D: torch.Tensor,
+    honest_MD: torch.Tensor,
+    coalition_BD: torch.Tensor | None,
+) -> torch.Tensor:
+    """The coalition's shared vector: −c · median norm · unit(mean) over the pooled deltas.
+
+    Every member that pools the same rows in the same order sends the same bits.
+    """
+    parts = [p.float() for p in (honest_MD, coalition_BD) if p is not None and len(p)]
+    pool_PD = torch.cat(parts) if parts else own_D.float().unsqueeze(0)
+    mean_D = pool_PD.mean(0)
+    size = mean_D.norm().item()
+    if size == 0:
+        return torch.zeros_like(mean_D)
+    median_norm = pool_PD.norm(dim=1).median().item()
+    return mean_D * (-cfg.collude_norm * median_norm / size)
+
+
+def mimic_target(honest_MD: torch.Tensor) -> int:
+    """The row of ``honest_MD`` farthest from the honest mean (first on ties): the learner a
+    ``mimic`` attacker follows."""
+    spread_M = (honest_MD.float() - honest_MD.float().mean(0)).norm(dim=1)
+    return int(torch.argmax(spread_M).item())
+
+
 class Attacker:
     """One attacking learner: turns its own delta into the one it sends, round after round.
 
@@ -95,9 +146,13 @@ class Attacker:
     omniscient attacker (the simulator), the honest learners' deltas of the round; a lone network
     attacker passes None and the honest spread is estimated from its own current and previous
     delta (half of the current one in its first round). ``replay`` sends its previous delta of
-    the same tensors (its own in the first round). State: the previous delta per set of tensor
-    names, so the simulator's fragments are kept apart. Raises ValueError for an empty delta or
-    ``honest`` deltas without the attacker's tensors.
+    the same tensors (its own in the first round). ``mimic`` picks its honest learner (by
+    position in ``honest``) the first time it sees honest deltas and follows it after; without
+    them it sends its own delta. ``collude`` also takes ``coalition``: every colluding
+    attacker's own delta of the round, the same list in the same order for each member, so all
+    send one vector. State: the previous delta per set of tensor names, so the simulator's
+    fragments are kept apart, and the mimicked learner. Raises ValueError for an empty delta or
+    ``honest``/``coalition`` deltas without the attacker's tensors.
     """
 
     def __init__(self, cfg: AttackConfig, *, num_learners: int, num_attackers: int = 1) -> None:
@@ -107,6 +162,7 @@ class Attacker:
         self.num_learners = num_learners
         self.num_attackers = num_attackers
         self._previous: dict[tuple[str, ...], torch.Tensor] = {}
+        self._mimic: int | None = None  # position in ``honest`` of the learner mimicked
 
     @torch.no_grad()
     def transform(
@@ -114,6 +170,7 @@ class Attacker:
         own: Mapping[str, torch.Tensor],
         honest: Sequence[Mapping[str, torch.Tensor]] | None,
         round_index: int,
+        coalition: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The delta to send this round instead of ``own`` (float32, same names and shapes)."""
         names = tuple(sorted(own))
@@ -122,9 +179,11 @@ class Attacker:
         own_D = torch.cat([own[n].float().reshape(-1) for n in names])
         previous_D = self._previous.get(names)
         if honest:
-            honest_MD = torch.stack(
-                [torch.cat([h[n].float().reshape(-1) for n in names]) for h in honest]
-            )
+            honest_MD = _flat(honest, names)
+            if self.cfg.kind == "mimic" and (self._mimic is None or self._mimic >= len(honest)):
+                self._mimic = mimic_target(honest_MD)
+        elif self.cfg.kind in ("mimic", "collude"):
+            honest_MD = own_D.new_zeros((0, own_D.numel()))  # nothing seen: no estimate either
         else:
             estimate = previous_D if previous_D is not None else own_D * 0.5
             honest_MD = torch.stack([own_D, estimate])
@@ -136,11 +195,23 @@ class Attacker:
             num_attackers=self.num_attackers,
             previous_D=previous_D,
             round_index=round_index,
+            coalition_BD=_flat(coalition, names) if coalition else None,
+            mimic_row=self._mimic or 0,
         )
         self._previous[names] = own_D
-        out, offset = {}, 0
-        for n in names:
-            size = own[n].numel()
-            out[n] = bad_D[offset : offset + size].reshape(own[n].shape)
-            offset += size
-        return out
+        return _unflat(bad_D, own, names)
+
+
+def _flat(deltas: Sequence[Mapping[str, torch.Tensor]], names: tuple[str, ...]) -> torch.Tensor:
+    return torch.stack([torch.cat([d[n].float().reshape(-1) for n in names]) for d in deltas])
+
+
+def _unflat(
+    bad_D: torch.Tensor, own: Mapping[str, torch.Tensor], names: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for n in names:
+        size = own[n].numel()
+        out[n] = bad_D[offset : offset + size].reshape(own[n].shape)
+        offset += size
+    return out

@@ -13,7 +13,8 @@ upload then counts the encoded payload bytes.
 The outer sync is the network's: attackers transform their own delta (``sync.attacks.Attacker``,
 omniscient here: they see the honest deltas of the round), then ``sync.aggregator.merge_round``
 screens, merges with token weights (``sync.weights.merge_weights``, lag 0) and applies the outer
-Nesterov step, one fragment at a time.
+Nesterov step, one fragment at a time. The attackers also see one another's own deltas (the
+``collude`` coalition uses them).
 """
 
 from __future__ import annotations
@@ -346,8 +347,9 @@ def _run_diloco(
                 deltas = [d for d, _ in sent]
                 uploaded += sum(nbytes for _, nbytes in sent)
             honest = [d for i, d in enumerate(deltas) if i not in attackers]
+            coalition = [deltas[i] for i in sorted(attackers)]  # their own, before poisoning
             for i, attacker in attackers.items():
-                deltas[i] = attacker.transform(deltas[i], honest, sub_round)
+                deltas[i] = attacker.transform(deltas[i], honest, sub_round, coalition)
             try:
                 result = merge_fragment(
                     theta, momentum, deltas, sent_tokens, names, rules=cfg.rules, outer=cfg.outer
