@@ -1,0 +1,299 @@
+"""The Byzantine matrix: attack × attacker fraction × merge rule, each beside the clean run.
+
+Every cell is one ``p2pdiloco simulate`` run (M learners in one process, real tensors, the
+syncer's own screening and merge, the last B learners attacking through
+``sync.attacks.Attacker``, omniscient: they see the round's honest deltas and one another's),
+all on the same data, seed and schedule. Per cell it prints the final eval loss as a ratio to
+the clean run (plain mean, no attacker), the share of honest deltas the merge accepted and the
+share of the attackers' deltas it accepted; a cell meets the brief's target (section 7) when the
+ratio is ≤ 1.03 and ≥ 99% of honest deltas were accepted.
+
+    .venv/bin/python bench/byzantine.py                       # the default rule, every cell
+    .venv/bin/python bench/byzantine.py --rules all --attacks alie,collude --fractions 3/8
+    .venv/bin/python bench/byzantine.py --rules trimmed_mean:f=3,multi_krum:f=3 --json
+
+A rule is NAME or NAME:KEY=VALUE[,KEY=VALUE] (``trimmed_mean:f=3``); bare names take the
+parameters in ``RULE_PARAMS`` (trimmed_mean f=1 is what ``run create`` and ``demo`` sign).
+Writes ``byzantine.json`` (after every cell, so a cut run keeps what it measured),
+``byzantine-heatmap.png/.svg`` (loss ratio per attack × fraction, one panel per rule) and
+``byzantine-curves.png/.svg`` (eval loss per round, one panel per attack) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pdiloco.choices import RULES
+from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
+from p2pdiloco.train.simulate import run_simulation
+
+# inflate lies in the signed header, which the simulator does not have: bench/demo_attacks.py.
+ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "mimic", "collude")
+DEFAULT_RULE = "trimmed_mean"  # what `run create` and `demo` sign (with f=1)
+RULE_PARAMS: dict[str, dict[str, Any]] = {
+    "mean": {},
+    "median": {},
+    "trimmed_mean": {"f": 1},
+    "krum": {"f": 1},
+    "multi_krum": {"f": 1},
+    "centered_clip": {"tau": 1.0, "relative": True},
+    "geometric_median": {},
+}
+LOSS_TARGET = 1.03  # final eval loss ÷ clean run, at most
+HONEST_TARGET = 0.99  # share of honest deltas accepted, at least
+
+
+def parse_rule(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:K=V,K=V`` → (name, params); bare names take ``RULE_PARAMS``."""
+    name, _, rest = spec.partition(":")
+    if name not in RULES:
+        raise SystemExit(f"unknown rule {name!r}; one of {', '.join(RULES)}")
+    if not rest:
+        return name, dict(RULE_PARAMS[name])
+    params: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, _, value = item.partition("=")
+        params[key] = (
+            value.lower() == "true" if value.lower() in ("true", "false") else float(value)
+        )
+        if isinstance(params[key], float) and params[key].is_integer() and key in ("f", "m"):
+            params[key] = int(params[key])
+    return name, params
+
+
+def rule_label(name: str, params: dict[str, Any]) -> str:
+    shown = {k: v for k, v in params.items() if k != "relative"}
+    return name + (f"({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
+
+
+def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: str | None,
+             attackers: int) -> dict[str, Any]:  # fmt: skip
+    name, params = rule
+    cfg = SimulateConfig(
+        learners=a.learners, inner_steps=a.inner_steps, rounds=a.rounds, data=a.data,
+        seed=a.seed, baseline=False, eval_batches=a.eval_batches, compression=a.compression,
+        rules=SyncRules(aggregation=name, aggregation_params=params),
+        adversaries=attackers, attack=attack or "sign-flip",
+        inner=InnerConfig(lr=a.lr, warmup_steps=2, batch_size=a.batch_size, seq_len=a.seq_len),
+        outer=OuterConfig(lr=0.7, momentum=0.5),  # short-run momentum: docs/adr/0006
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    res = run_simulation(cfg)
+    bad = set(res.adversaries)
+    merges = a.rounds  # one fragment: one merge per round
+    honest = [i for i in range(a.learners) if i not in bad]
+    return {
+        "rule": rule_label(name, params),
+        "aggregation": name,
+        "params": params,
+        "attack": attack or "clean",
+        "attackers": attackers,
+        "fraction": f"{Fraction(attackers, a.learners)}" if attackers else "0",
+        "loss": res.diloco.eval_loss_final,
+        "loss_initial": res.diloco.eval_loss_initial,
+        "eval_losses": res.diloco.eval_losses,
+        "honest_accepted": sum(res.accepted_deltas[i] for i in honest) / (len(honest) * merges),
+        "attacker_accepted": (
+            sum(res.accepted_deltas[i] for i in bad) / (len(bad) * merges) if bad else None
+        ),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def judge(row: dict[str, Any], clean_loss: float) -> None:
+    """Adds the ratio, met/missed and, for a miss, its reason (measured, not guessed)."""
+    row["loss_ratio"] = row["loss"] / clean_loss
+    reasons = []
+    if row["loss_ratio"] > LOSS_TARGET:
+        took = row["attacker_accepted"]
+        why = (
+            f"{took:.0%} of the attackers' deltas passed screening"
+            if took
+            else "no attacker was merged; the rule itself costs the loss"
+        )
+        reasons.append(f"loss {row['loss_ratio']:.3f} × clean > {LOSS_TARGET} ({why})")
+    if row["honest_accepted"] < HONEST_TARGET:
+        reasons.append(f"only {row['honest_accepted']:.1%} of honest deltas accepted")
+    row["met"] = not reasons
+    row["reason"] = "; ".join(reasons)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'rule':24} {'attack':10} {'frac':>4} {'loss':>7} {'÷ clean':>8} "
+        f"{'honest in':>9} {'attack in':>9}  target"
+    ]
+    for r in rows:
+        took = "-" if r["attacker_accepted"] is None else f"{r['attacker_accepted']:.0%}"
+        lines.append(
+            f"{r['rule']:24} {r['attack']:10} {r['fraction']:>4} {r['loss']:7.4f} "
+            f"{r['loss_ratio']:8.3f} {r['honest_accepted']:9.0%} {took:>9}  "
+            + ("met" if r["met"] else f"MISSED: {r['reason']}")
+        )
+    return "\n".join(lines)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_heatmap(report: dict[str, Any], stem: Path) -> None:
+    """Loss ratio per attack (rows) × fraction (columns), one panel per rule; red = missed."""
+    plt = _pyplot()
+    rows = [r for r in report["rows"] if r["attackers"]]
+    rules = list(dict.fromkeys(r["rule"] for r in rows))
+    attacks = list(dict.fromkeys(r["attack"] for r in rows))
+    fracs = sorted({r["fraction"] for r in rows}, key=Fraction)
+    if not rules:
+        return
+    fig, axes = plt.subplots(
+        1,
+        len(rules),
+        figsize=(max(4.5, 1.2 + 2.3 * len(rules)), 1.2 + 0.38 * len(attacks)),
+        squeeze=False,
+    )
+    cell = {(r["rule"], r["attack"], r["fraction"]): r for r in rows}
+    for ax, rule in zip(axes[0], rules, strict=True):
+        grid = [[cell.get((rule, at, fr), {}).get("loss_ratio", float("nan")) for fr in fracs]
+                for at in attacks]  # fmt: skip
+        ax.imshow(grid, cmap="RdYlGn_r", vmin=0.97, vmax=1.15, aspect="auto")
+        for i, at in enumerate(attacks):
+            for j, fr in enumerate(fracs):
+                r = cell.get((rule, at, fr))
+                if r is not None:
+                    mark = "" if r["met"] else " ✗"
+                    ax.text(j, i, f"{r['loss_ratio']:.3f}{mark}", ha="center", va="center",
+                            fontsize=7, color="black" if r["met"] else "white")  # fmt: skip
+        ax.set_xticks(range(len(fracs)), fracs)
+        ax.set_yticks(range(len(attacks)), attacks if ax is axes[0][0] else [""] * len(attacks))
+        ax.set_title(rule, fontsize=8)
+        ax.set_xlabel("attackers", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(
+        f"eval loss ÷ clean run; ✗ missed (> {LOSS_TARGET} or < 99% honest in)", fontsize=8
+    )
+    fig.tight_layout()
+    for ext in ("png", "svg"):
+        fig.savefig(f"{stem}.{ext}", dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(report: dict[str, Any], stem: Path) -> None:
+    """Eval loss per round for the first rule: one panel per attack, a line per fraction."""
+    plt = _pyplot()
+    rows = [r for r in report["rows"] if r["attackers"]]
+    if not rows:
+        return
+    rule = rows[0]["rule"]
+    attacks = list(dict.fromkeys(r["attack"] for r in rows if r["rule"] == rule))
+    cols = min(4, len(attacks))
+    nrows = -(-len(attacks) // cols)
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(max(4.0, 2.6 * cols), 2.1 * nrows), squeeze=False
+    )
+    clean = report["clean"]["eval_losses"]
+    for k, attack in enumerate(attacks):
+        ax = axes[k // cols][k % cols]
+        ax.plot(range(1, len(clean) + 1), clean, color="black", lw=1.5, label="clean")
+        for r in rows:
+            if r["rule"] == rule and r["attack"] == attack:
+                ax.plot(range(1, len(r["eval_losses"]) + 1), r["eval_losses"], lw=1,
+                        marker=".", label=r["fraction"])  # fmt: skip
+        ax.set_title(attack, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("round", fontsize=7)
+        ax.set_xticks(range(1, len(clean) + 1))
+        if k == 0:
+            ax.legend(fontsize=6)
+    for k in range(len(attacks), nrows * cols):
+        axes[k // cols][k % cols].axis("off")
+    fig.suptitle(f"eval loss per round, {rule}", fontsize=9)
+    fig.tight_layout()
+    for ext in ("png", "svg"):
+        fig.savefig(f"{stem}.{ext}", dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rules", default=DEFAULT_RULE, help="comma list of rule specs, or 'all'")
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--fractions", default="1/8,1/4,3/8", help="attackers ÷ learners")
+    ap.add_argument("--learners", type=int, default=8)
+    ap.add_argument("--inner-steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--compression", default="none")
+    ap.add_argument("--data", default="embedded")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "byzantine")
+    ap.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rule_specs = list(RULE_PARAMS) if a.rules == "all" else a.rules.split(",")
+    rules = [parse_rule(s) for s in rule_specs]
+    attacks = [x for x in a.attacks.split(",") if x]
+    counts = sorted({round(float(Fraction(f)) * a.learners) for f in a.fractions.split(",")})
+    a.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": " ".join(["bench/byzantine.py", *sys.argv[1:]]),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "targets": {"loss_ratio_max": LOSS_TARGET, "honest_accepted_min": HONEST_TARGET},
+        "rows": [],
+    }
+
+    def save() -> None:
+        (a.out / "byzantine.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    clean = run_cell(a, ("mean", {}), None, 0)
+    judge(clean, clean["loss"])
+    report["clean"] = clean
+    print(f"clean (mean): loss {clean['loss']:.4f} in {clean['seconds']:.1f} s", file=sys.stderr)
+    for rule in rules:
+        cells = [(None, 0)] if rule[0] != "mean" else []
+        cells += [(attack, b) for b in counts for attack in attacks]
+        for attack, b in cells:
+            row = run_cell(a, rule, attack, b)
+            judge(row, clean["loss"])
+            report["rows"].append(row)
+            save()
+            print(
+                f"{row['rule']} {row['attack']} {row['fraction']}: ratio {row['loss_ratio']:.3f} "
+                f"honest {row['honest_accepted']:.0%} ({row['seconds']:.1f} s)",
+                file=sys.stderr,
+            )
+    save()
+    plot_heatmap(report, a.out / "byzantine-heatmap")
+    plot_curves(report, a.out / "byzantine-curves")
+    if a.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(table([clean, *report["rows"]]))
+        missed = [r for r in report["rows"] if not r["met"]]
+        print(
+            f"\n{len(report['rows']) - len(missed)} of {len(report['rows'])} cells met the target"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
