@@ -43,7 +43,7 @@ class MergeFailed(Exception):
 class Outcome:
     state_hash: str
     merged: tuple[str, ...]  # digests merged (the input set less those screened out)
-    screened_out: tuple[str, ...]
+    screened_out: dict[str, str]  # digest → why screening refused it
 
 
 class Merge(Protocol):
@@ -90,7 +90,7 @@ class MetadataMerge:
         if not kept:
             raise MergeFailed(frozenset(out))
         w = tuple(round(x, 12) for d, x in zip(digests, weights, strict=True) if d in kept)
-        return Outcome(_hash(base_hash, kept, w), kept, out)
+        return Outcome(_hash(base_hash, kept, w), kept, dict.fromkeys(out, "poisoned (simulated)"))
 
 
 @dataclass
@@ -147,4 +147,4 @@ class TensorMerge:
         except MergeError as e:
             raise MergeFailed(frozenset(e.rejected)) from e
         self.states.setdefault(state.state_hash, state)
-        return Outcome(state.state_hash, tuple(result.accepted), tuple(result.rejected))
+        return Outcome(state.state_hash, tuple(result.accepted), dict(result.rejected))

@@ -29,6 +29,7 @@ class SimConfig:
     time_budget: float | None = None
     batch_size: int = 8
     seq_len: int = 512
+    codec: str = "int8"  # the manifest's delta codec (tensor mode encodes with it)
     payload_bytes: int = 4_000_000  # one compressed delta
     update_bytes: int = 4_000_000  # what a learner downloads per certified version
     state_bytes: int = 200_000_000  # full state, downloaded after a restart or by a joiner

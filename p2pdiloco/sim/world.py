@@ -1,11 +1,13 @@
 """The simulated network: peers, the certified chain, committees and their views.
 
 Certification follows the real rules: the round of version v + 1 is driven by the committee
-``committee_of_roster`` draws from the certified roster and the beacon after v; its members
-run ``SyncerRound``; a ``Done`` certifies; the next roster is ``next_roster`` of the receipts;
-trust is ``trusted_of_roster``. A view whose members time out (or whose leader is silent) is
-left once a quorum of its members voted, as ``ViewState`` does with a timeout certificate; the
-next view's committee is ``committee_of_roster(view=j)``, locked to the input set a voter signed.
+``committee_for`` draws from the certificate of v (its roster and beacon); its members run
+``SyncerRound``; a ``Done`` certifies, and the certificate body is the one real syncers build
+(``body_of``: receipts, roster by ``next_roster``), so elections, trust (``trusted_peers``)
+and beacons are exactly the network's. Signatures are counted by the round, not made. A view
+whose members time out (or whose leader is silent) is left once a quorum of its members voted,
+as ``ViewState`` does with a timeout certificate; the next view's committee is
+``committee_for(view=j)``, locked to the input set a voter signed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 
 from p2pdiloco.net.manifests import create_manifest
-from p2pdiloco.protocol.certificates import Accepted, RosterEntry
+from p2pdiloco.protocol.certificates import Certificate, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
@@ -24,12 +26,12 @@ from p2pdiloco.sim.clock import SMALL, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
 from p2pdiloco.sim.learner import SimLearner
 from p2pdiloco.sim.syncer import TICK, Member, open_member
-from p2pdiloco.sync import committee as election
+from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.learner_machine import LearnerMachine
-from p2pdiloco.sync.roster import CommitteeInfo, committee_of_roster, genesis_roster, next_roster
+from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
-from p2pdiloco.sync.trust import trusted_of_roster
+from p2pdiloco.sync.trust import trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
 
 
@@ -57,6 +59,7 @@ class CertRecord:
     wrong: bool  # a state no honest syncer computed
     committee: tuple[str, ...]  # the view's members
     signers: tuple[str, ...]
+    content: str  # content digest of the certificate body (what real syncers sign)
 
 
 def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
@@ -65,7 +68,7 @@ def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
     run_id, manifest, _ = create_manifest(
         creator, created_at=0.0, name="sim", model="gemma-tiny", data="embedded", seed=cfg.seed,
         inner_steps=cfg.inner_steps, committee_size=cfg.committee_size,
-        time_budget=cfg.budget, inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
+        time_budget=cfg.budget, compression=cfg.codec, inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
         rules=rules, genesis_committee=genesis,
     )  # fmt: skip
     return run_id, manifest
@@ -101,13 +104,13 @@ class World:
         self.by_id = {p.peer_id: p.index for p in self.profiles}
         self.version = 0
         self.state_hash = self.merge.genesis_hash()
-        self.roster: list[RosterEntry] = genesis_roster(self.manifest)
-        self.beacon = election.beacon(self.run_id, None)
+        self.cert: Certificate | None = None  # the last certificate (body real, unsigned)
         self.round_opened = 0.0
         self.view = 0
         self.view_opened = 0.0
         self.members: dict[int, dict[int, Member]] = {}  # view → peer index → member
         self.votes: dict[int, dict[str, str | None]] = {}  # view → voter → state it signed
+        self.trusted: frozenset[str] | None = None
         self.committee = self._committee(0)
         self.prev_agreed: set[int] = set()  # members that computed the last certified state
         self.wrong = hashlib.sha256(b"faulty").hexdigest()
@@ -223,8 +226,7 @@ class World:
     # -- committees --------------------------------------------------------------------------
 
     def _committee(self, view: int) -> CommitteeInfo:
-        roster = self.roster or genesis_roster(self.manifest)
-        return committee_of_roster(self.manifest, roster, self.version, self.beacon, view)
+        return committee_for(self.run_id, self.manifest, self.cert, view)
 
     def members_of_view(self, view: int) -> list[Member]:
         return [m for m in self.members.get(view, {}).values() if m.alive]
@@ -256,11 +258,11 @@ class World:
             return
         active = sum(1 for p in self.peers.values() if p.up)
         params = params_of(
-            self.run_id, self.manifest, self.version,
-            trusted_of_roster(self.manifest, self.roster, self.version), self.committee,
-            active, self.clock.now, locked=self.locked,
+            self.run_id, self.manifest, self.version, self.trusted, self.committee, active,
+            self.clock.now, locked=self.locked,
         )  # fmt: skip
-        params = replace(params, max_inputs=self.cfg.max_inputs or 2 * len(self.profiles))
+        if self.cfg.max_inputs is not None:
+            params = replace(params, max_inputs=self.cfg.max_inputs)
         member = open_member(self, index, self.view, params)
         self.member_rounds += 1
         self.members[self.view][index] = member
@@ -289,7 +291,7 @@ class World:
         locked = None
         if signed_hashes and self.outcomes.get(max(signed_hashes, key=signed_hashes.count)):
             out = self.outcomes[max(signed_hashes, key=signed_hashes.count)]
-            locked = tuple(sorted(out.merged + out.screened_out))
+            locked = tuple(sorted((*out.merged, *out.screened_out)))
         self.view_changes += 1
         self.view += 1
         self._open_view(locked)
@@ -311,21 +313,23 @@ class World:
         merged = out.merged if out is not None else ()
         h = self.cfg.inner_steps
         counted = [plausible_claim(self.subs[d].steps, self.subs[d].tokens, h) for d in merged]
-        tokens = sum(self.subs[d].tokens for d in merged)
+        senders = {d: (s.peer_id, s.steps, s.tokens) for d, s in self.subs.items()
+                   if out is not None and (d in out.screened_out or d in merged)}  # fmt: skip
+        body = body_of(
+            self.run_id, self.manifest, self.version, self.cert, self.committee, done.state_hash,
+            senders, list(merged), out.screened_out if out is not None else {}, self.view,
+        )  # fmt: skip
+        self.cert = Certificate(body, done.signers, b"")
+        self.trusted = trusted_peers(self.manifest, self.cert)
         self.certs.append(CertRecord(
             done.version, done.state_hash, self.view, self.round_opened, self.clock.now, merged,
-            tokens, sum(t for _, t in counted), out is None, self.committee.members, done.signers,
+            sum(self.subs[d].tokens for d in merged), sum(t for _, t in counted), out is None,
+            self.committee.members, done.signers, content_digest(body),
         ))  # fmt: skip
-        receipts = [
-            Accepted(peer_id=self.subs[d].peer_id, digest=d, steps=s, tokens=t)
-            for d, (s, t) in zip(merged, counted, strict=True)
-        ]
-        self.roster = next_roster(self.roster, new_version=done.version, accepted=receipts)
         self.prev_agreed = {
             m.index for m in self.members_of_view(self.view) if m.round.last_hash == done.state_hash
         }
         self.version, self.state_hash = done.version, done.state_hash
-        self.beacon = election.beacon(self.run_id, f"{done.version}/{done.state_hash}".encode())
         self.round_opened, self.view, self.members, self.votes = self.clock.now, 0, {}, {}
         self._forget_old_subs()
         for peer in self.peers.values():

@@ -8,10 +8,12 @@ size and shape checks before anything is kept, and refused with a ``Reason`` cod
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from p2pdiloco.protocol.certificates import (
     Accepted,
+    Certificate,
     CertificateBody,
     Rejected,
     verify_body_signature,
@@ -116,22 +118,43 @@ def certificate_body(
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
+    senders = {d: (h.peer_id, h.steps, h.tokens) for d, h in headers.items()}
+    return body_of(
+        run_id, manifest, base.version, base.cert, committee, new_state_hash, senders,
+        accepted_digests, rejected, view,
+    )  # fmt: skip
+
+
+def body_of(
+    run_id: str,
+    manifest: RunManifest,
+    base_version: int,
+    base_cert: Certificate | None,
+    committee: CommitteeInfo,
+    new_state_hash: str,
+    senders: Mapping[str, tuple[str, int, int]],
+    accepted_digests: list[str],
+    rejected: Mapping[str, str],
+    view: int = 0,
+) -> CertificateBody:
+    """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
+    The simulator (``p2pdiloco.sim``) builds its certificates with it."""
     claims = {
-        d: plausible_claim(headers[d].steps, headers[d].tokens, manifest.inner_steps)
+        d: plausible_claim(senders[d][1], senders[d][2], manifest.inner_steps)
         for d in accepted_digests
     }  # what the round weighed: the signed claim, clipped to one delta's steps
     accepted = [
-        Accepted(peer_id=headers[d].peer_id, digest=d, steps=claims[d][0], tokens=claims[d][1])
+        Accepted(peer_id=senders[d][0], digest=d, steps=claims[d][0], tokens=claims[d][1])
         for d in sorted(accepted_digests)
     ]
     refused = [
-        Rejected(peer_id=headers[d].peer_id, digest=d, reason=r[:200])
+        Rejected(peer_id=senders[d][0], digest=d, reason=r[:200])
         for d, r in sorted(rejected.items())
     ]
     return CertificateBody(
         run=run_id,
-        version=base.version + 1,
-        base_version=base.version,
+        version=base_version + 1,
+        base_version=base_version,
         view=view,
         state_hash=new_state_hash,
         committee=list(committee.members),
@@ -139,7 +162,7 @@ def certificate_body(
         accepted=accepted,
         rejected=refused,
         roster=next_roster(
-            roster_of(manifest, base.cert), new_version=base.version + 1, accepted=accepted
+            roster_of(manifest, base_cert), new_version=base_version + 1, accepted=accepted
         ),
     )
 
