@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.train.hf_import import import_transformers
 
 # Byte tokenizer: 256 bytes + pad/bos/eos, padded to a multiple of 8 for the embedding matmul.
 BYTE_VOCAB_SIZE = 264
@@ -48,6 +49,7 @@ class ModelSpec:
 
     def hf_config(self) -> Any:
         """The ``Gemma3TextConfig`` for this shape (a fresh object each call)."""
+        import_transformers()
         from transformers import Gemma3TextConfig
 
         full: dict[str, Any] = {"rope_type": "default", "rope_theta": 1_000_000.0}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.train.hf_import import import_transformers
 from p2pdiloco.train.model_specs import (
     BYTE_VOCAB_SIZE,
     REGISTRY,
@@ -47,6 +48,7 @@ def meta_parameter_count(name: str) -> int:
 
 
 def _seeded_build(spec: ModelSpec, seed: int) -> torch.nn.Module:
+    import_transformers()
     from transformers import Gemma3ForCausalLM
 
     # Build on the CPU in fp32 under a forked RNG: the draw sequence then depends only on the
@@ -80,6 +82,7 @@ def build_model(
 
 
 def _load_pretrained(spec: ModelSpec, path: Path) -> torch.nn.Module:
+    import_transformers()
     from transformers import Gemma3ForCausalLM
 
     if not path.exists():
@@ -103,6 +106,7 @@ def _load_pretrained(spec: ModelSpec, path: Path) -> torch.nn.Module:
 
 
 def _meta_model(spec: ModelSpec) -> torch.nn.Module:
+    import_transformers()
     from transformers import Gemma3ForCausalLM
 
     with torch.device("meta"):

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.train.hf_import import import_transformers
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +162,12 @@ def _hub_reachable(timeout_s: float = _HUB_PROBE_TIMEOUT_S) -> bool:
 def _from_local_path(path: str) -> HFTokenizer:
     try:
         if os.path.isfile(path):
+            import_transformers()
             from transformers import PreTrainedTokenizerFast
 
             tok: Any = PreTrainedTokenizerFast(tokenizer_file=path)
         else:
+            import_transformers()
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path)
@@ -176,6 +179,7 @@ def _from_local_path(path: str) -> HFTokenizer:
 
 
 def _from_hub(hub_id: str, cache_dir: str | None) -> HFTokenizer:
+    import_transformers()
     from transformers import AutoTokenizer
 
     try:
