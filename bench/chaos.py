@@ -48,6 +48,7 @@ from bench.chaos_verify import (
     gaps,
     lost_versions,
     make_schedule,
+    most_out_at_once,
     report_dict,
     stall_allowance,
     verify_state_dir,
@@ -251,6 +252,13 @@ def analyse(
     stalls = [g for g in all_gaps if g.seconds > allowance]
     v_start = max((v for v, t in times.items() if t <= t0), default=0)
     v_end = max((v for v, t in times.items() if t <= t_end), default=0)
+    out: dict[str, list[tuple[float, float]]] = {}
+    for name, lives in watch.lives.items():
+        for gone, back in zip(lives, [*lives[1:], None], strict=True):
+            if gone.ended is not None and gone.ended < t_end:
+                out.setdefault(name, []).append(
+                    (gone.ended, (back.caught_up or back.ended or t_end) if back else t_end)
+                )
     reports = {
         name: verify_state_dir(n.dir / "state", run_id, manifest) for name, n in nodes.items()
     }
@@ -318,7 +326,13 @@ def analyse(
         "cert_times": {str(v): round(t - t0, 2) for v, t in sorted(times.items())},
         "stall_allowance_s": allowance,
         "max_gap_s": max(g.seconds for g in all_gaps),
-        "stalls": [asdict(g) for g in stalls],
+        # Nodes out at once during each stall: more than committee_size - quorum can leave a
+        # committee without its quorum until a view change seats live members.
+        "stalls": [
+            asdict(g)
+            | {"most_nodes_out": most_out_at_once(out, t0 + g.start, t0 + g.start + g.seconds)}
+            for g in stalls
+        ],  # fmt: skip
         "lost_versions": lost["lost"],
         "forks": lost["forks"],
         "forgotten": lost["forgotten"],

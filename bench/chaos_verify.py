@@ -136,6 +136,25 @@ def gaps(cert_times: Mapping[int, float], start: float, end: float) -> list[Gap]
     return out
 
 
+def most_out_at_once(
+    out: Mapping[str, Sequence[tuple[float, float]]], start: float, end: float
+) -> int:
+    """The most nodes out at one instant of [start, end]; ``out``: each node's (from, to)
+    intervals of being out (killed, exited, or restarted but not yet at the newest version)."""
+    edges = sorted(
+        (t, step)
+        for spans in out.values()
+        for a, b in spans
+        if a < end and b > start
+        for t, step in ((max(a, start), 1), (min(b, end), -1))
+    )
+    most = now = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):
+        now += step
+        most = max(most, now)
+    return most
+
+
 def stall_allowance(manifest: RunManifest) -> float:
     rules = manifest.rules
     return rules.grace + rules.agree_timeout + rules.view_timeout_s

@@ -18,6 +18,7 @@ from bench.chaos_verify import (
     gaps,
     lost_versions,
     make_schedule,
+    most_out_at_once,
     verify_state_dir,
 )
 from p2pdiloco.net.manifests import create_manifest
@@ -189,3 +190,11 @@ def test_lost_versions_forks_and_forgotten_versions() -> None:
     assert found == {"lost": [2, 3, 4], "forks": [2], "forgotten": [["node1", 2, 3]]}
     clean = lost_versions({"node0": a, "node1": a}, [1, 2, 3], {"node0": 3, "node1": 3})
     assert clean == {"lost": [], "forks": [], "forgotten": []}
+
+
+def test_most_nodes_out_at_once_counts_overlaps_inside_the_window() -> None:
+    out = {"node0": [(10.0, 30.0)], "node1": [(25.0, 40.0), (60.0, 70.0)], "node2": [(0.0, 5.0)]}
+    assert most_out_at_once(out, 20.0, 50.0) == 2
+    assert most_out_at_once(out, 31.0, 59.0) == 1
+    assert most_out_at_once(out, 41.0, 59.0) == 0
+    assert most_out_at_once(out, 30.0, 65.0) == 1  # one ends as the other starts: not both
