@@ -23,7 +23,7 @@ class Clock:
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+        heapq.heappush(self._heap, (t if t > self.now else self.now, self._seq, fn, args))
 
     def after(self, dt: float, fn: Callable[..., None], *args: Any) -> None:
         self.at(self.now + dt, fn, *args)
@@ -57,19 +57,19 @@ class Links:
         self.by_index.setdefault(profile.index, Link(profile))
 
     def transfer(self, src: int, dst: int, nbytes: int, now: float) -> float:
-        """When ``nbytes`` sent by ``src`` at ``now`` have arrived at ``dst``: the transfer
-        waits for both ends to be free, runs at the slower of the two, then takes the latency.
-        Small messages take the latency only (they do not queue behind bulk transfers)."""
+        """When ``nbytes`` sent by ``src`` at ``now`` have arrived at ``dst``. Each end is a
+        queue served at its own rate (the sender's upload, the receiver's download), so a
+        syncer's download is shared by the many learners uploading to it at once; then the
+        latency. Small messages take the latency only (they do not queue behind bulk)."""
         a, b = self.by_index[src], self.by_index[dst]
         a.sent += nbytes
         b.received += nbytes
         latency = a.profile.latency + b.profile.latency
         if nbytes <= SMALL:
             return now + latency
-        start = max(now, a.up_free, b.down_free)
-        end = start + nbytes / min(a.profile.up_bps, b.profile.down_bps)
-        a.up_free = b.down_free = end
-        return end + latency
+        a.up_free = (now if now > a.up_free else a.up_free) + nbytes / a.profile.up_bps
+        b.down_free = (now if now > b.down_free else b.down_free) + nbytes / b.profile.down_bps
+        return (a.up_free if a.up_free > b.down_free else b.down_free) + latency
 
     def download(self, dst: int, nbytes: int, now: float) -> float:
         """When ``dst`` has fetched ``nbytes`` from many holders at once (chunks in parallel,

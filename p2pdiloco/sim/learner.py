@@ -32,7 +32,9 @@ MAX_TRIES = 20
 @dataclass
 class Pending:
     sub: Submission
+    asked: set[int] = field(default_factory=set)  # member indices sent to
     answers: dict[int, bool] = field(default_factory=dict)  # member index → accepted
+    accepted_coming: bool = False  # an "accepted" reply is on its way
     codes: list[Reason] = field(default_factory=list)
     hint: int | None = None
     told: bool = False
@@ -108,13 +110,13 @@ class SimLearner:
         self.machine.on_sent(sub.digest)
         w.subs[sub.digest] = sub
         self.pending = Pending(sub)
-        w.deliver(self, sub, set())
+        w.deliver(self, sub, self.pending.asked)
 
     def redeliver(self) -> None:
         """A new view's committee: send the delta in flight to its members not asked yet."""
         p = self.pending
         if p is not None and self.alive and not p.told:
-            self.world.deliver(self, p.sub, set(p.answers))
+            self.world.deliver(self, p.sub, p.asked)
 
     def reply(self, digest: str, member: int, accepted: bool, code: Reason | None,
               hint: int | None) -> None:  # fmt: skip
@@ -136,7 +138,7 @@ class SimLearner:
         if accepted:
             p.told = True
             self.machine.on_reply(digest, True, None, None)
-        elif len(p.answers) >= len(w.committee.members) and not any(p.answers.values()):
+        elif len(p.answers) >= len(p.asked) and not any(p.answers.values()):
             p.told = True
             self._after(self.machine.on_reply(digest, False, p.codes[0], p.hint))
 

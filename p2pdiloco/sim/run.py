@@ -58,9 +58,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def simulate_run(
-    cfg: SimConfig, merge: Merge | None = None, *, baseline: bool = True
+    cfg: SimConfig,
+    merge: Merge | None = None,
+    *,
+    baseline: bool = True,
+    checkpoint_seconds: float = 600.0,
 ) -> tuple[SimResult, World]:
-    """Simulate ``cfg.duration`` seconds; with ``baseline``, data-parallel on the same faults."""
+    """Simulate ``cfg.duration`` seconds; with ``baseline``, data-parallel on the same faults
+    (checkpointing every ``checkpoint_seconds`` of training)."""
     started = time.perf_counter()
     rng = random.Random(cfg.seed)
     faults, count = fault_schedule(cfg, rng)
@@ -76,7 +81,11 @@ def simulate_run(
     certified = sum(c.tokens for c in good)
     lat = [c.certified_at - c.opened_at for c in world.certs]
     deltas = max(1, world.deltas_sent)
-    dp = data_parallel(cfg, profs, faults) if baseline else None
+    dp = (
+        data_parallel(cfg, profs, faults, checkpoint_seconds=checkpoint_seconds)
+        if baseline
+        else None
+    )
     result = SimResult(
         peers=cfg.peers,
         duration=cfg.duration,

@@ -63,7 +63,10 @@ class CertRecord:
 
 
 def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
-    rules = {"grace": 60.0, "linger": 3.0, **cfg.rules}
+    # A round must stay open longer than a stretch takes (else it closes before most learners
+    # send): grace defaults to 1.5 budgets, as a run's creator would set it.
+    stretch = cfg.budget or cfg.inner_steps * cfg.step_seconds
+    rules = {"grace": max(60.0, 1.5 * stretch), "linger": 3.0, **cfg.rules}
     creator = Identity.from_seed(hashlib.sha256(f"sim/{cfg.seed}/creator".encode()).digest())
     run_id, manifest, _ = create_manifest(
         creator, created_at=0.0, name="sim", model="gemma-tiny", data="embedded", seed=cfg.seed,
@@ -182,14 +185,20 @@ class World:
         for peer_id in self.committee.members:
             index = self.by_id[peer_id]
             if index not in asked:
+                asked.add(index)
                 self.deliver_one(learner, sub, index)
 
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
+        """The signed header goes first; the payload follows only if the syncer has the round
+        open (else it answers "later" from the header alone, as ``Intake.screen`` does)."""
         if not learner.alive:
             return
-        t = self.links.transfer(learner.index, index, self.cfg.payload_bytes, self.clock.now)
-        self.learner_up += self.cfg.payload_bytes
-        self.syncer_in += self.cfg.payload_bytes
+        member = self.members.get(self.view, {}).get(index)
+        size = self.cfg.payload_bytes if member is not None and member.alive else SMALL
+        t = self.links.transfer(learner.index, index, size, self.clock.now)
+        if size > SMALL:
+            self.learner_up += size
+            self.syncer_in += size
         self.clock.at(t, self._arrival, learner, sub, index)
 
     def _arrival(self, learner: SimLearner, sub: Submission, index: int) -> None:
@@ -201,6 +210,11 @@ class World:
         elif index not in self.peers or not self.peers[index].up:
             return  # unreachable: no answer
         t = self.links.transfer(index, learner.index, SMALL, self.clock.now)
+        p = learner.pending
+        if ok and p is not None and p.sub.digest == sub.digest:
+            if p.accepted_coming:
+                return  # one "accepted" tells the learner; more change nothing (fewer events)
+            p.accepted_coming = True
         self.clock.at(t, learner.reply, sub.digest, index, ok, code, hint)
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:

@@ -6,6 +6,7 @@ that claims, or even honestly has, a huge share cannot dominate either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 
@@ -45,8 +46,17 @@ def merge_weights(entries: Mapping[str, tuple[int, int]], cap_fraction: float) -
     A submission weighs tokens / (1 + lag), capped per ``capped_weights`` at ``cap_fraction``
     of the total. The mapping's order is kept, so callers pass ids in sorted order.
     """
-    raw = {k: float(tokens) / (1 + lag) for k, (tokens, lag) in entries.items()}
-    return capped_weights(raw, cap_fraction)
+    return dict(_merge_weights(tuple(entries.items()), cap_fraction))
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_weights(
+    entries: tuple[tuple[str, tuple[int, int]], ...], cap_fraction: float
+) -> tuple[tuple[str, float], ...]:
+    """Memoized: every member of a committee (and, in the simulator, every simulated one)
+    weighs the same input set; the water-filling costs 100 passes over it."""
+    raw = {k: float(tokens) / (1 + lag) for k, (tokens, lag) in entries}
+    return tuple(capped_weights(raw, cap_fraction).items())
 
 
 def plausible_claim(steps: int, tokens: int, max_steps: int) -> tuple[int, int]:
