@@ -4,9 +4,14 @@ Every cell is one ``p2pdiloco simulate`` run (M learners in one process, real te
 syncer's own screening and merge, the last B learners attacking through
 ``sync.attacks.Attacker``, omniscient: they see the round's honest deltas and one another's),
 all on the same data, seed and schedule. Per cell it prints the final eval loss as a ratio to
-the clean run (plain mean, no attacker), the share of honest deltas the merge accepted and the
-share of the attackers' deltas it accepted; a cell meets the brief's target (section 7) when the
-ratio is ≤ 1.03 and ≥ 99% of honest deltas were accepted.
+the clean run (plain mean, M honest learners, no attacker), the share of honest deltas the
+merge accepted and the share of the attackers' deltas it accepted; a cell meets the brief's
+target (section 7) when the ratio is ≤ 1.03 and ≥ 99% of honest deltas were accepted. Beside
+it, the ratio to the honest-only run: the M − B honest learners alone, on the same shards and
+batches as in every cell (plain mean; the attackers send 20× deltas that screening drops from
+every merge, which the bench checks). The best a defence can do is drop the attackers, which
+also drops their share of the tokens, so a cell whose attackers were all rejected can miss the
+first ratio and sit at 1.000 on the second.
 
     .venv/bin/python bench/byzantine.py                       # the default rule, every cell
     .venv/bin/python bench/byzantine.py --rules all --attacks alie,collude --fractions 3/8
@@ -78,8 +83,9 @@ def rule_label(name: str, params: dict[str, Any]) -> str:
 def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: str | None,
              attackers: int) -> dict[str, Any]:  # fmt: skip
     name, params = rule
+    m = a.learners
     cfg = SimulateConfig(
-        learners=a.learners, inner_steps=a.inner_steps, rounds=a.rounds, data=a.data,
+        learners=m, inner_steps=a.inner_steps, rounds=a.rounds, data=a.data,
         seed=a.seed, baseline=False, eval_batches=a.eval_batches, compression=a.compression,
         rules=SyncRules(aggregation=name, aggregation_params=params),
         adversaries=attackers, attack=attack or "sign-flip",
@@ -90,12 +96,13 @@ def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: st
     res = run_simulation(cfg)
     bad = set(res.adversaries)
     merges = a.rounds  # one fragment: one merge per round
-    honest = [i for i in range(a.learners) if i not in bad]
+    honest = [i for i in range(m) if i not in bad]
     return {
         "rule": rule_label(name, params),
         "aggregation": name,
         "params": params,
         "attack": attack or "clean",
+        "learners": m,
         "attackers": attackers,
         "fraction": f"{Fraction(attackers, a.learners)}" if attackers else "0",
         "loss": res.diloco.eval_loss_final,
@@ -109,17 +116,22 @@ def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: st
     }
 
 
-def judge(row: dict[str, Any], clean_loss: float) -> None:
-    """Adds the ratio, met/missed and, for a miss, its reason (measured, not guessed)."""
+def judge(row: dict[str, Any], clean_loss: float, honest_only_loss: float) -> None:
+    """Adds both ratios, met/missed and, for a miss, its reason (measured, not guessed)."""
     row["loss_ratio"] = row["loss"] / clean_loss
+    row["loss_ratio_honest_only"] = row["loss"] / honest_only_loss
     reasons = []
     if row["loss_ratio"] > LOSS_TARGET:
-        took = row["attacker_accepted"]
-        why = (
-            f"{took:.0%} of the attackers' deltas passed screening"
-            if took
-            else "no attacker was merged; the rule itself costs the loss"
-        )
+        took, vs_honest = row["attacker_accepted"], row["loss_ratio_honest_only"]
+        if took:
+            why = f"{took:.0%} of the attackers' deltas passed screening"
+        elif vs_honest <= LOSS_TARGET:
+            why = (
+                f"every attacker screened out; {vs_honest:.3f} × the honest learners alone: "
+                "their missing tokens, not poisoning"
+            )
+        else:
+            why = f"every attacker screened out, yet {vs_honest:.3f} × the honest learners alone"
         reasons.append(f"loss {row['loss_ratio']:.3f} × clean > {LOSS_TARGET} ({why})")
     if row["honest_accepted"] < HONEST_TARGET:
         reasons.append(f"only {row['honest_accepted']:.1%} of honest deltas accepted")
@@ -129,14 +141,15 @@ def judge(row: dict[str, Any], clean_loss: float) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'rule':24} {'attack':10} {'frac':>4} {'loss':>7} {'÷ clean':>8} "
+        f"{'rule':24} {'attack':10} {'frac':>4} {'loss':>7} {'÷ clean':>8} {'÷ honest':>8} "
         f"{'honest in':>9} {'attack in':>9}  target"
     ]
     for r in rows:
         took = "-" if r["attacker_accepted"] is None else f"{r['attacker_accepted']:.0%}"
         lines.append(
             f"{r['rule']:24} {r['attack']:10} {r['fraction']:>4} {r['loss']:7.4f} "
-            f"{r['loss_ratio']:8.3f} {r['honest_accepted']:9.0%} {took:>9}  "
+            f"{r['loss_ratio']:8.3f} {r['loss_ratio_honest_only']:8.3f} "
+            f"{r['honest_accepted']:9.0%} {took:>9}  "
             + ("met" if r["met"] else f"MISSED: {r['reason']}")
         )
     return "\n".join(lines)
@@ -264,15 +277,25 @@ def main() -> int:
         (a.out / "byzantine.json").write_text(json.dumps(report, indent=2) + "\n")
 
     clean = run_cell(a, ("mean", {}), None, 0)
-    judge(clean, clean["loss"])
+    judge(clean, clean["loss"], clean["loss"])
     report["clean"] = clean
     print(f"clean (mean): loss {clean['loss']:.4f} in {clean['seconds']:.1f} s", file=sys.stderr)
+    # The honest learners alone, on the very shards and batches they have in every cell: the
+    # plain mean, with the B attackers' 20× deltas screened out of every merge (checked).
+    alone = {0: clean["loss"]}  # attackers → loss of the honest learners alone
+    for b in counts:
+        only = run_cell(a, ("mean", {}), "scale", b)
+        if only["attacker_accepted"] != 0:
+            raise SystemExit("screening let a 20× delta through: no honest-only reference")
+        alone[b] = only["loss"]
+        report.setdefault("honest_only", []).append(only)
+        print(f"honest only ({a.learners - b} of 8): loss {only['loss']:.4f}", file=sys.stderr)
     for rule in rules:
         cells = [(None, 0)] if rule[0] != "mean" else []
         cells += [(attack, b) for b in counts for attack in attacks]
         for attack, b in cells:
             row = run_cell(a, rule, attack, b)
-            judge(row, clean["loss"])
+            judge(row, clean["loss"], alone[b])
             report["rows"].append(row)
             save()
             print(
