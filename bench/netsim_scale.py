@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from p2pdiloco.sim import SimConfig, simulate_run
 
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in (int(x) for x in a.peers.split(",")):
         cfg = SimConfig(
             peers=n, duration=a.minutes * 60, committee_size=a.committee, churn_per_hour=a.churn,
@@ -62,21 +63,22 @@ def main() -> int:
     return 0
 
 
-def _plot(rows: list[dict[str, object]], out: Path) -> None:
+def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    peers = [int(r["peers"]) for r in rows]  # type: ignore[call-overload]
+    peers = [int(r["peers"]) for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
     for q in ("latency_p50", "latency_p95", "latency_p99"):
-        ax1.plot(peers, [float(r[q]) for r in rows], "o-", label=q.split("_")[1])  # type: ignore[arg-type]
+        ax1.plot(peers, [float(r[q]) for r in rows], "o-", label=q.split("_")[1])
     ax1.set_xscale("log")
+    ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax1.set_xlabel("peers")
     ax1.set_ylabel("round open → certificate (s)")
     ax1.legend()
-    ax2.plot(peers, [float(r["goodput"]) for r in rows], "o-")  # type: ignore[arg-type]
+    ax2.plot(peers, [float(r["goodput"]) for r in rows], "o-")
     ax2.axhline(0.9, color="grey", lw=0.6, ls=":")
     ax2.set_xscale("log")
     ax2.set_ylim(0, 1.02)

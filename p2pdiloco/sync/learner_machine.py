@@ -224,8 +224,8 @@ class LearnerMachine:
             return []  # the runtime sends it again
         if code is Reason.ROUND_CLOSED:
             # Late for its round, not bad: the certificate will not merge it, and then its steps
-            # are carried into the next delta (ADR 0014) instead of being thrown away now. The
-            # simulator measured what dropping cost: 5 % of goodput with no fault at all.
+            # are carried into the next delta (ADR 0014) instead of being thrown away now
+            # (the simulator's finding: docs/adr/0021-network-simulator.md).
             return []
         newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
