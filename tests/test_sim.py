@@ -110,3 +110,19 @@ def test_bad_settings_are_refused() -> None:
         SimConfig(faulty_syncers=1.0)
     with pytest.raises(ValueError, match="positive"):
         SimConfig(peers=0)
+
+
+def test_netsim_command_prints_the_figures_and_refuses_bad_settings_in_one_line() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from p2pdiloco.cli.app import app
+
+    out = CliRunner().invoke(app, ["netsim", "--peers", "8", "--committee", "4", "--minutes",
+                                   "10", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    figures = json.loads(out.output)
+    assert figures["versions"] > 0 and 0 < figures["goodput"] <= 1
+    bad = CliRunner().invoke(app, ["netsim", "--faulty", "1.5"])
+    assert bad.exit_code == 2 and "error: faulty_syncers must be in [0, 1)" in bad.output
