@@ -50,7 +50,7 @@ RULE_PARAMS: dict[str, dict[str, Any]] = {
     "trimmed_mean": {"f": 1},
     "krum": {"f": 1},
     "multi_krum": {"f": 1},
-    "centered_clip": {"tau": 1.0, "relative": True},
+    "centered_clip": {"tau": 1.0, "relative": 1.0},  # a manifest holds numbers: 1.0 = True
     "geometric_median": {},
 }
 LOSS_TARGET = 1.03  # final eval loss ÷ clean run, at most
@@ -67,9 +67,8 @@ def parse_rule(spec: str) -> tuple[str, dict[str, Any]]:
     params: dict[str, Any] = {}
     for item in rest.split(","):
         key, _, value = item.partition("=")
-        params[key] = (
-            value.lower() == "true" if value.lower() in ("true", "false") else float(value)
-        )
+        flag = {"true": 1.0, "false": 0.0}.get(value.lower())  # a manifest holds numbers only
+        params[key] = flag if flag is not None else float(value)
         if isinstance(params[key], float) and params[key].is_integer() and key in ("f", "m"):
             params[key] = int(params[key])
     return name, params
