@@ -113,9 +113,11 @@ class SimLearner:
         w.deliver(self, sub, self.pending.asked)
 
     def redeliver(self) -> None:
-        """A new view's committee: send the delta in flight to its members not asked yet."""
+        """A new view's committee: send the delta in flight to its members not asked yet (even
+        if an old member accepted it: that member may never certify), as the runtime's poller
+        does."""
         p = self.pending
-        if p is not None and self.alive and not p.told:
+        if p is not None and self.alive and self.machine.in_flight is not None:
             self.world.deliver(self, p.sub, p.asked)
 
     def reply(self, digest: str, member: int, accepted: bool, code: Reason | None,

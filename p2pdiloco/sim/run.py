@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from p2pdiloco.sim.backend import Merge, MetadataMerge
-from p2pdiloco.sim.config import SimConfig, fault_schedule, profiles
+from p2pdiloco.sim.config import Fault, SimConfig, fault_schedule, profiles
 from p2pdiloco.sim.dp import DataParallelResult, data_parallel
 from p2pdiloco.sim.world import World
 
@@ -28,6 +28,8 @@ class SimResult:
     versions: int
     goodput: float  # certified tokens ÷ capacity
     trained_share: float  # tokens trained (merged or not) ÷ capacity
+    credited_tokens: int  # what the certificates credit (claims clipped to H)
+    all_time_tokens: float  # every peer's speed × the whole duration, down time included
     credited_share: float  # tokens the certificates credit ÷ capacity
     capacity_tokens: float
     certified_tokens: int
@@ -63,13 +65,27 @@ def simulate_run(
     *,
     baseline: bool = True,
     checkpoint_seconds: float = 600.0,
+    faults: list[Fault] | None = None,
+    step_seconds: dict[int, float] | None = None,
 ) -> tuple[SimResult, World]:
     """Simulate ``cfg.duration`` seconds; with ``baseline``, data-parallel on the same faults
-    (checkpointing every ``checkpoint_seconds`` of training)."""
+    (checkpointing every ``checkpoint_seconds`` of training). ``faults`` replaces the drawn
+    schedule (a measured one, e.g. ``bench/chaos.py``'s) and ``step_seconds`` the drawn speed
+    of the peers it names (profile index → seconds per inner step)."""
     started = time.perf_counter()
     rng = random.Random(cfg.seed)
-    faults, count = fault_schedule(cfg, rng)
-    profs = profiles(cfg, count, rng)
+    drawn, count = fault_schedule(cfg, rng)
+    if faults is None:
+        faults = drawn
+    else:
+        faults = sorted(faults, key=lambda f: f.time)
+        count = max([cfg.peers - 1, *(f.peer for f in faults)]) + 1
+    profs = [
+        replace(p, step_seconds=step_seconds[p.index])
+        if step_seconds and p.index in step_seconds
+        else p
+        for p in profiles(cfg, count, rng)
+    ]
     world = World(cfg, merge or MetadataMerge(), profs)
     world.start(faults)
     world.clock.run(cfg.duration)
@@ -93,6 +109,10 @@ def simulate_run(
         goodput=certified / capacity if capacity else 0.0,
         trained_share=world.trained_tokens / capacity if capacity else 0.0,
         credited_share=sum(c.credited for c in good) / capacity if capacity else 0.0,
+        credited_tokens=sum(c.credited for c in good),
+        all_time_tokens=sum(
+            cfg.duration * cfg.tokens_per_step / profs[i].step_seconds for i in range(cfg.peers)
+        ),
         capacity_tokens=capacity,
         certified_tokens=certified,
         latency_p50=_percentile(lat, 50),

@@ -156,9 +156,9 @@ class World:
         )  # fmt: skip
         peer.learner = SimLearner(self, peer.profile.index, machine, epoch)
         peer.learner.go()
-        members = self.members.get(self.view, {})
-        if peer.profile.peer_id in self.committee.members and peer.profile.index not in members:
-            self._open_member(peer.profile.index)
+        old = self.members.get(self.view, {}).get(peer.profile.index)
+        if peer.profile.peer_id in self.committee.members and (old is None or not old.alive):
+            self._open_member(peer.profile.index)  # back after a crash: a fresh round
 
     def _fault(self, f: Fault) -> None:
         if f.kind == "join":
@@ -268,7 +268,8 @@ class World:
         peer = self.peers[index]
         if (key is not None and key != self.round_key) or not peer.up:
             return
-        if index in self.members.setdefault(self.view, {}):
+        old = self.members.setdefault(self.view, {}).get(index)
+        if old is not None and old.alive:
             return
         active = sum(1 for p in self.peers.values() if p.up)
         params = params_of(
@@ -281,8 +282,18 @@ class World:
         self.member_rounds += 1
         self.members[self.view][index] = member
         self.clock.after(TICK, member.tick)
+        before = self.members.get(self.view - 1, {})
+        prev = before.get(index)
+        if prev is not None and prev.epoch == peer.epoch:
+            # What it held in the view before goes into this view's round (``SyncService``
+            # carries its held submissions the same way); a locked round takes the set only.
+            carried = [sub for d, sub in prev.round.accepted.items()
+                       if self.locked is None or d in self.locked]  # fmt: skip
+            for sub in carried:
+                member.submit(sub, prev.senders.get(sub.digest, index))
         if self.locked is not None:  # fetch the locked set from a voter that signed it
-            holders = [m for m in self.members_of_view(self.view - 1) if m.round.own_hash]
+            holders = [m for m in before.values()
+                       if m.round.own_hash and self.peers[m.index].epoch == m.epoch]  # fmt: skip
             src = holders[0].index if holders else index
             subs = [self.subs[d] for d in self.locked if d in self.subs]
             t = self.links.transfer(src, index, self.cfg.payload_bytes * len(subs), self.clock.now)
