@@ -189,7 +189,7 @@ def plot_heatmap(report: dict[str, Any], stem: Path) -> None:
                 if r is not None:
                     mark = "" if r["met"] else " ✗"
                     ax.text(j, i, f"{r['loss_ratio']:.3f}{mark}", ha="center", va="center",
-                            fontsize=7, color="black" if r["met"] else "white")  # fmt: skip
+                            fontsize=7, color="white" if r["loss_ratio"] > 1.09 else "black")  # fmt: skip
         ax.set_xticks(range(len(fracs)), fracs)
         ax.set_yticks(range(len(attacks)), attacks if ax is axes[0][0] else [""] * len(attacks))
         ax.set_title(rule, fontsize=8)
