@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from p2pdiloco.choices import CODECS, check_sparse_rule
+from p2pdiloco.choices import ATTACKS, CODECS, check_sparse_rule
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.tables import demo_summary
 from p2pdiloco.demo import DemoConfig, run_demo
@@ -26,7 +26,7 @@ def demo(
     inner_steps: Annotated[int, typer.Option(help="Inner steps per round (H).")] = _d.inner_steps,
     adversary: Annotated[
         str | None,
-        typer.Option(help="The last node attacks: sign-flip, scale, noise, alie, ipm, replay."),
+        typer.Option(help="The last node attacks: " + ", ".join(ATTACKS) + "."),
     ] = None,
     aggregation: Annotated[str, typer.Option(help="Robust rule of the run.")] = _d.aggregation,
     compression: Annotated[
