@@ -171,8 +171,7 @@ def committee_of_roster(
     view: int = 0,
 ) -> CommitteeInfo:
     """:func:`committee_for` on its inputs: the certified roster of version ``base`` and the
-    beacon after it. Pure; the simulator (``p2pdiloco.sim``) calls it with rosters it keeps
-    without certificate bodies."""
+    beacon after it. Pure."""
     if not 0 <= view < MAX_VIEWS:
         raise ValueError(f"view {view} out of range")
     candidates = [
