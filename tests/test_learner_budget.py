@@ -79,3 +79,19 @@ def test_a_budget_restarts_when_a_version_lands_so_learners_meet_the_same_round(
     assert isinstance(rebase, Rebase) and m.trained_seconds == 0.0 and m.trained == 4
     send = budgeted_stretch(m, 0.1)  # one whole budget after version 4 landed
     assert send == Send(4, 14)
+
+
+def test_under_a_budget_a_delta_holding_carried_work_is_not_carried_again() -> None:
+    # H (10,000) bounds nothing here: without this rule a delta screened out is carried, grows,
+    # is screened out again, and so on for ever (seen on real processes: one learner out of
+    # every round after the first miss).
+    m = machine(inner_steps=10_000, chunk=2_500, time_budget=1.0)
+    first = budgeted_stretch(m, 0.1)
+    m.on_sent("d1")
+    [rebase] = m.on_certified(m.version + 1, frozenset())  # not merged: carried
+    assert rebase.carried == first.steps and m.carried == first.steps
+    second = budgeted_stretch(m, 0.1)
+    assert second.steps == 2 * first.steps
+    m.on_sent("d2")
+    [rebase] = m.on_certified(m.version + 1, frozenset())  # not merged again: dropped
+    assert rebase.carried == 0 and m.trained == 0 and m.carried == 0

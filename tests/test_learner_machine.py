@@ -16,6 +16,7 @@ from p2pdiloco.sync.learner_machine import (
     Send,
     Train,
     Wait,
+    round_pace,
 )
 
 H = 10
@@ -430,3 +431,16 @@ def test_machine_built_at_its_stop_version_is_idle() -> None:
     assert m.phase is LearnerPhase.IDLE
     [action] = m.next_action(0.0)
     assert isinstance(action, Wait)
+
+
+def test_the_lr_schedule_follows_the_runs_pace_not_the_learners_own_count() -> None:
+    # A slow learner (2 steps a round where the run does H) is put at version × pace plus the
+    # progress it keeps, so it trains at the run's lr; with its own count it would lag behind
+    # the run's schedule, at a higher lr, and its deltas would be screened out as outliers.
+    m = machine()
+    m.on_trained(2)
+    m.next_action(0.0)  # nothing to send yet
+    [rebase] = m.on_certified(4, frozenset(), pace=30)
+    assert rebase.seek_step == 4 * 30 + 2
+    assert round_pace([30, 7, 31, 29]) == 29  # the lower median: one integer for everyone
+    assert round_pace([H]) == H and round_pace([]) is None

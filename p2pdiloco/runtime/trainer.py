@@ -42,6 +42,7 @@ from p2pdiloco.sync.learner_machine import (
     Send,
     Train,
     Wait,
+    round_pace,
 )
 from p2pdiloco.sync.weights import plausible_claim
 from p2pdiloco.train.learner import Learner, Outgoing
@@ -166,6 +167,9 @@ class Trainer:
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        pace = _pace(state)
+        if pace is not None:  # joining mid-run: train at the run's lr, not a fresh warmup's
+            learner.seek(state.version * pace + machine.trained)
 
     # -- lifecycle (called from the main thread) ---------------------------------------------
 
@@ -226,7 +230,7 @@ class Trainer:
         for ev in events:
             if isinstance(ev, Certified):
                 actions = self.machine.on_certified(
-                    ev.state.version, ev.merged_digests, carry=ev.known
+                    ev.state.version, ev.merged_digests, carry=ev.known, pace=_pace(ev.state)
                 )
                 if actions:
                     self._new_state = ev.state
@@ -261,7 +265,7 @@ class Trainer:
                 self._c.tokens_since_send += sent.tokens
             anchor = sent if action.anchor_sent and not carry else None
             self.learner.rebase(new.params, self.state.params, anchor)
-            if action.seek_step is not None:  # skipped versions: follow the run's lr schedule
+            if action.seek_step is not None:  # follow the run's lr schedule, not our own count
                 self.learner.seek(action.seek_step)
             self.state, self._sent = new, None
             self._event(f"rebased onto version {new.version}")
@@ -387,3 +391,9 @@ class Trainer:
             if self.manifest.time_budget is None
             else float(self.manifest.time_budget),
         )
+
+
+def _pace(state: CertifiedState) -> int | None:
+    """The run's steps per delta at ``state`` (None at genesis, or when it merged nothing)."""
+    cert = state.cert
+    return round_pace(a.steps for a in cert.body.accepted) if cert is not None else None

@@ -34,6 +34,7 @@ goes out without waiting (a later view's committee needs it).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
@@ -69,7 +70,8 @@ class Wait:
 class Rebase:
     """Move onto certified ``version`` (the driver holds its state). ``anchor_sent``: the delta
     in flight is settled by it, so rebase from the parameters as sent; else from the old base.
-    ``seek_step``: versions were skipped, put the lr schedule at this global step."""
+    ``seek_step``: put the inner lr schedule at this global step (the run's pace is known, or
+    versions were skipped); None: keep the learner's own count."""
 
     version: int
     anchor_sent: bool
@@ -104,6 +106,7 @@ class InFlight:
     sent_at: float
     steps: int = 0  # inner steps the delta covers
     overtime: int = 0  # of those, steps trained in overtime (the delta was folded)
+    carried: int = 0  # of those, steps carried from a delta no certificate merged
     digest: str | None = None  # set by ``on_sent``
     accepted_by_some: bool = False
 
@@ -120,6 +123,7 @@ class LearnerMachine:
     trained_seconds: float = 0.0  # seconds spent training those steps
     seconds_per_step: float | None = None  # measured over the last chunks (budget sizing)
     overtime: int = 0  # steps trained since the last send while a delta was in flight past H
+    carried: int = 0  # of ``trained``, steps carried from a delta no certificate merged
     _overtime_chunk: bool = field(default=False, repr=False)  # the Train out is overtime
     in_flight: InFlight | None = None
     sent: int = field(default=0)
@@ -163,7 +167,8 @@ class LearnerMachine:
         if self.in_flight is None and self.stretch_done:
             steps, over = self.trained, min(self.overtime, self.trained)
             self.trained, self.trained_seconds, self.overtime = 0, 0.0, 0
-            self.in_flight = InFlight(self.version, now, steps, over)
+            self.in_flight = InFlight(self.version, now, steps, over, self.carried)
+            self.carried = 0
             self.sent += 1
             return [Send(self.version, steps, over)]
         self._overtime_chunk = phase is LearnerPhase.OVERTIME
@@ -201,7 +206,7 @@ class LearnerMachine:
     def on_progress_lost(self) -> None:
         """The steps trained since the last send (or the base) are gone (an island re-formed
         from the last certified state): the stretch starts again."""
-        self.trained, self.trained_seconds, self.overtime = 0, 0.0, 0
+        self.trained, self.trained_seconds, self.overtime, self.carried = 0, 0.0, 0, 0
         self._overtime_chunk = False
 
     def on_sent(self, digest: str) -> None:
@@ -240,11 +245,20 @@ class LearnerMachine:
         return self._lose(code)
 
     def on_certified(
-        self, version: int, merged_digests: frozenset[str], carry: bool = True
+        self,
+        version: int,
+        merged_digests: frozenset[str],
+        carry: bool = True,
+        pace: int | None = None,
     ) -> list[LearnerAction]:
         """Certified ``version`` (the newest of a verified chain) is ready to apply.
         ``merged_digests``: every submission the chain's certificates merged. ``carry=False``
-        when those are unknown: a delta in flight is then not carried (it may be merged)."""
+        when those are unknown: a delta in flight is then not carried (it may be merged).
+        ``pace``: steps per delta of the run at that version (``round_pace`` of its certificate).
+        The inner lr schedule is then put at ``version × pace`` plus the progress this learner
+        keeps, so every learner, fast or slow, trains at the run's rate: one counting only its
+        own steps would stay at a higher lr than the run's and its deltas would be norm
+        outliers (a learner training a third of the time was screened out round after round)."""
         if version <= self.version:
             return []
         fly = self.in_flight
@@ -255,10 +269,17 @@ class LearnerMachine:
             self.lost += not merged
             # A delta of more than H steps (it already holds carried work), or a folded one, is
             # not carried again: its sent part is dropped, so no delta grows past 2H steps.
+            # Under a time budget H bounds nothing: there a delta holding carried work is not
+            # carried again (else one screened out, carried, grows and is screened out forever).
             short = fly.steps <= self.inner_steps and fly.overtime == 0
+            short = short and (self.time_budget is None or fly.carried == 0)
             carried = fly.steps if carry and not merged and short else 0
             self.trained += carried  # its work goes into the next delta
-        seek = version * self.inner_steps if version > self.version + 1 else None
+            self.carried += carried
+        if pace is not None and pace > 0:
+            seek: int | None = version * pace + self.trained
+        else:
+            seek = version * self.inner_steps if version > self.version + 1 else None
         self.version, self.in_flight = version, None
         # A budget is per round: it restarts when a version lands, so every learner sends about
         # one budget after the round opened and the slow ones meet the same round close.
@@ -269,3 +290,11 @@ class LearnerMachine:
         self.in_flight = None
         self.lost += 1
         return [Drop(code)]
+
+
+def round_pace(steps: Iterable[int]) -> int | None:
+    """The run's steps per delta at a certified version: the median of the steps its merged
+    deltas claim (the lower median, so every learner computes the same integer), None when it
+    merged none. With a fixed H it is H; under a time budget, what a typical learner trained."""
+    ordered = sorted(steps)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None

@@ -14,9 +14,11 @@ certified it rebases instead of restarting:
     not sent  θ_local ← θ_{new} + (θ_local − θ_v)       a newer version arrived mid-stretch:
                                                          carry all local progress onto it
 
-The inner learning-rate schedule follows global progress (version × H steps), not this
-learner's own step count, so a late joiner trains at the run's current rate and its deltas
-have the size of everyone else's (a fresh warmup would make them outliers).
+The inner learning-rate schedule follows global progress (version × the run's steps per
+delta, ``round_pace`` of the certificate: H, or under a time budget what a typical learner
+trained), not this learner's own step count, so a late joiner or a slow learner trains at the
+run's current rate and its deltas have the size of everyone else's (a fresh warmup, or a slow
+learner's lagging schedule, would make them outliers).
 """
 
 from __future__ import annotations
