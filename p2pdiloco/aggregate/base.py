@@ -111,41 +111,65 @@ def _blocked_sq_sums(
     """For each term ``(i, j)`` with j > i: Σ over coordinates of (d_j − d_i)²; with j == i:
     Σ (d_i − center)², or Σ d_i² without a center. Rows are processed in groups that fit one
     ``GRAIN``-sized op; a term's value does not depend on its group."""
-    r, d = len(terms), delta_MD.shape[1]
-    if r == 0:
-        return []
-    dev = delta_MD.device
-    per_group = max(1, GRAIN // BLOCK)
-    nblk = max(1, -(-d // BLOCK))
-    part_RB = torch.zeros(r, nblk, dtype=torch.float64, device=dev)
-    buf_Gn = torch.empty(per_group, min(d, BLOCK) or 1, dtype=torch.float64, device=dev)
-    # Each group is filled by runs of consecutive rows j sharing what is subtracted from them
-    # (row i for a pair, else the center): (row in group, i or -1, first j, last j).
-    groups: list[tuple[int, int, list[tuple[int, int, int, int]]]] = []
-    for g0 in range(0, r, per_group):
-        runs: list[tuple[int, int, int, int]] = []
-        for t, (i, j) in enumerate(terms[g0 : g0 + per_group]):
-            base = i if j != i else -1
-            if runs and runs[-1][1] == base and runs[-1][3] + 1 == j:
-                runs[-1] = (*runs[-1][:3], j)
-            else:
-                runs.append((t, base, j, j))
-        groups.append((g0, min(r, g0 + per_group), runs))
-    for k, (s, e) in enumerate(blocks(d)):
-        for g0, g1, runs in groups:
-            v_Gn = buf_Gn[: g1 - g0, : e - s]
-            for t, base, first, last in runs:
-                v = v_Gn[t : t + last - first + 1]
-                v.copy_(delta_MD[first : last + 1, s:e])
-                if base >= 0:
-                    v.sub_(delta_MD[base, s:e])
-                elif center_D is not None:
-                    v.sub_(center_D[s:e])
-            v_Gn.mul_(v_Gn)
-            _fold_(v_Gn)
-            part_RB[g0:g1, k].copy_(v_Gn[:, 0])
-    _fold_(part_RB)
-    return [float(x) for x in part_RB[:, 0].tolist()]
+    sums = SqSums(terms, delta_MD.shape[1], delta_MD.device)
+    sums.add(delta_MD, 0, center_D)
+    return sums.result()
+
+
+class SqSums:
+    """The sums of ``_blocked_sq_sums``, fed one column window at a time (``add``), so a caller
+    never holds the whole [M, D]: each ``BLOCK`` of coordinates leaves one float64 partial per
+    term, and ``result`` folds those. A window must start at a multiple of ``BLOCK`` (then every
+    partial, and so every result, is bit-identical to one call on the whole matrix)."""
+
+    def __init__(self, terms: Sequence[tuple[int, int]], numel: int, device: torch.device):
+        self.terms, self.numel = list(terms), numel
+        r = len(self.terms)
+        self.per_group = max(1, GRAIN // BLOCK)
+        self.part_RB = torch.zeros(
+            r, max(1, -(-numel // BLOCK)), dtype=torch.float64, device=device
+        )
+        self.buf_Gn = torch.empty(
+            self.per_group, min(numel, BLOCK) or 1, dtype=torch.float64, device=device
+        )
+        # Each group is filled by runs of consecutive rows j sharing what is subtracted from them
+        # (row i for a pair, else the center): (row in group, i or -1, first j, last j).
+        self.groups: list[tuple[int, int, list[tuple[int, int, int, int]]]] = []
+        for g0 in range(0, r, self.per_group):
+            runs: list[tuple[int, int, int, int]] = []
+            for t, (i, j) in enumerate(self.terms[g0 : g0 + self.per_group]):
+                base = i if j != i else -1
+                if runs and runs[-1][1] == base and runs[-1][3] + 1 == j:
+                    runs[-1] = (*runs[-1][:3], j)
+                else:
+                    runs.append((t, base, j, j))
+            self.groups.append((g0, min(r, g0 + self.per_group), runs))
+
+    def add(self, win_Mn: torch.Tensor, start: int, center_n: torch.Tensor | None = None) -> None:
+        """Columns ``start : start + n`` of the matrix (rows as the terms index them) and of the
+        center, if any."""
+        if start % BLOCK:
+            raise ValueError(f"a window starts at a multiple of {BLOCK}, not {start}")
+        k0 = start // BLOCK
+        for k, (s, e) in enumerate(blocks(win_Mn.shape[1]), start=k0):
+            for g0, g1, runs in self.groups:
+                v_Gn = self.buf_Gn[: g1 - g0, : e - s]
+                for t, base, first, last in runs:
+                    v = v_Gn[t : t + last - first + 1]
+                    v.copy_(win_Mn[first : last + 1, s:e])
+                    if base >= 0:
+                        v.sub_(win_Mn[base, s:e])
+                    elif center_n is not None:
+                        v.sub_(center_n[s:e])
+                v_Gn.mul_(v_Gn)
+                _fold_(v_Gn)
+                self.part_RB[g0:g1, k].copy_(v_Gn[:, 0])
+
+    def result(self) -> list[float]:
+        if not self.terms:
+            return []
+        _fold_(self.part_RB)
+        return [float(x) for x in self.part_RB[:, 0].tolist()]
 
 
 def row_sum64(
@@ -286,6 +310,9 @@ class AggregationRule(ABC):
     """
 
     name: str = ""
+    # Each output coordinate depends on that coordinate of the inputs alone (and the weights):
+    # the rule may then run on column windows (``rows.RowSet``) with bit-identical results.
+    coordinatewise: bool = False
 
     def __call__(
         self, deltas: torch.Tensor, weights: torch.Tensor | Sequence[float] | None = None

@@ -88,7 +88,7 @@ def screen(
         counts = Counter(t.numel() for t in tensors.values())
         best = max(counts.values())
         expected_numel = next(t.numel() for t in tensors.values() if counts[t.numel()] == best)
-    norms: dict[int, float] = {}
+    norms: dict[int, float] = {}  # squared, until judged
     sized = [i for i, t in tensors.items() if t.numel() == expected_numel]
     for i in tensors.keys() - set(sized):
         rejected[i] = f"numel {tensors[i].numel()} != expected {expected_numel}"
@@ -96,11 +96,28 @@ def screen(
         # One batched norm pass; a NaN/inf anywhere makes the float64 sum of squares non-finite
         # (finite float32 squares cannot overflow it).
         flat_KD = torch.stack([tensors[i].detach().reshape(-1).float() for i in sized])
-        for i, sq in zip(sized, sq_norms64(flat_KD), strict=True):
-            if math.isfinite(sq):
-                norms[i] = math.sqrt(sq)
-            else:
-                rejected[i] = "non-finite values"
+        norms = dict(zip(sized, sq_norms64(flat_KD), strict=True))
+    return judge_norms(len(rows), norms, rejected, norm_factor, reference)
+
+
+def judge_norms(
+    count: int,
+    sq_norms: dict[int, float],
+    rejected: dict[int, str],
+    norm_factor: float | None,
+    reference: Sequence[int] | None = None,
+) -> ScreenResult:
+    """The verdict of ``screen`` from the squared norms of the well-formed rows (``rejected``
+    holds the others): a non-finite one is rejected, then every norm above ``norm_factor`` ×
+    the median (of the ``reference`` rows when any is well formed). Shared with the merge, which
+    sums the norms window by window (``RowSet.sq_norms``)."""
+    rejected = dict(rejected)
+    norms: dict[int, float] = {}
+    for i, sq in sq_norms.items():
+        if math.isfinite(sq):
+            norms[i] = math.sqrt(sq)
+        else:
+            rejected[i] = "non-finite values"
     if norm_factor is not None and norms:
         anchored = [norms[i] for i in reference or () if i in norms]
         med = median_of(anchored or list(norms.values()))
@@ -108,7 +125,7 @@ def screen(
         for i, nrm in norms.items():
             if nrm > limit:
                 rejected[i] = f"norm {nrm:.4g} > {float(norm_factor)!r} × median {med:.4g}"
-    accepted = [i for i in range(len(rows)) if i not in rejected]
+    accepted = [i for i in range(count) if i not in rejected]
     return ScreenResult(accepted, dict(sorted(rejected.items())), norms)
 
 

@@ -36,6 +36,7 @@ class Mean(AggregationRule):
     """
 
     name = "mean"
+    coordinatewise = True
 
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
         return weighted_mean64(delta_MD, range(delta_MD.shape[0]), weights).float()

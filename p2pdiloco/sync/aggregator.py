@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pdiloco.aggregate import get_rule, screen
-from p2pdiloco.aggregate.base import sq_norms64
+from p2pdiloco.aggregate import get_rule
+from p2pdiloco.aggregate.base import SqSums
+from p2pdiloco.aggregate.clipping import judge_norms
+from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
+from p2pdiloco.train.outer import OuterConfig, outer_update_
 
 
 @dataclass(frozen=True)
@@ -93,18 +95,19 @@ def merge_round(
             rows.append(i)
     if not rows:
         raise MergeError("no delta of the round has the model's tensors", rejected)
-    delta_MD = torch.stack(
-        [torch.cat([inputs[i].delta[n].float().reshape(-1) for n in names]) for i in rows]
-    )
+    # The deltas stay where they are: never one [M, D] copy (RowSet hands out column windows).
+    deltas = RowSet([[inputs[i].delta[n] for n in names] for i in rows])
+    everyone = list(range(len(rows)))
     anchors = [j for j, i in enumerate(rows) if inputs[i].trusted]
-    verdict = screen(
-        delta_MD,
-        expected_numel=delta_MD.shape[1],
-        norm_factor=rules.screen_norm_factor,
-        reference=anchors if len(anchors) < len(rows) else None,
+    verdict = judge_norms(
+        len(rows),
+        dict(zip(everyone, deltas.sq_norms(everyone), strict=True)),
+        {},
+        rules.screen_norm_factor,
+        anchors if len(anchors) < len(rows) else None,
     )
     trusted = [inputs[i].trusted for i in rows]
-    away = _away_from_trusted(delta_MD, verdict.accepted, trusted)
+    away = _away_from_trusted(deltas, verdict.accepted, trusted)
     kept = [j for j in verdict.accepted if j not in away]
     reasons = {**verdict.rejected, **away}
     rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
@@ -114,48 +117,61 @@ def merge_round(
     if len(kept) < chosen.min_learners:
         chosen, applied = get_rule("median"), f"median (fallback from {rules.aggregation})"
     weights = [inputs[rows[j]].weight for j in kept]
-    merged_D = chosen(delta_MD[kept].contiguous(), weights)
 
     new_params = {n: params[n].detach().float().clone() for n in names}
-    opt = OuterOptimizer(outer)
-    opt.momentum = {n: momentum[n].detach().float().clone() for n in names if n in momentum}
-    merged, offset = {}, 0
-    for n in names:
-        size = new_params[n].numel()
-        merged[n] = merged_D[offset : offset + size].reshape(new_params[n].shape)
-        offset += size
-    opt.step(new_params, merged)
+    new_momentum = {
+        n: momentum[n].detach().float().clone() if n in momentum else torch.zeros_like(p)
+        for n, p in new_params.items()
+    }
+    flat_p = [new_params[n].view(-1) for n in names]
+    flat_m = [new_momentum[n].view(-1) for n in names]
+    # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
+    # holds the M deltas, the new state and one window; any other rule sees all columns at once.
+    spans = deltas.windows() if chosen.coordinatewise else iter([(0, deltas.d)])
+    for s, e in spans:
+        merged_n = chosen(deltas.window(kept, s, e), weights)
+        for k, first, last in deltas.spans(s, e):
+            at = deltas.starts[k] + first - s
+            g = merged_n[at : at + last - first]
+            outer_update_(flat_p[k][first:last], flat_m[k][first:last], g, outer)
     order = {inp.digest: k for k, inp in enumerate(inputs)}
     return MergeResult(
         params=new_params,
-        momentum=opt.momentum,
+        momentum=new_momentum,
         accepted=[inputs[rows[j]].digest for j in kept],
         rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
     )
 
 
-def _away_from_trusted(
-    delta_MD: torch.Tensor, accepted: list[int], trusted: list[bool]
-) -> dict[int, str]:
+def _away_from_trusted(deltas: RowSet, accepted: list[int], trusted: list[bool]) -> dict[int, str]:
     """Probationary rows (ADR 0016) among ``accepted`` whose delta points away from the mean of
     the accepted trusted rows (a·m ≤ 0), with their reasons. The mean is summed row by row in
-    float64 and a·m comes from ``sq_norms64`` (‖a‖² + ‖m‖² − ‖a − m‖²), so every syncer draws
-    the same line. Nothing is checked without a trusted row or a probationary one."""
+    float64 and a·m comes from squared norms by the fixed tree (‖a‖² + ‖m‖² − ‖a − m‖²), so
+    every syncer draws the same line. Window by window; nothing is checked without a trusted
+    row or a probationary one."""
     anchors = [j for j in accepted if trusted[j]]
     fresh = [j for j in accepted if not trusted[j]]
     if not anchors or not fresh:
         return {}
-    mean_D = delta_MD[anchors[0]].double().clone()
-    for j in anchors[1:]:
-        mean_D += delta_MD[j].double()
-    mean_D /= len(anchors)
-    (m2,) = sq_norms64(mean_D.unsqueeze(0))
-    a2s = sq_norms64(delta_MD, fresh)
-    d2s = sq_norms64(delta_MD, fresh, center_D=mean_D)
+    dev = deltas.device
+    m2 = SqSums([(0, 0)], deltas.d, dev)
+    a2 = SqSums([(t, t) for t in range(len(fresh))], deltas.d, dev)
+    d2 = SqSums([(t, t) for t in range(len(fresh))], deltas.d, dev)
+    for s, e in deltas.windows():
+        anchor_An = deltas.window(anchors, s, e)
+        mean_n = anchor_An[0].double()
+        for row in anchor_An[1:]:
+            mean_n += row.double()
+        mean_n /= len(anchors)
+        fresh_Fn = deltas.window(fresh, s, e)
+        m2.add(mean_n.unsqueeze(0), s)
+        a2.add(fresh_Fn, s)
+        d2.add(fresh_Fn, s, center_n=mean_n)
+    (mm,) = m2.result()
     out = {}
-    for j, a2, d2 in zip(fresh, a2s, d2s, strict=True):
-        dot = (a2 + m2 - d2) / 2
+    for j, aa, dd in zip(fresh, a2.result(), d2.result(), strict=True):
+        dot = (aa + mm - dd) / 2
         if dot <= 0:
             out[j] = f"points away from the trusted inputs' mean (a·m = {dot:.3g})"
     return out

@@ -53,6 +53,23 @@ def pseudo_gradient(
     return {n: base[n].float() - local[n].float() for n in names}
 
 
+@torch.no_grad()
+def outer_update_(p: torch.Tensor, buf: torch.Tensor, g: torch.Tensor, cfg: OuterConfig) -> None:
+    """One outer step of ``p`` and its momentum ``buf`` (in place) by the merged pseudo-gradient
+    ``g`` (float32): element-wise only, so a slice of a tensor gets the very bits it would get
+    in a step of the whole tensor (the merge applies it window by window)."""
+    mu, lr = cfg.momentum, cfg.lr
+    buf.mul_(mu)
+    buf.add_(g)
+    if cfg.nesterov:
+        update = buf * mu
+        update.add_(g)
+    else:
+        update = buf.clone()
+    update.mul_(lr)
+    p.copy_((p.float() - update).to(p.dtype))
+
+
 class OuterOptimizer:
     """Nesterov SGD on merged pseudo-gradients, keeping one fp32 momentum buffer per tensor.
 
@@ -76,7 +93,6 @@ class OuterOptimizer:
         for n, d in merged_delta.items():
             if tuple(params[n].shape) != tuple(d.shape):
                 raise ValueError(f"delta '{n}' has shape {tuple(d.shape)}, param {params[n].shape}")
-        mu, lr = self.cfg.momentum, self.cfg.lr
         for n, delta in merged_delta.items():
             p = params[n]
             g = delta.to(device=p.device, dtype=torch.float32)
@@ -84,15 +100,7 @@ class OuterOptimizer:
             if buf is None:
                 buf = torch.zeros_like(g)
                 self.momentum[n] = buf
-            buf.mul_(mu)
-            buf.add_(g)
-            if self.cfg.nesterov:
-                update = buf * mu
-                update.add_(g)
-            else:
-                update = buf.clone()
-            update.mul_(lr)
-            p.copy_((p.float() - update).to(p.dtype))
+            outer_update_(p, buf, g, self.cfg)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Momentum buffers keyed ``outer.momentum.<param name>``."""
