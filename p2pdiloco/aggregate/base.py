@@ -257,7 +257,7 @@ def _check_deltas(deltas: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_weights(weights: torch.Tensor | Sequence[float] | None, m: int) -> list[float] | None:
+def check_weights(weights: torch.Tensor | Sequence[float] | None, m: int) -> list[float] | None:
     if weights is None:
         return None
     w = torch.as_tensor(weights).detach()
@@ -318,7 +318,7 @@ class AggregationRule(ABC):
         self, deltas: torch.Tensor, weights: torch.Tensor | Sequence[float] | None = None
     ) -> torch.Tensor:
         delta_MD = _check_deltas(deltas)
-        w = _check_weights(weights, delta_MD.shape[0])
+        w = check_weights(weights, delta_MD.shape[0])
         if delta_MD.shape[0] < self.min_learners:
             raise ValueError(
                 f"{self!r} needs at least {self.min_learners} learners, got {delta_MD.shape[0]}"

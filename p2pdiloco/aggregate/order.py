@@ -20,13 +20,8 @@ import math
 
 import torch
 
-from .base import AggregationRule, blocks, check_int, div_
+from .base import AggregationRule, blocks, check_int, cols_per_block, div_
 
-# Elements per block of the comparison network: 8× ``GRAIN``. Per-column work, so the block size
-# never changes a result; the network's many small ops cost more in dispatch than in cache
-# misses below this (M = 8, D = 4 M, weighted trimmed mean: 4096 columns 8.0× the time of the
-# mean, 32,768 columns 4.2×; unweighted 2.4× and 1.2×; 1 thread, 2026-11-24).
-ORDER_GRAIN = 8 * 32768
 _MAGNITUDE = 0x7FFFFFFF
 _LOW32 = 0xFFFFFFFF
 
@@ -72,10 +67,6 @@ def _sorted_block(
     return v_Mn, w_M.index_select(0, learner_Mn).view(m, -1)
 
 
-def _cols(rows: int) -> int:
-    return max(64, ORDER_GRAIN // max(1, rows))
-
-
 def _count_rows(mask_Mn: torch.Tensor) -> torch.Tensor:
     """Number of true rows per column, int64 [1, n]. A row loop, not ``sum(0)``: small torch
     reductions may go to the thread pool and cost milliseconds each on a busy machine."""
@@ -91,7 +82,7 @@ def median64(delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tenso
     m, d = delta_MD.shape
     out_D = torch.empty(d, dtype=torch.float64, device=delta_MD.device)
     half = math.fsum(weights) / 2 if weights is not None else 0.0
-    for s, e in blocks(d, _cols(m)):
+    for s, e in blocks(d, cols_per_block(m)):
         v_Mn, w_Mn = _sorted_block(delta_MD, s, e, weights)
         acc = out_D[s:e]
         if w_Mn is None:
@@ -168,7 +159,7 @@ class TrimmedMean(AggregationRule):
         f = self.f
         kept = range(f, m - f)
         out_D = torch.empty(d, dtype=torch.float32, device=delta_MD.device)
-        for s, e in blocks(d, _cols(m)):
+        for s, e in blocks(d, cols_per_block(m)):
             v_Mn, w_Mn = _sorted_block(delta_MD, s, e, weights)
             plain = v_Mn[f].double()
             for k in kept[1:]:

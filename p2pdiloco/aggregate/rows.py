@@ -17,9 +17,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .base import BLOCK, SqSums, blocks
+from .base import GRAIN, SqSums, blocks
 
-WINDOW = 16 * BLOCK  # columns per window: 65,536, so 2 MiB of float32 at M = 8
+# Columns per window: GRAIN (32,768; 1 MiB of float32 at M = 8), a multiple of BLOCK. A row's
+# copy into a window is then one op of at most GRAIN elements, which torch keeps on the calling
+# thread: on a busy machine every op handed to the thread pool waits milliseconds for its
+# second thread (a merge of thousands of such ops stalled committees for minutes in CI).
+WINDOW = GRAIN
 
 
 class RowSet:

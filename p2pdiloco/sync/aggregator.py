@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.aggregate.base import SqSums
+from p2pdiloco.aggregate.base import SqSums, check_weights
 from p2pdiloco.aggregate.clipping import judge_norms
 from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.protocol.records import SyncRules
@@ -128,8 +128,12 @@ def merge_round(
     # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
     # holds the M deltas, the new state and one window; any other rule sees all columns at once.
     spans = deltas.windows() if chosen.coordinatewise else iter([(0, deltas.d)])
+    # The rule's own checks once (the rows are screened: finite float32), then its arithmetic
+    # per window: re-validating each window would scan it again, in ops above GRAIN.
+    checked = check_weights(weights, len(kept))
     for s, e in spans:
-        merged_n = chosen(deltas.window(kept, s, e), weights)
+        with torch.no_grad():
+            merged_n = chosen.aggregate(deltas.window(kept, s, e), checked)
         for k, first, last in deltas.spans(s, e):
             at = deltas.starts[k] + first - s
             g = merged_n[at : at + last - first]
