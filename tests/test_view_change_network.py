@@ -23,7 +23,7 @@ import pytest
 from p2pdiloco.demo import LocalNetwork, NodeProc
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
-from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.roster import committee_for, roster_of
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates
 
@@ -46,9 +46,18 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         run_id = net.publish_run(keys, inner_steps=10_000, time_budget=4.0, **TIMING)
         nodes = [net.start_node(f"node{i}", k, until_version=8) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 400)
-        # The newest certificate any node holds (one node may be a version behind): its
-        # committee for the next version loses two members within a fraction of a second.
-        base = max((certificates(n, run_id)[-1] for n in nodes), key=lambda c: c.body.version)
+        everyone = {k.peer_id for k in keys}
+
+        def newest_knowing_everyone() -> Any:
+            # The newest certificate any node holds (one node may be a version behind), once
+            # its roster knows all six: later views can seat only peers the certified roster
+            # knows, and with just k of them two dead leave no live quorum, by design.
+            newest = max((certificates(n, run_id)[-1] for n in nodes), key=lambda c: c.body.version)
+            known = {e.peer_id for e in roster_of(net.manifest, newest)}
+            return newest if everyone <= known else None
+
+        # Its committee for the next version loses two members within a fraction of a second.
+        base = wait_for("every learner in the certified roster", newest_knowing_everyone, 300)
         info = committee_for(run_id, net.manifest, base)
         victims = [n for n in nodes if n.identity.peer_id in info.members[:2]]
         for n in victims:

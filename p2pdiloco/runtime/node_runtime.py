@@ -27,7 +27,7 @@ from typing import Any
 from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.cert_records import cert_version, signed_claims
-from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
+from p2pdiloco.net.sync_rpc import TRAFFIC, RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
@@ -487,7 +487,7 @@ class NodeRuntime:
         )
 
     async def write_status(self) -> None:
-        data = self.view.status_json(self.me, self.run_id, self.trainer_view())
+        data = self.view.status_json(self.me, self.run_id, self.trainer_view(), TRAFFIC)
         path = self.cfg.state_dir / "status.json"
         await asyncio.get_running_loop().run_in_executor(None, write_quietly, path, data)
 
@@ -495,5 +495,5 @@ class NodeRuntime:
         """After ``close`` (its tasks are gone, so any thread may do this): the last view and
         status file."""
         self._publish_view()
-        data = self.view.status_json(self.me, self.run_id, self.trainer_view())
+        data = self.view.status_json(self.me, self.run_id, self.trainer_view(), TRAFFIC)
         write_quietly(self.cfg.state_dir / "status.json", data)

@@ -164,9 +164,13 @@ class RuntimeView:
     stalled_s: float = 0.0  # seconds waited for that certificate, while stalled
     sync_wait_s: float = 0.0  # send → next certificate, summed over versions (Tally)
 
-    def status_json(self, peer_id: str, run_id: str, trainer: Any) -> bytes:
-        """``status.json``: one object for monitors, the demo and the tests."""
+    def status_json(
+        self, peer_id: str, run_id: str, trainer: Any, traffic: Mapping[str, int] | None = None
+    ) -> bytes:
+        """``status.json``: one object for monitors, the demo and the tests. ``traffic``: the
+        sync protocol's frame bytes sent and received by this process (``net.sync_rpc``)."""
         t = trainer
+        traffic = traffic or {}
         return json.dumps(
             {
                 "peer_id": peer_id,
@@ -192,6 +196,8 @@ class RuntimeView:
                 "stalled_s": self.stalled_s,
                 "downloads": list(self.downloads),
                 "rejections": list(self.rejections),
+                "bytes_up": int(traffic.get("up", 0)),
+                "bytes_down": int(traffic.get("down", 0)),
             }
         ).encode()
 
