@@ -148,11 +148,16 @@ class LearnerMachine:
 
     @property
     def stretch_done(self) -> bool:
-        """H steps trained since the last send, or (budgeted) at least one step and the budget."""
+        """H steps trained since the last send, or (budgeted) at least one step and the budget,
+        or carried work: a delta no certificate merged holds a whole stretch already, so it goes
+        out at once, early in the next round (in step with the others it would miss that round
+        by as much as it missed the last one, every round: seen under CI load)."""
         if self.trained >= self.inner_steps:
             return True
         budget = self.time_budget
-        return budget is not None and self.trained > 0 and self.trained_seconds >= budget
+        if budget is None or self.trained <= 0:
+            return False
+        return self.trained_seconds >= budget or self.carried > 0
 
     # -- what to do now ------------------------------------------------------------------------
 
