@@ -64,6 +64,9 @@ class DemoConfig:
     agree_timeout: float = 15.0  # seconds without a proposal before the next syncer leads
     timeout: float = 900.0  # whole demo
     workdir: Path | None = None  # keep logs and states here (default: a temporary directory)
+    # Share of wall time each node trains (join --compute-share): 1 trains on all the time, as
+    # a volunteer's GPU would; below 1 leaves the cores to the rounds (the tests' networks).
+    compute_share: float = 1.0
     eval_batches: int = 8
 
 
@@ -285,7 +288,8 @@ class LocalNetwork:
             "--threads", "1",
             "--until-version", str(until_version),
             "--heartbeat-interval", "2",
-            *extra,
+            *(["--compute-share", str(share)] if (share := self.cfg.compute_share) < 1 else []),
+            *extra,  # after: a node's own flags win (the last of a repeated option counts)
         ]  # fmt: skip
         if adversary:
             args += ["--adversary", adversary]

@@ -114,10 +114,23 @@ class Node:
         self.run = self._find_run()
         self.members = Membership(run_id=self.run.run_id, ttl=cfg.heartbeat_ttl)
         self._event(f"joined run {self.run.manifest.name} ({self.run.run_id[:12]})")
-        if cfg.gossip:
-            self._start_gossip()
-        self.bridge = P2PBridge(self.dht.dht)
-        self.reachability = self._check_reachability()
+        # The gossip child starts (a new interpreter: seconds) while reachability is checked.
+        gossip = self._gossip_process() if cfg.gossip else None
+        starting = threading.Thread(
+            target=self._start_gossip, args=(gossip,), name="p2pdiloco-gossip-start", daemon=True
+        )
+        if gossip is not None:
+            starting.start()
+        try:
+            self.bridge = P2PBridge(self.dht.dht)
+            self.reachability = self._check_reachability()
+        except BaseException:
+            if gossip is not None:  # interrupted: the start gives up at once, the child stops
+                gossip.close()
+            raise
+        finally:
+            if gossip is not None:
+                starting.join()
         self._event(f"reachability: {self.reachability.status}: {self.reachability.detail}")
         if self.reachability.fix:
             log.warning("relayed: %s", self.reachability.fix)
@@ -163,18 +176,20 @@ class Node:
             log.warning("could not re-publish the run manifest: %s", e)
         return run
 
-    def _start_gossip(self) -> None:
+    def _gossip_process(self) -> GossipProcess:
         assert self.run is not None
-        port = self.cfg.port + 1 if self.cfg.port else 0
-        gossip = GossipProcess(
+        return GossipProcess(
             self.identity.seed,
             topics=[run_topic(self.run.run_id), cert_topic(self.run.run_id)],
             listen_host=self.cfg.host,
-            port=port,
+            port=self.cfg.port + 1 if self.cfg.port else 0,
         )
+
+    def _start_gossip(self, gossip: GossipProcess) -> None:
+        """In its own thread during ``start``: ``self.gossip`` once its child listens."""
         try:
             gossip.start()
-        except GossipError as e:
+        except Exception as e:  # GossipError, or the OS refusing a process: never fatal
             log.warning("gossip unavailable (%s); continuing with DHT polling only", e)
             return
         self.gossip = gossip

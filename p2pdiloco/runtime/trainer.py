@@ -108,7 +108,8 @@ class TrainerView:
     utilization: float = 0.0
     train_seconds: float = 0.0  # wall time inside inner steps
     # The longest wall time between two chunks of inner steps (rebases, sends, catch-ups, any
-    # wait): how long the step counter ever stood still while the learner had work.
+    # wait): how long the step counter ever stood still while the learner had work (the
+    # pauses of a compute share below 1 excepted: those the volunteer chose).
     longest_pause_s: float = 0.0
     stretch_s: float = 0.0  # the latest stretch's training time (H steps, or the budget)
 
@@ -304,6 +305,9 @@ class Trainer:
         c.train_seconds += busy
         if self.compute_share < 1.0:  # leave the machine usable: pause, interruptibly
             self._stop.wait(busy * (1.0 / self.compute_share - 1.0))
+            # A pause the volunteer asked for is not the learner standing still: the longest
+            # pause counts only waits between chunks beyond it (the network must cause none).
+            c.last_at = time.monotonic()
         # The round's time budget counts wall time, pauses included: a node that trains a
         # third of the time is paced like hardware three times slower.
         self.machine.on_trained(st.steps, time.monotonic() - start)
