@@ -33,7 +33,7 @@ def test_a_three_times_slower_learner_contributes_to_most_rounds_by_its_tokens(
     async def main() -> None:
         async with MemoryNetwork(
             tmp_path, nodes=4, inner_steps=10_000, time_budget=BUDGET, slowdown={3: 3.0},
-            rules={"weight_cap": CAP, "linger": LINGER},
+            rules={"weight_cap": CAP, "linger": LINGER}, compute_share=1.0,  # speeds measured
         ) as net:  # fmt: skip
             await net.wait_for(lambda: net.min_version() >= 6, 240, "version 6 everywhere")
             check_chains(net)

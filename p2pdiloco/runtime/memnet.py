@@ -80,7 +80,7 @@ class MemoryNetwork:
         self.k = committee_size or nodes
         self.inner_steps = inner_steps
         self.compression = compression
-        self.rules = {"aggregation": aggregation, "grace": 5.0, "linger": 0.3,
+        self.rules = {"aggregation": aggregation, "grace": 5.0, "linger": 1.0,
                       "agree_timeout": 2.0, **(rules or {})}  # fmt: skip
         self.attackers = dict(attackers or {})
         self.learners = nodes if learners is None else learners
