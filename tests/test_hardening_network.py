@@ -45,7 +45,7 @@ from tests.netutil import Proc, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SMALL = DemoConfig(  # as tests/test_sync_network.py's: nodes train a quarter of the time
-    inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=4, seq_len=64, compute_share=0.25
+    inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=2, seq_len=32, compute_share=0.25
 )
 TEN_YEARS = 10 * 365 * 86400.0
 JUNK_VERSION = 10**9
