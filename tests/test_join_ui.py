@@ -45,7 +45,16 @@ def read_until(fd: int, proc: subprocess.Popen[bytes], needles: list[str], timeo
         if proc.poll() is not None and not ready:
             break
     text = ANSI.sub(b"", buf).decode(errors="replace")
-    raise AssertionError(f"never saw {needles}; terminal said:\n{text[-3000:]}")
+    stacks = ""
+    if proc.poll() is None:  # stuck: every thread's stack (join registers SIGUSR1 for it)
+        os.kill(proc.pid, signal.SIGUSR1)
+        end, raw = time.monotonic() + 3.0, b""
+        while time.monotonic() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                raw += os.read(fd, 65536)
+        stacks = ANSI.sub(b"", raw).decode(errors="replace")
+        stacks = "\nthreads:\n" + stacks[stacks.find("Thread 0x") :][-12000:]
+    raise AssertionError(f"never saw {needles}; terminal said:\n{text[-3000:]}{stacks}")
 
 
 def volunteer_version(state: Path) -> int:

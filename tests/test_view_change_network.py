@@ -44,7 +44,7 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         # scheduler alone stalls a process for up to ~2 s (1.82 s against an H = 12 stretch
         # of 1.65 s failed a CI run).
         run_id = net.publish_run(keys, inner_steps=10_000, time_budget=4.0, **TIMING)
-        nodes = [net.start_node(f"node{i}", k, until_version=8) for i, k in enumerate(keys)]
+        nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 400)
         everyone = {k.peer_id for k in keys}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -32,4 +33,7 @@ def stop_event() -> threading.Event:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr, for a bug report on a node that
+    # does not stop (C level: it works while every Python thread is blocked).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
