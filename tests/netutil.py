@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,3 +107,32 @@ class Proc:
 
 def peers_of(state: dict[str, Any], run_id: str) -> set[str]:
     return {p["peer_id"] for p in state["peers"] if p["run_id"] == run_id}
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``python -m p2pdiloco ARGS`` to its end, as ``subprocess.run(capture_output=True,
+    text=True)`` returns it, but forked from the worker's zygote (tests/zygote.py): the same
+    entry point, output and exit code without ~4 CPU-s of imports per command (57 commands:
+    240 CPU-s of a full run). Start-up itself runs in fresh interpreters (test_cli_startup,
+    test_process_hygiene, test_join_ui's terminal)."""
+    with tempfile.TemporaryDirectory(prefix="p2pdiloco-cli-") as d:
+        out, err = Path(d) / "out", Path(d) / "err"
+        child = zygote().spawn(list(args), out, err, dict(os.environ if env is None else env),
+                               Path.cwd())  # fmt: skip
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait(30)
+            raise
+        with contextlib.suppress(ProcessLookupError):  # nothing it started may linger
+            os.killpg(child.pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(
+            [sys.executable, "-m", "p2pdiloco", *args],
+            code,
+            out.read_text(errors="replace"),
+            err.read_text(errors="replace"),
+        )

@@ -5,21 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.netutil import run_cli as forked_cli
+
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "100", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return forked_cli(*args, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("cmd", [[], ["models"], ["simulate"]])

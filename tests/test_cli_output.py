@@ -8,7 +8,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +27,7 @@ from p2pdiloco.dashboard.tables import (
     models_table,
     simulation_summary,
 )
+from tests.netutil import run_cli as forked_cli
 
 PEERS = [
     "12D3KooWQx5f8hVbRZzLwM3tYc9p2NkJr7sA1eGdUoHvXy4iTqBm",
@@ -212,10 +212,7 @@ def test_doctor_findings_fit(width: int) -> None:
 
 def run_cli(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": str(columns), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", *args],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    return forked_cli(*args, env=env, timeout=120)
 
 
 @contextlib.contextmanager

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from p2pdiloco import config
 from p2pdiloco.errors import ConfigError
+from tests.netutil import run_cli as forked_cli
 
 A, B, C = "/ip4/1.1.1.1/tcp/1/p2p/x", "/ip4/2.2.2.2/tcp/2/p2p/y", "/ip4/3.3.3.3/tcp/3/p2p/z"
 
@@ -47,13 +47,7 @@ def test_config_file_is_read_and_bad_toml_is_one_line(tmp_path: Path, monkeypatc
 
 def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "XDG_DATA_HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg")}
-    return subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return forked_cli(*args, env=env, timeout=120)
 
 
 def test_keys_new_show_and_refuse_overwrite(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
 from p2pdiloco.protocol.identity import Identity
+from tests.netutil import run_cli as forked_cli
 from tests.netutil import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -159,11 +160,7 @@ def test_metrics_port_and_json_logs(tmp_path: Path) -> None:
         assert "p2pdiloco_peers" in text
 
         # The leaderboard over the network: certificates fetched from the nodes, verified.
-        out = subprocess.run(
-            [sys.executable, "-m", "p2pdiloco", "status", "--leaderboard", "--bootstrap",
-             net.boot_addr, "--json"],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+        out = forked_cli("status", "--leaderboard", "--bootstrap", net.boot_addr, "--json")
         assert out.returncode == 0, out.stderr[-3000:]
         board = json.loads(out.stdout)
         assert board["versions"] >= 1 and board["ignored"] == []

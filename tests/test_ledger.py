@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from p2pdiloco.ledger import build_ledger
@@ -20,6 +18,7 @@ from p2pdiloco.protocol.certificates import (
 )
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.roster import committee_for, next_roster, roster_of
+from tests.netutil import run_cli as forked_cli
 
 SYNCERS = [Identity.from_seed(hashlib.sha256(b"ledger%d" % i).digest()) for i in range(4)]
 LEARNER_KEYS = [Identity.from_seed(hashlib.sha256(b"learner%d" % i).digest()) for i in range(3)]
@@ -133,11 +132,7 @@ def test_leaderboard_cli_from_a_state_directory(tmp_path: Path) -> None:
     for c in chain[:2]:
         (tmp_path / "certs" / f"{c.body.version:08d}.json").write_bytes(c.raw)
     (tmp_path / "certs" / "00000003.json").write_bytes(forged(chain[2], LEARNERS[2], 10**12))
-    out = subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", "status", "--leaderboard", "--state-dir",
-         str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = forked_cli("status", "--leaderboard", "--state-dir", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     board = json.loads(out.stdout)
     assert board["versions"] == 2
@@ -145,8 +140,8 @@ def test_leaderboard_cli_from_a_state_directory(tmp_path: Path) -> None:
     assert board["peers"][0]["tokens"] == 400 and board["peers"][0]["rank"] == 1
     assert len(board["ignored"]) == 1 and "signatures" in board["ignored"][0]
 
-    text = subprocess.run(
-        [sys.executable, "-m", "p2pdiloco", "status", "--leaderboard", "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "COLUMNS": "120"},
+    text = forked_cli(
+        "status", "--leaderboard", "--state-dir", str(tmp_path),
+        env={**__import__("os").environ, "COLUMNS": "120"},
     )  # fmt: skip
     assert text.returncode == 0 and "ignored:" in text.stdout and "400" in text.stdout
