@@ -75,13 +75,22 @@ def _ppid_map() -> dict[int, int]:
     return out
 
 
-def descendants(roots: Iterable[int]) -> set[Proc]:
-    """Every live process below ``roots`` (the roots excluded), with its start time."""
-    if not supported():
-        return set()
+def children_map() -> dict[int, list[int]]:
+    """pid → its children's pids, from one scan of the process table (about 2.5 ms of CPU
+    for 64 processes, 6 ms for 150: a reaper shares one scan among its guarded children)."""
     children: dict[int, list[int]] = {}
     for pid, ppid in _ppid_map().items():
         children.setdefault(ppid, []).append(pid)
+    return children
+
+
+def descendants(roots: Iterable[int], children: dict[int, list[int]] | None = None) -> set[Proc]:
+    """Every live process below ``roots`` (the roots excluded), with its start time;
+    ``children`` is a :func:`children_map` to reuse, else the table is scanned."""
+    if not supported():
+        return set()
+    if children is None:
+        children = children_map()
     out: set[Proc] = set()
     todo = list(roots)
     while todo:
@@ -201,10 +210,12 @@ def _reap(parent_pid: int) -> None:
         elif not reading:
             time.sleep(POLL_INTERVAL)  # the reaper's poll period
         polls += 1
-        if polls % REFRESH_EVERY == 0:
+        if polls % REFRESH_EVERY == 0 and trees:
+            table = children_map()  # one scan for every guarded child
             for root in list(trees):
                 if alive(root):
-                    trees[root] = {p for p in trees[root] if alive(p)} | descendants([root[0]])
+                    below = descendants([root[0]], table)
+                    trees[root] = {p for p in trees[root] if alive(p)} | below
                 else:  # died before us: whatever it left behind goes too
                     tree = trees.pop(root)
                     kill_all(tree | descendants(p for p, _ in tree))
