@@ -6,8 +6,8 @@ Samples ``/proc`` every half second while the command runs and keeps the latest 
 time of each of its descendants, so a process that lives less than a sample, or the part of one after the
 last sample, is missed (a few per cent). Linux only. Kinds come from the parent chain and the
 command line: the test workers, the zygotes (tests/zygote.py) and the commands they fork
-(nodes and bootstraps), hivemind's DHT processes, gossip children, p2pd daemons, fresh
-``python -m p2pdiloco`` commands.
+(nodes and bootstraps), hivemind's DHT processes, gossip children (spawned, or forked from the
+tests' gossip zygote), p2pd daemons, fresh ``python -m p2pdiloco`` commands.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def _kind(pid: str, comm: str, parent: str) -> str:
         return "p2pd daemons"
     if "torch_shm" in comm:
         return "torch_shm_manager"
+    if "p2pdiloco-gossip-zygote" in cmd:  # tests/gossip_zygote.py and what it forks
+        return "gossip children (forked)" if parent == "gossip zygotes" else "gossip zygotes"
     if "multiprocessing.spawn" in cmd:
         return "gossip children (spawned interpreters)"
     if "import atexit, json" in cmd:  # the zygote's program, inherited by what it forks

@@ -13,6 +13,7 @@ import pytest
 
 import p2pdiloco.demo
 import tests.zygote as zygote_mod
+from tests import gossip_zygote
 from tests.turns import Turns
 
 # Tests never touch the network: the hub is off for transformers/huggingface_hub/datasets.
@@ -24,12 +25,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def _is_infrastructure(proc: psutil.Process) -> bool:
     """Process-wide helpers that outlive tests by design: killing them breaks later tests
     (torch aborts on its next shared-memory allocation once its manager is gone), and this
-    worker's zygote (tests/zygote.py; the commands it forked are not spared)."""
+    worker's zygote (tests/zygote.py; the commands it forked are not spared) and the zygote's
+    gossip zygote (tests/gossip_zygote.py; the gossip children it forked are not spared)."""
     if zygote_mod._zygote is not None and proc.pid == zygote_mod._zygote.proc.pid:
         return True
     try:
         cmd = " ".join(proc.cmdline())
     except psutil.Error:
+        return False
+    if gossip_zygote.MARK in cmd:  # the zygote's gossip zygote, not the children it forks
+        zygote = zygote_mod._zygote
+        with contextlib.suppress(psutil.Error):
+            return zygote is not None and proc.ppid() == zygote.proc.pid
         return False
     return "torch_shm_manager" in cmd or "resource_tracker" in cmd
 

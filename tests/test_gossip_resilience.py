@@ -86,6 +86,7 @@ def test_bootstrap_restarts_its_gossip_child(tmp_path: Path) -> None:
         ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
          "--http-port", str(http_port), "--identity", str(tmp_path / "bootstrap.key")],
         tmp_path,
+        fork=False,  # the product's own spawned gossip child, found below as a child
     )  # fmt: skip
     try:
         boot.wait_output("HTTP:", timeout=90)

@@ -38,6 +38,7 @@ SERVER = r"""
 import atexit, json, os, runpy, sys, threading
 import p2pdiloco.cli.app, p2pdiloco.cli.join_cmd, p2pdiloco.cli.bootstrap_cmd
 import p2pdiloco.runtime.launch, p2pdiloco.train.models
+import tests.gossip_zygote; tests.gossip_zygote.install()  # gossip children forked too
 import transformers.models.gemma.modeling_gemma
 
 out = os.fdopen(os.dup(1), "w", buffering=1)

@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import queue
 import re
@@ -34,8 +33,8 @@ from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from p2pdiloco.net import lifeline
-from p2pdiloco.net.gossip_spawn import child_entry, no_main_reimport, stop_child
+from p2pdiloco.net import gossip_spawn, lifeline
+from p2pdiloco.net.gossip_spawn import stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +125,9 @@ class GossipProcess:
 
     def _spawn(self, port: int, timeout: float) -> tuple[Any, Connection, str, list[str]]:
         """A new child listening on ``port``: (process, pipe, peer id, maddrs)."""
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        args = (child_conn, self._seed, self._listen_host, port, list(self._topics), os.getpid())
-        proc = ctx.Process(target=child_entry, args=args, name="p2pdiloco-gossip", daemon=True)
-        with no_main_reimport():
-            proc.start()
+        args = (self._seed, self._listen_host, port, list(self._topics), os.getpid())
+        proc, parent_conn = gossip_spawn.start_child(*args)
         lifeline.guard(proc.pid)
-        child_conn.close()  # so that the child's death reads as EOF here
         deadline = time.monotonic() + timeout
         try:
             while True:

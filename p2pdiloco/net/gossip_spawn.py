@@ -7,6 +7,7 @@ reference to this module, which the child imports before py-libp2p (and never hi
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import signal
 import sys
 import threading
@@ -60,6 +61,23 @@ def no_main_reimport() -> Iterator[None]:
                     main.__dict__.pop(k, None)
                 else:
                     main.__dict__[k] = v
+
+
+def start_child(
+    seed: bytes, listen_host: str, port: int, topics: list[str], parent: int
+) -> tuple[Any, Connection]:
+    """A new gossip child (a fresh interpreter: ``spawn``) and this side of its pipe: the
+    process has ``pid``, ``sentinel``, ``exitcode``, ``join``, ``is_alive``, ``terminate`` and
+    ``kill``. The test harness forks it from a pre-imported process instead (tests/
+    gossip_zygote.py), through this one name."""
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    args = (child_conn, seed, listen_host, port, topics, parent)
+    proc = ctx.Process(target=child_entry, args=args, name="p2pdiloco-gossip", daemon=True)
+    with no_main_reimport():
+        proc.start()
+    child_conn.close()  # so that the child's death reads as EOF on the parent's end
+    return proc, parent_conn
 
 
 def stop_child(proc: Any, timeout: float) -> None:
