@@ -30,7 +30,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from multiprocessing.connection import Connection
 
 MARK = "p2pdiloco-gossip-zygote"  # in its command line: tests/conftest.py spares it
@@ -75,16 +74,13 @@ def child(fds, args):
         os._exit(code)
 
 
-lock, waiting = threading.Lock(), {}
+lock, waiting, forked = threading.Lock(), {}, threading.Semaphore(0)
 
 
 def reap():
     while True:
-        try:
-            pid, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            time.sleep(0.05)  # no child yet
-            continue
+        forked.acquire()  # one per fork: a child to wait for
+        pid, status = os.waitpid(-1, 0)
         with lock:
             client = waiting.pop(pid, None)
         if client is not None:
@@ -97,9 +93,9 @@ def reap():
 
 threading.Thread(target=reap, daemon=True).start()
 srv = socket.socket(socket.AF_UNIX)
-srv.bind(path + ".tmp")
+srv.bind(path)
 srv.listen(64)
-os.rename(path + ".tmp", path)  # there once it accepts
+print("ready", flush=True)  # install() reads this line
 while True:
     client, _ = srv.accept()
     msg, fds, _, _ = socket.recv_fds(client, 1 << 16, 3)
@@ -109,6 +105,7 @@ while True:
             srv.close(); client.close()
             child(fds, pickle.loads(msg))
         waiting[pid] = client
+    forked.release()
     for fd in fds:
         os.close(fd)
     client.sendall(struct.pack("!q", pid))
@@ -123,15 +120,16 @@ def install() -> None:
     import p2pdiloco.net.gossip_spawn as gossip_spawn
 
     path = os.path.join(tempfile.mkdtemp(prefix="p2pdiloco-gz-"), "sock")
-    subprocess.Popen(
+    server = subprocess.Popen(
         [sys.executable, "-c", f"# {MARK}\n{SERVER}", path, str(os.getpid())],
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):  # it binds once py-libp2p is imported
-        if time.monotonic() > deadline:
-            raise RuntimeError("the gossip zygote did not start")
-        time.sleep(0.05)  # polling for its socket, with a deadline
+    assert server.stdout is not None
+    if server.stdout.readline().strip() != "ready":  # once py-libp2p is imported and it listens
+        raise RuntimeError(f"the gossip zygote did not start (exit code {server.wait()})")
+    server.stdout.close()
     _path = path
     gossip_spawn.start_child = start_child  # type: ignore[assignment]
 
