@@ -447,12 +447,19 @@ def summarize(
     # deltas are already counted from the certificates.
     screened = {r.digest for c in chain for r in c.body.rejected}
     refused: set[tuple[str, str, Any]] = set()
+    codes: dict[str, Counter[str]] = {n.identity.peer_id: Counter() for n in nodes}
+    for c in chain:
+        for r in c.body.rejected:
+            codes.setdefault(r.peer_id, Counter())[Reason.SCREENED_OUT.value] += 1
     for s in statuses:
         for r in s.get("rejections", []):
             digest, code = r.get("digest"), Reason.parse(r.get("code"))
             if digest in screened or code in TIMING:
                 continue
-            refused.add((r.get("peer_id", ""), digest or r.get("reason", ""), r.get("round")))
+            key = (r.get("peer_id", ""), digest or r.get("reason", ""), r.get("round"))
+            if key not in refused:
+                codes.setdefault(key[0], Counter())[code.value] += 1
+            refused.add(key)
     for peer, _, _ in refused:
         rejected[peer] += 1
     by_peer = {s.get("peer_id"): s for s in statuses}
@@ -466,6 +473,7 @@ def summarize(
             "adversary": n.adversary,
             "accepted": accepted[n.identity.peer_id],
             "rejected": rejected[n.identity.peer_id],
+            "refusals": dict(codes[n.identity.peer_id]),  # reason code → count, of "rejected"
             "tokens": tokens[n.identity.peer_id],
             # share of wall time in inner steps; the time in them; send → certificate waits
             "utilization": figure(n.identity.peer_id, "utilization"),

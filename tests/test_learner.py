@@ -224,28 +224,36 @@ def test_a_delta_not_merged_gives_back_its_error_feedback_residual(
         assert torch.equal(learner.feedback.residual[n], kept[n])
 
 
-def test_a_delta_not_merged_is_carried_whole_into_the_next_one(
+def test_a_delta_not_merged_is_carried_into_the_next_one_at_one_stretchs_norm(
     manifest: RunManifest, corpus: PackedCorpus, base: Params
 ) -> None:
     """What the trainer does when a certificate lands without our delta (ADR 0014): error
-    feedback given back, the sent steps counted again, rebase anchored at the old base."""
+    feedback given back, the sent steps counted again, rebase anchored at the old base. The
+    next delta points along all the work since version 0, the sent part included, folded to
+    the carried stretch's norm (ADR 0026): a late learner's delta never sets a round's median
+    norm above one stretch's, where it would let a scaled attack through the screen."""
     learner = _learner(manifest, corpus, base)
     learner.train(2)
     sent = learner.outgoing(0, base, tokens=1, loss=1.0)
+    carried = _norm({n: base[n].float() - sent.sent_params[n] for n in base})
     learner.train(1)
     local = _snapshot(learner)
     new_base = {n: t + 0.01 for n, t in base.items()}  # version 1, merged from others' deltas
     learner.unsend(sent)
-    learner.carry(sent)
+    learner.carry(sent, base)
+    assert learner.stretch_norm == pytest.approx(carried)
     learner.rebase(new_base, base, None)
     assert learner.steps_since_send == 3
-    nxt = learner.outgoing(1, new_base, tokens=1, loss=1.0)
-    assert nxt.steps == 3
+    whole = {n: base[n].float() - local[n] for n in sorted(base)}  # = θ_1 − θ_local now
+    nxt = learner.outgoing(1, new_base, tokens=1, loss=1.0, carried=2)
+    assert nxt.steps == 3 and 0 < nxt.fold < 1
+    assert nxt.fold == pytest.approx(carried / _norm(whole), rel=1e-5)
     got = _decode(nxt, base, "int8")
-    for n in sorted(base):  # all the work since version 0, the sent part included
-        want = base[n].float() - local[n]
+    for n in sorted(base):
+        want = whole[n] * nxt.fold
         atol = 2 * want.abs().max().item() / 127 + 1e-6
         torch.testing.assert_close(got[n], want, rtol=0, atol=atol)
+    assert learner.stretch_norm is None
 
 
 def _norm(delta: Mapping[str, torch.Tensor]) -> float:

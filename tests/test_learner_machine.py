@@ -21,7 +21,8 @@ from p2pdiloco.sync.learner_machine import (
 
 H = 10
 CHUNK = 4
-NON_RETRYABLE = sorted(set(Reason) - RETRYABLE - {Reason.ROUND_CLOSED})
+LATE = {Reason.ROUND_CLOSED, Reason.STALE}  # the certificate decides: carried (ADR 0026)
+NON_RETRYABLE = sorted(set(Reason) - RETRYABLE - LATE)
 
 
 def machine(**over: Any) -> LearnerMachine:
@@ -190,13 +191,13 @@ def test_a_delta_of_more_than_h_steps_is_not_carried_again() -> None:
     sent(m)
     m.on_certified(4, frozenset())  # carried: H steps
     [send] = m.next_action(0.0)
-    assert send == Send(4, H)
+    assert send == Send(4, H, overtime=0, carried=H)  # folded to one stretch's norm: ADR 0026
     m.on_trained(H)
     m.on_sent("d2")
     m.on_certified(5, frozenset())
     assert m.trained == 2 * H  # d2 held H steps: carried, beside H new ones
     [again] = m.next_action(0.0)
-    assert again == Send(5, 2 * H)
+    assert again == Send(5, 2 * H, overtime=0, carried=H)
     m.on_sent("d3")
     [rebase] = m.on_certified(6, frozenset())
     assert rebase.carried == 0 and m.trained == 0  # d3 held 2H steps: dropped, never 3H
@@ -211,12 +212,22 @@ def test_refusal_without_a_code_drops_as_malformed() -> None:
     assert counters(m) == (1, 0, 1)
 
 
-def test_refusal_with_a_newer_fast_forward_hint_asks_to_catch_up() -> None:
+def test_a_stale_refusal_with_a_newer_hint_catches_up_and_that_certificate_carries_it() -> None:
     m = machine()
     sent(m)
     actions = m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=7)
-    assert actions == [Drop(Reason.STALE), CatchUp(7)]
-    assert m.version == 3  # only a certificate moves the version
+    assert actions == [CatchUp(7)]
+    assert m.version == 3 and m.in_flight is not None  # only a certificate moves the version
+    assert counters(m) == (1, 0, 0)
+    [rebase] = m.on_certified(7, frozenset({"x"}))
+    assert rebase.carried == H and m.trained == H
+
+
+def test_a_final_refusal_with_a_newer_hint_drops_and_catches_up() -> None:
+    m = machine()
+    sent(m)
+    actions = m.on_reply("d1", accepted=False, code=Reason.DUPLICATE, fast_forward=7)
+    assert actions == [Drop(Reason.DUPLICATE), CatchUp(7)]
     assert counters(m) == (1, 0, 1)
 
 
@@ -224,8 +235,23 @@ def test_refusal_with_a_newer_fast_forward_hint_asks_to_catch_up() -> None:
 def test_fast_forward_hint_not_newer_than_the_version_is_ignored(hint: int) -> None:
     m = machine()
     sent(m)
-    actions = m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=hint)
-    assert actions == [Drop(Reason.STALE)]
+    assert m.on_reply("d1", accepted=False, code=Reason.STALE, fast_forward=hint) == []
+    assert m.on_reply("d1", accepted=False, code=Reason.BAD_CLAIM, fast_forward=hint) == [
+        Drop(Reason.BAD_CLAIM)
+    ]
+
+
+def test_with_staleness_a_delta_a_later_round_may_merge_is_not_carried() -> None:
+    """Staleness 2: the round after version 4 still takes base 3, and a syncer that moved on
+    may hold our delta there. Carrying it too would count its work twice (ADR 0026)."""
+    m = machine(staleness=2)
+    sent(m)  # on base 3
+    [rebase] = m.on_certified(4, frozenset({"x"}))
+    assert rebase.carried == 0 and m.trained == 0
+    m = machine(staleness=2)
+    sent(m)
+    [rebase] = m.on_certified(6, frozenset({"x"}))  # base 3 < 6 − 2: no round takes it now
+    assert rebase.carried == H
 
 
 @pytest.mark.parametrize("code", sorted(RETRYABLE))

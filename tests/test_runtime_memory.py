@@ -200,24 +200,19 @@ def test_local_settings_cannot_change_what_is_certified(tmp_path: Path) -> None:
 
 def _accepted_and_refused(net: MemoryNetwork, node: MemNode) -> tuple[int, int]:
     """Certified receipts of ``node``'s deltas, and its deltas refused or screened out as bad
-    input. Timing refusals are not verdicts: a closed round, and a second delta to a round
-    that merged this learner's first (a delta refused as late is followed by the next one on
-    the same base, which a later round accepts within the staleness bound; the learner's delta
-    on the newer base then finds that round already holding one of its)."""
+    input. Timing refusals are not verdicts: a closed round, a syncer that moved on. A second
+    delta to a round that holds this learner's first is one (DUPLICATE): with staleness 0 a late
+    delta is never taken by a later round, where the learner's next one would meet it
+    (ADR 0026)."""
     from p2pdiloco.protocol.reasons import TIMING, Reason
 
-    merged_in: set[int] = set()
     accepted = 0
     for raw in net.nodes[0].runtime.chain.certs.values():
         body = parse_certificate(raw, run_id=net.run_id).body
-        ours = sum(a.peer_id == node.peer_id for a in body.accepted)
-        accepted += ours
-        if ours:
-            merged_in.add(body.version)
+        accepted += sum(a.peer_id == node.peer_id for a in body.accepted)
 
     def verdict(r: dict) -> bool:
-        code = Reason.parse(r["code"])
-        return code not in TIMING and not (code is Reason.DUPLICATE and r["round"] in merged_in)
+        return Reason.parse(r["code"]) not in TIMING
 
     refused = {
         (r["digest"], r["round"])

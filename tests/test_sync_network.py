@@ -75,7 +75,8 @@ def test_demo_certifies_versions_and_every_node_contributes() -> None:
     assert clean["loss_end"] < clean["loss_start"] - 1.0
     assert set(clean["committee"]) >= {"1", "2", "3"}
     assert all(p["accepted"] >= 2 and p["adversary"] is None for p in clean["peers"].values())
-    assert all(p["rejected"] == 0 for p in clean["peers"].values())
+    refused = {name: p["refusals"] for name, p in clean["peers"].items() if p["rejected"]}
+    assert not refused, refused
     assert all(0 < p["utilization"] <= 1 for p in clean["peers"].values())
 
 

@@ -121,7 +121,7 @@ def test_rule_defaults() -> None:
         "aggregation_params": {},
         "screen_norm_factor": 3.0,
         "weight_cap": 0.25,
-        "staleness": 2,
+        "staleness": 0,
         "min_quorum_fraction": 0.6,
         "trust_min_accepted": 3,
         "trust_min_age": 3,

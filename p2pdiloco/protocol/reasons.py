@@ -67,7 +67,14 @@ class Reason(enum.StrEnum):
 RETRYABLE = frozenset({Reason.BASE_TOO_NEW, Reason.NO_OPEN_ROUND, Reason.BUSY, Reason.UNREACHABLE})
 
 # Codes that say a submission came at the wrong time, not that it was bad: an honest learner
-# gets them whenever its delta arrives after its round closed or at a syncer that moved on.
+# gets them whenever its delta arrives after its round closed or at a syncer that moved on
+# (STALE: one or more versions on, past the staleness bound, 0 by default).
 TIMING = frozenset(
-    {Reason.ROUND_CLOSED, Reason.NOT_ON_COMMITTEE, Reason.BASE_TOO_NEW, Reason.NO_OPEN_ROUND}
+    {
+        Reason.ROUND_CLOSED,
+        Reason.STALE,
+        Reason.NOT_ON_COMMITTEE,
+        Reason.BASE_TOO_NEW,
+        Reason.NO_OPEN_ROUND,
+    }
 )

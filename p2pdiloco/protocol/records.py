@@ -179,7 +179,8 @@ class SyncRules(_Strict):
     # Largest share of the total merge weight one submission may hold (water-filling cap).
     weight_cap: float = Field(default=0.25, gt=0, le=1)
     # Oldest base version a round accepts: certified version − staleness.
-    staleness: int = Field(default=2, ge=0, le=10_000)
+    # 0: a late delta is refused and its learner carries it into its next one (ADR 0026).
+    staleness: int = Field(default=0, ge=0, le=10_000)
     # A round closes once this fraction of the active learners has submitted (then lingers).
     min_quorum_fraction: float = Field(default=0.6, gt=0, le=1)
     # Seconds a round collects before closing with what it has (at least one submission).

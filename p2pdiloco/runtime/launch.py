@@ -104,6 +104,7 @@ class RunningNode:
             give_up_after=self.manifest.rules.give_up_after,
             stop_at=cfg.until_version,
             time_budget=self.manifest.time_budget,
+            staleness=self.manifest.rules.staleness,
         )
         local = load_local(cfg.state_dir, self.run_id)
         same_base = local is not None and int(local.get("base_version", -1)) == state.version

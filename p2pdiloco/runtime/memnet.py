@@ -156,7 +156,7 @@ class MemoryNetwork:
             machine = LearnerMachine(
                 inner_steps=self.inner_steps, chunk=1, version=state.version,
                 give_up_after=self.manifest.rules.give_up_after,
-                time_budget=self.manifest.time_budget,
+                time_budget=self.manifest.time_budget, staleness=self.manifest.rules.staleness,
             )  # fmt: skip
             node.trainer = Trainer(
                 learner, machine, state, identity=identity, run_id=self.run_id,

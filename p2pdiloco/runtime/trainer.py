@@ -251,7 +251,7 @@ class Trainer:
                 # delta, holding this overtime too, is folded to (ADR 0019)
                 self.learner.measure_stretch(self._sent)
         elif isinstance(action, Send):
-            self._send(action.overtime)
+            self._send(action.overtime, action.carried)
         elif isinstance(action, Wait):
             self._publish()
             self._drain(wait=action.seconds)
@@ -262,7 +262,7 @@ class Trainer:
                 self.learner.unsend(sent)  # the certificate did not merge it
             if carry:  # ... and its work goes into the next delta: anchor at the old base
                 assert sent is not None
-                self.learner.carry(sent)
+                self.learner.carry(sent, self.state.params)
                 self._c.tokens_since_send += sent.tokens
             anchor = sent if action.anchor_sent and not carry else None
             self.learner.rebase(new.params, self.state.params, anchor)
@@ -319,18 +319,20 @@ class Trainer:
         c.step_seconds = per_step if c.step_seconds == 0 else 0.7 * c.step_seconds + 0.3 * per_step
         c.tokens_per_second = st.tokens / st.seconds if st.seconds > 0 else 0.0
 
-    def _send(self, overtime: int = 0) -> None:
+    def _send(self, overtime: int = 0, carried: int = 0) -> None:
         c = self._c
         loss = c.last_loss if c.last_loss is not None else 0.0
         inner = self.manifest.inner
         tokens = c.tokens_since_send or self.learner.steps_since_send * inner.batch_size * (
             inner.seq_len
         )
-        out = self.learner.outgoing(self.state.version, self.state.params, tokens, loss, overtime)
+        out = self.learner.outgoing(
+            self.state.version, self.state.params, tokens, loss, overtime, carried
+        )
         if out.fold < 1.0:
             self._event(
-                f"delta of {out.steps} steps ({overtime} while the last was undecided) "
-                f"folded to one stretch's norm (x{out.fold:.2f})"
+                f"delta of {out.steps} steps ({overtime} while the last was undecided, "
+                f"{carried} carried) folded to one stretch's norm (x{out.fold:.2f})"
             )
         sub = self._seal(out)
         if self.replay and self._first is not None:

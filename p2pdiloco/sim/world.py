@@ -153,6 +153,7 @@ class World:
         machine = LearnerMachine(
             inner_steps=self.cfg.inner_steps, chunk=self.cfg.inner_steps, version=self.version,
             give_up_after=r.give_up_after, time_budget=self.manifest.time_budget,
+            staleness=r.staleness,
         )  # fmt: skip
         peer.learner = SimLearner(self, peer.profile.index, machine, epoch)
         peer.learner.go()

@@ -19,16 +19,18 @@ waits only once the target version is reached. A learner never waits on the netw
 delta in flight and a whole stretch trained since (overtime, say while a view change hands the
 version to the next committee), it trains on, and its next delta holds every step since the
 last one (claiming at most H, as syncers clip: ADR 0010). ``Send.overtime`` counts the steps
-trained in overtime: the driver folds such a delta to one stretch's norm (ADR 0019), so every
-delta a syncer screens has the scale of one stretch however long the round took. A delta
+trained in overtime and ``Send.carried`` those carried from an unmerged delta: the driver folds
+such a delta to one stretch's norm (ADRs 0019, 0026), so every delta a syncer screens has the
+scale of one stretch however long the round took or however late the last delta came. A delta
 undecided for ``give_up_after`` seconds is given up, so a learner is never tied to a round that
 died.
 
 A delta that a certificate did not merge (held by some syncers, but outside the agreed input
-set: syncers never merge it later) has its work carried into the learner's next delta rather
-than thrown away (docs/adr/0014-late-deltas-are-carried.md); so is one refused only because its
-round had closed (ROUND_CLOSED). Any other refusal drops it at once, so the learner's next delta
-goes out without waiting (a later view's committee needs it).
+set) has its work carried into the learner's next delta rather than thrown away
+(docs/adr/0014-late-deltas-are-carried.md), once no later round may merge it (its base is
+older than the staleness bound: at once with the default staleness 0, ADR 0026); so is one
+refused only because it came late (ROUND_CLOSED, STALE). Any other refusal drops it at once, so
+the learner's next delta goes out without waiting (a later view's committee needs it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Send:
     base_version: int
     steps: int  # inner steps the delta covers
     overtime: int = 0  # of those, steps trained while the previous delta was undecided
+    carried: int = 0  # of those, steps of an earlier delta no certificate merged
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,10 @@ class LearnerMachine:
     give_up_after: float = 300.0  # seconds a delta may stay undecided
     stop_at: int | None = None  # stop training once this version is applied
     time_budget: float | None = None  # seconds of training per stretch (manifest); None: H only
+    # The manifest's staleness s: the round after version v accepts bases down to v − s, so a
+    # delta on base b that a certificate of v did not merge may still be merged while b ≥ v − s
+    # (it is then not carried: its work would count twice, ADR 0026).
+    staleness: int = 0
     trained: int = 0  # steps since the last send
     trained_seconds: float = 0.0  # seconds spent training those steps
     seconds_per_step: float | None = None  # measured over the last chunks (budget sizing)
@@ -171,11 +178,12 @@ class LearnerMachine:
                 return [*self._lose(Reason.ROUND_CLOSED), *self.next_action(now)]
         if self.in_flight is None and self.stretch_done:
             steps, over = self.trained, min(self.overtime, self.trained)
+            carried = min(self.carried, steps - over)
             self.trained, self.trained_seconds, self.overtime = 0, 0.0, 0
-            self.in_flight = InFlight(self.version, now, steps, over, self.carried)
+            self.in_flight = InFlight(self.version, now, steps, over, carried)
             self.carried = 0
             self.sent += 1
-            return [Send(self.version, steps, over)]
+            return [Send(self.version, steps, over, carried)]
         self._overtime_chunk = phase is LearnerPhase.OVERTIME
         return [Train(self._chunk())]
 
@@ -232,10 +240,13 @@ class LearnerMachine:
             return []
         if code in RETRYABLE:
             return []  # the runtime sends it again
-        if code is Reason.ROUND_CLOSED:
+        if code in (Reason.ROUND_CLOSED, Reason.STALE):
             # Late for its round, not bad: the certificate will not merge it, and then its steps
             # are carried into the next delta (ADR 0014) instead of being thrown away now
-            # (the simulator's finding: docs/adr/0021-network-simulator.md).
+            # (the simulator's finding: docs/adr/0021-network-simulator.md). STALE: the syncer
+            # is rounds ahead; fetch the version it names, whose certificate carries it.
+            if fast_forward is not None and fast_forward > self.version:
+                return [CatchUp(fast_forward)]
             return []
         newer: list[LearnerAction] = []
         if fast_forward is not None and fast_forward > self.version:
@@ -278,7 +289,10 @@ class LearnerMachine:
             # carried again (else one screened out, carried, grows and is screened out forever).
             short = fly.steps <= self.inner_steps and fly.overtime == 0
             short = short and (self.time_budget is None or fly.carried == 0)
-            carried = fly.steps if carry and not merged and short else 0
+            # Only a delta no later round can merge: with staleness s, the round after
+            # ``version`` still accepts base ``version − s``.
+            final = fly.base_version < version - self.staleness
+            carried = fly.steps if carry and not merged and short and final else 0
             self.trained += carried  # its work goes into the next delta
             self.carried += carried
         if pace is not None and pace > 0:

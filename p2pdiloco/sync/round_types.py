@@ -44,7 +44,7 @@ class RoundParams:
     # *another* syncer closes keep ``grace``, the bound every syncer shares.
     close_after: float | None = None
     min_fraction: float = 0.6  # share of active learners that closes the round early
-    staleness: int = 2  # oldest base version accepted: v − staleness
+    staleness: int = 0  # oldest base version accepted: v − staleness (ADR 0026)
     max_tokens_per_step: int = 2**20  # batch × seq_len: bounds a token claim by steps
     max_steps: int = 2**30  # the manifest's H: a larger steps claim is clipped (plausible_claim)
     weight_cap: float = 0.25  # no learner weighs more than this share of the merge

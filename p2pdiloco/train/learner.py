@@ -174,23 +174,25 @@ class Learner:
         tokens: int,
         loss: float,
         overtime: int = 0,
+        carried: int = 0,
     ) -> Outgoing:
         """Δ = θ_base − θ_local, (transformed if this node plays an attacker), compressed.
 
-        ``overtime``: steps of Δ trained while the previous delta was undecided. Δ then spans
-        more than one stretch, and is folded: scaled down to the norm of the plain stretch that
-        came before the overtime (``measure_stretch``; unmeasured, to the share of its steps that
-        were not overtime), so the norm screen sees every delta at one stretch's scale, at the
-        learning rate of now (ADR 0019).
+        ``overtime``: steps of Δ trained while the previous delta was undecided; ``carried``:
+        steps of an earlier delta that no certificate merged (``carry``). Δ then spans more
+        than one stretch, and is folded: scaled down to the norm of one plain stretch (the one
+        after the delta in flight, ``measure_stretch``, or the carried one, ``carry``;
+        unmeasured, to the share of its steps that were neither), so the norm screen sees every
+        delta at one stretch's scale, at the learning rate of now (ADRs 0019, 0026).
         """
         local = {n: p.detach().float().cpu() for n, p in self.params().items()}
         names = sorted(local)
         delta = {n: base[n].float() - local[n] for n in names}
         steps = self.steps_since_send
         fold, ref = 1.0, self.stretch_norm
-        if overtime > 0 and steps > 0:
+        if (overtime > 0 or carried > 0) and steps > 0:
             norm = _l2(delta.values())  # only a delta that folds pays this pass
-            share = max(0.0, min(1.0, (steps - overtime) / steps))
+            share = max(0.0, min(1.0, (steps - overtime - carried) / steps))
             fold = min(1.0, ref / norm) if ref is not None and norm > 0 else share
             delta = {n: d * fold for n, d in delta.items()}
         if self.attacker is not None:
@@ -234,10 +236,17 @@ class Learner:
         before that delta, so the next delta carries no part of work that was thrown away."""
         self.feedback.residual = dict(sent.residual_before)
 
-    def carry(self, sent: Outgoing) -> None:
+    @torch.no_grad()
+    def carry(self, sent: Outgoing, old_base: Mapping[str, torch.Tensor]) -> None:
         """``sent`` was not merged and its work stays in the parameters for the next delta
-        (rebase anchored at the old base): its steps count again toward the next delta."""
+        (rebase anchored at ``old_base``, its base): its steps count again toward the next
+        delta, and unless a stretch was measured since, its norm (one plain stretch: only
+        those are carried) is what that delta is folded to (ADR 0026)."""
         self.steps_since_send += sent.steps
+        if self.stretch_norm is None:
+            self.stretch_norm = _l2(
+                old_base[n].float() - sent.sent_params[n] for n in sorted(old_base)
+            )
 
     @torch.no_grad()
     def rebase(
