@@ -93,7 +93,7 @@ def test_under_a_budget_a_delta_holding_carried_work_is_not_carried_again() -> N
     # Carried work holds a whole stretch: it goes out at once, early in the next round, not
     # after another budget in step with the others (it would miss by as much again).
     [second] = m.next_action(0.0)
-    assert second == Send(m.version, first.steps)
+    assert second == Send(m.version, first.steps, overtime=0, carried=first.steps)
     m.on_sent("d2")
     [rebase] = m.on_certified(m.version + 1, frozenset())  # not merged again: dropped
     assert rebase.carried == 0 and m.trained == 0 and m.carried == 0

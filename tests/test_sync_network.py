@@ -102,13 +102,15 @@ def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path:
         }
         payload = pack_deltas(zeros)
 
-        def submission(base: int, peer: str | None = None, body: bytes = payload) -> bytes:
+        def submission(
+            base: int, peer: str | None = None, body: bytes = payload, loss: float = 3.0
+        ) -> bytes:
             header = SubmissionHeader(
                 peer_id=peer or attacker.peer_id,
                 base_version=base,
                 steps=12,
                 tokens=12 * net.manifest.inner.batch_size * (net.manifest.inner.seq_len - 1),
-                loss=3.0,
+                loss=loss,
                 codec=net.manifest.compression,
                 fragments=[FragmentRef(index=0, digest=payload_digest(body), nbytes=len(body))],
             )
@@ -143,7 +145,10 @@ def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path:
                 stale = send(submission(0))
                 valid = submission(1)
                 first = send(valid)
-                replayed = send(valid)
+                again = send(valid)  # a resend (the first reply lost): held once, idempotent
+                second = submission(1, loss=2.0)  # another delta on the same base
+                duplicate = send(second)
+                replayed = send(second)  # the exact signed copy of one already judged
             finally:
                 bridge.close()
 
@@ -153,12 +158,14 @@ def test_bad_submissions_are_refused_with_a_log_line_naming_the_sender(tmp_path:
     assert malformed["status"] == "rejected" and "malformed payload" in malformed["reason"]
     assert stale["status"] == "rejected" and "stale" in stale["reason"]
     assert stale.get("fast_forward") == 1
-    assert first["status"] == "accepted"
+    assert first["status"] == "accepted" and again["status"] == "accepted"
+    assert duplicate["status"] == "rejected" and duplicate["code"] == "duplicate"
     assert replayed["status"] == "rejected" and "replayed" in replayed["reason"]
 
     log = nodes[0].text()
     named = [ln for ln in log.splitlines() if f"rejected input from {attacker.peer_id}" in ln]
-    for needle in ("signature", "signer", "digest", "malformed payload", "stale", "replayed"):
+    needles = ("signature", "signer", "digest", "malformed payload", "stale", "second", "replayed")
+    for needle in needles:
         assert any(needle in ln for ln in named), f"no log line naming the attacker for {needle}"
     assert "Traceback" not in log
 

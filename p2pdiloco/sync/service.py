@@ -223,7 +223,10 @@ class SyncService:
             self._reject(e.signer or stream_peer, None, Reason.INVALID_SIGNATURE, str(e))
             raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
         held = self.held.get(sub.digest)
-        if held is not None and held.fetched:  # the learner's own copy, late: not a replay
+        if held is not None:
+            # Held already: the learner's own copy after a fellow syncer's (fetched), or the
+            # same submission sent again because the reply to the first was lost. Either way
+            # it is in this round once; answering as the first time makes a resend idempotent.
             held.fetched = False
             return {"status": "accepted", "version": sub.header.base_version + 1}, []
         refusal = await self._check(sub, rest[0] if rest else None)
@@ -234,7 +237,8 @@ class SyncService:
             return {"status": "rejected", "code": code.value, "reason": text}, []
         assert self.current is not None and rest
         h = sub.header
-        self.seen.add(sub.digest, h.base_version)
+        # Seen (a later copy is a replay) once a round judged it, not when refused with a code
+        # asking for a retry (NO_OPEN_ROUND, BUSY): an honest retry was logged as "replayed".
         if self.round is None:
             later = self.views.state is not None and self.views.state.member_soon()
             code = Reason.NO_OPEN_ROUND if later else Reason.NOT_ON_COMMITTEE  # later: retry
@@ -245,6 +249,8 @@ class SyncService:
         rnd = self.round
         actions = rnd.on_submission(self._submission(sub), time.monotonic())
         rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
+        if not rejected or rejected[0].code not in RETRYABLE:
+            self.seen.add(sub.digest, h.base_version)
         if not rejected:
             self.held[sub.digest] = Held(sub, raw, rest[0])
             self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)

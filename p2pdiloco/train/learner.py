@@ -193,7 +193,10 @@ class Learner:
         if (overtime > 0 or carried > 0) and steps > 0:
             norm = _l2(delta.values())  # only a delta that folds pays this pass
             share = max(0.0, min(1.0, (steps - overtime - carried) / steps))
-            fold = min(1.0, ref / norm) if ref is not None and norm > 0 else share
+            if ref is not None and norm > 0:
+                fold = min(1.0, ref / norm)
+            else:  # unmeasured: the plain share (none at all: nothing to scale to, sent as is)
+                fold = share if share > 0 else 1.0
             delta = {n: d * fold for n, d in delta.items()}
         if self.attacker is not None:
             delta = self.attacker.transform(delta, None, base_version)
