@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 # Steps of 2 × 32 tokens (24 ms, against 55 ms at 4 × 64) keep a stretch at a quarter of the
 # time near a second (sybil, killed-syncer and late-joiner tests: 191 → 149 s, 208 → 191 CPU-s).
 SMALL = DemoConfig(
-    inner_steps=12, grace=15.0, agree_timeout=5.0, batch_size=2, seq_len=32, compute_share=0.25
+    inner_steps=12, grace=8.0, agree_timeout=3.0, batch_size=2, seq_len=32, compute_share=0.25
 )
 
 
