@@ -8,6 +8,7 @@ peers could have trained while up (``sim.run``); data-parallel is modelled gener
 
     .venv/bin/python bench/goodput.py                       # 64 peers, 2 simulated hours
     .venv/bin/python bench/goodput.py --peers 32 --hours 1 --mtbf 8,4,2 --json
+    .venv/bin/python bench/goodput.py --staleness 0,2      # the manifest's staleness, side by side
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--staleness", default="0", help="manifest staleness values (ADR 0026)")
     a = ap.parse_args()
+    stale = [int(v) for v in a.staleness.split(",")]
     rows: list[dict[str, Any]] = []
-    for m in a.mtbf.split(","):
+    for m, s in ((m, s) for m in a.mtbf.split(",") for s in stale):
         mtbf = None if m == "none" else float(m)
         cfg = SimConfig(
             peers=a.peers, duration=a.hours * 3600, committee_size=a.committee, mtbf_hours=mtbf,
-            repair_seconds=a.repair_minutes * 60, seed=a.seed,
+            repair_seconds=a.repair_minutes * 60, seed=a.seed, rules={"staleness": s},
         )  # fmt: skip
         result, _ = simulate_run(cfg, checkpoint_seconds=a.checkpoint_minutes * 60)
         dp = result.data_parallel
@@ -50,14 +53,14 @@ def main() -> int:
             "data_parallel": dp.goodput, "versions": result.versions,
             "view_changes": result.view_changes, "dp_stalled_s": dp.stalled_seconds,
             "latency_p50": result.latency_p50, "latency_p99": result.latency_p99,
-            "wall_s": result.wall_seconds,
+            "wall_s": result.wall_seconds, "staleness": s,
         })  # fmt: skip
         r = rows[-1]
         met = "met" if r["data_parallel"] > 0.30 or r["diloco"] >= 0.95 else "MISSED"
         dp_g = float(r["data_parallel"])
         ratio = f"{float(r['diloco']) / dp_g:7.2f}x" if dp_g > 1e-3 else "    inf"
         print(
-            f"mtbf {m:>5} h  failures {r['failures']:4d}  DiLoCo {r['diloco']:6.1%}  "
+            f"mtbf {m:>5} h  staleness {s}  failures {r['failures']:4d}  DiLoCo {r['diloco']:6.1%}  "
             f"data-parallel {r['data_parallel']:6.1%}  ratio {ratio}  "
             f"views {r['view_changes']:3d}  p99 {r['latency_p99']:5.0f} s  [{met}]",
             flush=True,
@@ -65,7 +68,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"peers": a.peers, "hours": a.hours, "committee": a.committee,
             "repair_minutes": a.repair_minutes, "checkpoint_minutes": a.checkpoint_minutes,
-            "seed": a.seed}  # fmt: skip
+            "seed": a.seed, "staleness": stale}  # fmt: skip
     (a.out / "goodput.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
     _plot(rows, meta, a.out)
     if a.json:
@@ -79,7 +82,8 @@ def _plot(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r["mtbf_hours"] is not None]
+    first = rows[0]["staleness"]  # the plot shows the first staleness asked for
+    pts = [r for r in rows if r["mtbf_hours"] is not None and r["staleness"] == first]
     rate = [1 / float(r["mtbf_hours"]) for r in pts]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(rate, [float(r["diloco"]) for r in pts], "o-", label="p2pdiloco (simulated)")
