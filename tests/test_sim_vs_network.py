@@ -37,9 +37,8 @@ def test_simulated_rounds_certify_the_real_syncers_state_hashes() -> None:
     result, world = simulate_run(cfg, merge, baseline=False)
     assert result.versions >= 8, result
     # At least 8 versions, and on to the first one whose election seated another member: the
-    # replay then covers more than one elected syncer. Certificates carry wall-clock signing
-    # times, so the beacons, and so which election first moves the seat, differ between runs
-    # (fc56: not within the first 8).
+    # replay then covers more than one elected syncer. Submissions are signed at simulated
+    # times, so a seed gives the same beacons and elections every run (test below).
     moved = next((i for i, c in enumerate(world.certs) if c.committee != world.certs[0].committee),
                  len(world.certs) - 1)  # fmt: skip
     certs = world.certs[: max(8, moved + 1)]
@@ -87,3 +86,21 @@ def _service(
         syncer, world.run_id, world.manifest, {n: tuple(t.shape) for n, t in base.params.items()},
         hub.transport(syncer.peer_id), active_learners=lambda: learners, on_certified=certified,
     )  # fmt: skip
+
+
+def test_a_tensor_mode_seed_certifies_the_same_chain_twice() -> None:
+    """Signed headers carry the simulated time, not the wall clock: the same seed gives the
+    same submission digests, state hashes, beacons and committees."""
+    cfg = SimConfig(
+        peers=3, committee_size=1, duration=100.0, inner_steps=20, step_seconds=1.0,
+        speed_sigma=0.3, seed=5, batch_size=2, seq_len=16,
+        rules={"grace": 30.0, "aggregation": "trimmed_mean", "linger": 0.0},
+    )  # fmt: skip
+
+    def chain() -> list[tuple[int, str, tuple[str, ...], tuple[str, ...]]]:
+        _, world = simulate_run(cfg, TensorMerge(seed=cfg.seed), baseline=False)
+        return [(c.version, c.state_hash, c.committee, c.merged) for c in world.certs]
+
+    first = chain()
+    assert len(first) >= 3
+    assert chain() == first

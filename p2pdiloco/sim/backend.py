@@ -52,9 +52,10 @@ class Merge(Protocol):
 
     def genesis_hash(self) -> str: ...
 
-    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
-        """Learner ``index``'s ``serial``-th delta with header ``sub``: the submission as sent
-        (its digest filled in)."""
+    def seal(self, index: int, sub: Submission, serial: int, at: float) -> Submission:
+        """Learner ``index``'s ``serial``-th delta with header ``sub``, sent at simulated time
+        ``at`` (seconds since the run's creation): the submission as sent (its digest filled
+        in). A seed gives the same digests, so the same beacons and elections, every run."""
         ...
 
     def merge(self, base_hash: str, agg: Aggregate, subs: Mapping[str, Submission]) -> Outcome:
@@ -80,7 +81,7 @@ class MetadataMerge:
     def genesis_hash(self) -> str:
         return _hash("genesis", self.run_id)
 
-    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
+    def seal(self, index: int, sub: Submission, serial: int, at: float) -> Submission:
         return replace(sub, digest=hashlib.sha256(f"{sub.peer_id}/{serial}".encode()).hexdigest())
 
     def merge(self, base_hash: str, agg: Aggregate, subs: Mapping[str, Submission]) -> Outcome:
@@ -118,7 +119,7 @@ class TensorMerge:
     def genesis_hash(self) -> str:
         return self.genesis.state_hash
 
-    def seal(self, index: int, sub: Submission, serial: int) -> Submission:
+    def seal(self, index: int, sub: Submission, serial: int, at: float) -> Submission:
         key = hashlib.sha256(f"{self.seed}/{index}/{serial}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(key[:7], "big"))
         params = self.genesis.params
@@ -130,7 +131,10 @@ class TensorMerge:
             tokens=sub.tokens, loss=3.0, codec=self.manifest.compression,
             fragments=[FragmentRef(index=0, digest=payload_digest(payload), nbytes=len(payload))],
         )  # fmt: skip
-        raw = seal_submission(identity(self.seed, index), self.run_id, header)
+        # Signed at the simulated time, not the wall clock: the digest (and through the
+        # certificates, every later beacon and election) is then the same for a seed.
+        ts = self.manifest.created_at + at
+        raw = seal_submission(identity(self.seed, index), self.run_id, header, ts=ts)
         digest = open_submission(raw, run_id=self.run_id).digest
         self.payloads[digest], self.sealed[digest] = payload, raw
         return replace(sub, digest=digest)

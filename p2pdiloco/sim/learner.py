@@ -106,7 +106,7 @@ class SimLearner:
         peer_id = w.peers[self.index].profile.peer_id
         tokens = send.steps * w.cfg.tokens_per_step
         sub = Submission(peer_id, w.run_id, send.base_version, send.steps, tokens, "")
-        sub = w.merge.seal(self.index, sub, w.deltas_sent)
+        sub = w.merge.seal(self.index, sub, w.deltas_sent, w.clock.now)
         self.machine.on_sent(sub.digest)
         w.subs[sub.digest] = sub
         self.pending = Pending(sub)
