@@ -139,6 +139,23 @@ def test_scaled_input_is_screened_out() -> None:
         torch.testing.assert_close(result.params[n], want_p[n], rtol=1e-6, atol=1e-7)
 
 
+def test_a_round_of_two_screens_out_a_flipped_delta_and_keeps_the_honest_one() -> None:
+    """Each delta is held to the median of the *others* (ADR 0027): with two inputs the
+    median of both is their mean, which a 4x sign flip lifts above its own norm / 3."""
+    params, momentum = _state(12)
+    honest, bad = _inputs(13, m=2)
+    flipped = MergeInput(bad.digest, bad.peer_id, {n: -4 * t for n, t in bad.delta.items()},
+                         bad.weight)  # fmt: skip
+    result = merge_round(params, momentum, [honest, flipped], rules=MEAN, outer=OUTER)
+    assert result.accepted == [honest.digest] and list(result.rejected) == [flipped.digest]
+    assert "norm" in result.rejected[flipped.digest]
+    # The smallest delta of a round always passes: screening never empties a round.
+    tiny = MergeInput(bad.digest, bad.peer_id, {n: t / 100 for n, t in bad.delta.items()},
+                      bad.weight)  # fmt: skip
+    result = merge_round(params, momentum, [honest, tiny], rules=MEAN, outer=OUTER)
+    assert tiny.digest in result.accepted
+
+
 def test_trimmed_mean_with_two_left_falls_back_to_median() -> None:
     params, momentum = _state(10)
     inputs = _inputs(11, m=4)

@@ -49,18 +49,23 @@ def screen(
     ``deltas`` is a [M, D] tensor or a sequence of M tensors of any shape (flattened). A learner
     is rejected, with the first failing reason, if its delta is not a floating-point tensor,
     has the wrong number of elements, holds a NaN/inf, or has an L2 norm above ``norm_factor``
-    × the median norm of the well-formed deltas (``None`` disables the norm check). With
-    ``reference``, the median is over the well-formed deltas among those row indices (trusted
-    senders), so the other rows cannot move it, unless none of them is well formed.
+    × the median norm of the *other* well-formed deltas (``None`` disables the norm check): a
+    delta never sets its own limit, so with two inputs a 4× flip is compared with the honest
+    one's norm, not with their mean (protocol 6, ADR 0027). With ``reference``, the median is
+    over the other well-formed deltas among those row indices (trusted senders), so the rest
+    cannot move it, unless none of them is well formed. A delta with no other to compare with
+    passes the norm check.
 
     ``expected_numel`` should come from the fragment spec; when None, the most common size wins
     (ties to the size seen first), which a majority of malformed inputs could subvert.
     Tuning: honest DiLoCo deltas of one round have similar norms (spread well within 2×), so
     3× rejects scaling attacks while leaving honest stragglers alone; lower it to ~2 with many
-    learners, never below ~1.5. The median needs at least 3 well-formed deltas to mean
-    anything: with 2, a single huge one drags the threshold up with it. If the median norm is 0,
-    only zero deltas pass. Never raises on bad deltas (that is its job); raises ValueError only
-    for a bad ``expected_numel`` or ``norm_factor``.
+    learners, never below ~1.5. With two well-formed deltas each is held to 3× the other: the
+    larger one goes if they differ by more (a flip or a scaled copy does more harm than a tiny
+    delta), and the smallest delta of a round always passes, so screening never empties a
+    round of well-formed deltas. Where the others' median norm is 0, only zero deltas pass.
+    Never raises on bad deltas (that is its job); raises ValueError only for a bad
+    ``expected_numel`` or ``norm_factor``.
     """
     if isinstance(deltas, torch.Tensor) and deltas.dim() != 2:
         raise ValueError(
@@ -109,8 +114,9 @@ def judge_norms(
 ) -> ScreenResult:
     """The verdict of ``screen`` from the squared norms of the well-formed rows (``rejected``
     holds the others): a non-finite one is rejected, then every norm above ``norm_factor`` ×
-    the median (of the ``reference`` rows when any is well formed). Shared with the merge, which
-    sums the norms window by window (``RowSet.sq_norms``)."""
+    the median of the *other* rows' norms (of the other ``reference`` rows when any is well
+    formed; leave-one-out, ADR 0027). Shared with the merge, which sums the norms window by
+    window (``RowSet.sq_norms``)."""
     rejected = dict(rejected)
     norms: dict[int, float] = {}
     for i, sq in sq_norms.items():
@@ -119,11 +125,14 @@ def judge_norms(
         else:
             rejected[i] = "non-finite values"
     if norm_factor is not None and norms:
-        anchored = [norms[i] for i in reference or () if i in norms]
-        med = median_of(anchored or list(norms.values()))
-        limit = norm_factor * med
+        anchored = [i for i in reference or () if i in norms]
+        pool = anchored or sorted(norms)
         for i, nrm in norms.items():
-            if nrm > limit:
+            others = [norms[j] for j in pool if j != i]
+            if not others:  # nothing to compare with (a lone delta, or the lone anchor)
+                continue
+            med = median_of(others)
+            if nrm > norm_factor * med:
                 rejected[i] = f"norm {nrm:.4g} > {float(norm_factor)!r} × median {med:.4g}"
     accepted = [i for i in range(count) if i not in rejected]
     return ScreenResult(accepted, dict(sorted(rejected.items())), norms)

@@ -34,7 +34,9 @@ from p2pdiloco.protocol.identity import (
 # (a certificate names its view and carries the timeout certificates of earlier views).
 # 4: trust (``rules.trust_min_accepted``, ``trust_min_age``, ``probation_share``; sync.trust).
 # 5: committee recency (``rules.committee_recency``: only recent contributors are elected).
-PROTOCOL_VERSION = 5
+# 6: norm screening compares each delta with the median of the others (leave-one-out,
+# ADR 0027): a round's verdicts, and so its certified bytes, differ from protocol 5's.
+PROTOCOL_VERSION = 6
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1
