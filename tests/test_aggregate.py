@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import RULES, AggregationRule, clip_norms, get_rule, screen
-from p2pdiloco.aggregate.base import BLOCK, pairwise_sq_dists64, sq_norms64
+from p2pdiloco.aggregate.base import BLOCK, median_of, pairwise_sq_dists64, sq_norms64
+from p2pdiloco.aggregate.clipping import judge_norms
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,6 +239,24 @@ def test_screen_rejects_malformed_and_oversized_deltas() -> None:
     assert screen(torch.stack([rows[i] for i in (0, 3, 4, 5)])).accepted == [0, 1, 3]
     assert screen(rows[:1] + rows[3:6], norm_factor=None).accepted == [0, 1, 2, 3]
     assert screen([]).accepted == []
+
+
+def test_leave_one_out_verdicts_equal_a_median_of_the_others_taken_per_delta() -> None:
+    """The O(1) leave-one-out median is the very float ``median_of`` gives on the others'
+    norms, with ties, odd and even counts, and trusted reference rows (ADR 0027)."""
+    gen = np.random.default_rng(7)
+    for trial in range(300):
+        m = int(gen.integers(1, 12))
+        norms = [float(x) for x in gen.choice([1.0, 1.5, 2.0, 3.0, 4.5, 7.0], size=m)]
+        reference = sorted(gen.choice(m, size=int(gen.integers(0, m + 1)), replace=False))
+        got = judge_norms(m, {i: n * n for i, n in enumerate(norms)}, {}, 3.0, reference)
+        pool = list(reference) or list(range(m))
+        want = {}
+        for i, n in enumerate(norms):
+            others = [norms[j] for j in pool if j != i]
+            if others and n > 3.0 * (med := median_of(others)):
+                want[i] = f"norm {n:.4g} > 3.0 × median {med:.4g}"
+        assert got.rejected == want, (trial, norms, reference)
 
 
 def test_clip_norms_scales_only_long_rows() -> None:

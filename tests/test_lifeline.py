@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
 
@@ -14,14 +13,15 @@ from p2pdiloco.net import lifeline
 
 @pytest.mark.skipif(not lifeline.supported(), reason="Linux /proc only")
 def test_per_task_reads_and_a_table_scan_find_the_same_descendants() -> None:
-    # A shell with two children, one of which has a child of its own: three levels.
-    tree = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
+    # A shell with two children, one of which has a child of its own: three levels. The
+    # subshell says "ready" once its own child runs, after the first one was started.
+    script = "sleep 30 & (sleep 30 & echo ready; wait) & wait"
+    tree = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE)
     below: set[lifeline.Proc] = set()
     try:
-        deadline = time.monotonic() + 10
-        while len(below := lifeline.descendants([tree.pid], lifeline.children_map())) < 3:
-            assert time.monotonic() < deadline, "the shell did not start its children"
-            time.sleep(0.05)  # polling the process table, with a deadline
+        assert tree.stdout is not None and tree.stdout.readline() == b"ready\n"
+        below = lifeline.descendants([tree.pid], lifeline.children_map())
+        assert len(below) == 3, below
         scanned = lifeline.descendants([os.getpid()], lifeline.children_map())
         if lifeline._TASK_CHILDREN:
             assert lifeline.descendants([os.getpid()]) == scanned
@@ -30,3 +30,5 @@ def test_per_task_reads_and_a_table_scan_find_the_same_descendants() -> None:
         lifeline.kill_all(below, grace=0.0)
         tree.kill()
         tree.wait()
+        if tree.stdout is not None:
+            tree.stdout.close()
