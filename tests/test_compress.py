@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -328,6 +329,10 @@ def _malformed(codec: Codec, enc: Encoded) -> list[tuple[str, object]]:
         low = t.clone()
         low[0] = -128 if t.dtype == torch.int8 else 0x80  # code −128 / low nibble 0
         cases.append(("code out of range", replace(enc, payload={**p, "codes": low})))
+        if t.dtype == torch.uint8:  # the other code of the byte: high nibble 0
+            high = t.clone()
+            high[-1] = 0x08
+            cases.append(("high code out of range", replace(enc, payload={**p, "codes": high})))
         cases.append(("fp32 scales", replace(enc, payload={**p, "scales": s.float()})))
     else:
         for label, v in [("NaN value", math.nan), ("inf value", math.inf)]:
@@ -348,6 +353,32 @@ def test_malformed_payloads_raise_codec_error(name: str, params: dict[str, int])
         except CodecError:
             continue
         pytest.fail(f"{label}: decoded without CodecError")
+
+
+def _verdict(fn: Callable[[Encoded], object], enc: object) -> str:
+    try:
+        fn(enc)  # type: ignore[arg-type]
+    except CodecError:
+        return "refused"
+    return "accepted"
+
+
+@pytest.mark.parametrize(("name", "params"), CONFIGS, ids=IDS)
+def test_validate_refuses_exactly_what_decode_refuses(name: str, params: dict[str, int]) -> None:
+    """A syncer only validates a payload on arrival and decodes it when merging: the two must
+    never disagree, on every malformed case above and on random bytes."""
+    codec = get_codec(name, **params)
+    enc = codec.encode(torch.randn(300))
+    cases: list[tuple[str, object]] = [("honest", enc), *_malformed(codec, enc)]
+    rng = np.random.default_rng(5)
+    for i in range(200):
+        payload = {}
+        for k, t in enc.payload.items():
+            raw = rng.integers(0, 256, size=t.numel() * t.element_size()).astype(np.uint8)
+            payload[k] = torch.from_numpy(raw).view(t.dtype)
+        cases.append((f"random bytes {i}", replace(enc, payload=payload)))
+    for label, case in cases:
+        assert _verdict(codec.validate, case) == _verdict(codec.decode, case), label
 
 
 @pytest.mark.parametrize(("name", "params"), CONFIGS, ids=IDS)

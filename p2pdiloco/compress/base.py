@@ -70,6 +70,12 @@ class Codec(ABC):
         dtype or length, or any value an honest encoder cannot produce.
         """
 
+    def validate(self, enc: Encoded) -> None:
+        """Raise CodecError exactly when ``decode(enc)`` would, without keeping the result. A
+        syncer checks each submission on arrival and decodes it again only when merging, so a
+        codec whose checks are cheaper than its decode says so here (``BlockwiseCodec``)."""
+        self.decode(enc)
+
     @abstractmethod
     def ratio(self) -> float:
         """Nominal fp32 bytes / wire bytes for a large tensor (block padding ignored)."""
