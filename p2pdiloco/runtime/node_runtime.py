@@ -34,6 +34,7 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
+from p2pdiloco.runtime.delivery import intake_order, next_targets, submit_to
 from p2pdiloco.runtime.evaluator import Evaluator
 from p2pdiloco.runtime.plane import Plane, Presence
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
@@ -322,6 +323,7 @@ class NodeRuntime:
         while True:
             sub = await self._outbox.get()
             self._pending = _Pending(sub)
+            self.tally.on_sent()
             try:
                 await self._deliver_submission(self._pending)
             except Exception:
@@ -335,25 +337,31 @@ class NodeRuntime:
             pending.delivering = False
 
     async def _deliver(self, pending: _Pending) -> None:
-        """Send to every member of the current view's committee not asked yet (members of a
-        later view join as the view changes), again to those that say "later" (retryable codes)
-        or could not be reached, until each has answered or the version moved on. Tells the
-        trainer once: accepted as soon as one syncer holds it, or refused by every one that
-        answered. Syncers that cannot be reached never hold up the others' answer."""
-        sub, todo, backoff, told = pending.sub, [], 1.0, False
+        """Send to one member of the current view's committee, which relays it to the others
+        (``runtime.delivery``); to the next member when one cannot be reached or refuses it, to
+        the same one again when it says "later", to a member of a later view when the view
+        changes. Tells the trainer once: accepted as soon as one syncer holds it, or refused by
+        every one that answered. Unreachable syncers never hold up the others' answer."""
+        sub, backoff, told = pending.sub, 1.0, False
+        retry: list[str] = []
         codes: list[Reason] = []
         ff: int | None = None
-        self.tally.on_sent()
         for _ in range(20):
-            todo += [
-                m for m in self._committee_now() if m not in pending.statuses and m not in todo
-            ]
-            targets, todo = todo, []
-            replies = await asyncio.gather(*(self._submit_to(p, sub) for p in targets))
+            targets = next_targets(self._order(sub), pending.statuses, retry)
+            if not targets:
+                break
+            if any(t in pending.statuses for t in targets):  # asking again: not at once
+                await asyncio.sleep(backoff)
+                if self.chain.version > sub.base_version or self._pending is not pending:
+                    break
+            retry = [m for m in retry if m not in targets]
+            replies = await asyncio.gather(
+                *(submit_to(self.transport, self.service, self.me, p, sub) for p in targets)
+            )
             for peer, (status, code, hint) in zip(targets, replies, strict=True):
                 pending.statuses[peer] = status
                 if status != "accepted" and (code in RETRYABLE or status == "error"):
-                    todo.append(peer)
+                    retry.append(peer)
                 elif status == "rejected":
                     codes.append(code or Reason.MALFORMED)
                     ff = max(ff or 0, hint) if hint is not None else ff
@@ -366,18 +374,21 @@ class NodeRuntime:
             self.tally.paused_reason = (
                 f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
             )
-            if not todo or self.chain.version > sub.base_version or self._pending is not pending:
+            if self.chain.version > sub.base_version or self._pending is not pending:
                 break
-            await asyncio.sleep(backoff)
             gone = all(s == "error" for s, _, _ in replies)  # only unreachable ones left to ask
             backoff = min(backoff * 2, 30.0 if unreachable else 8.0) if gone else 1.0
         self.tally.paused_reason = None
+        accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
         log.info(
             "submitted delta on version %d to %d syncers: %d accepted for merging",
             sub.base_version, len(pending.statuses), accepted,
         )  # fmt: skip
         if self.deliver is not None and not told and codes:
             self.deliver(Reply(sub.digest, False, codes[0], ff))
+
+    def _order(self, sub: Submission) -> list[str]:
+        return intake_order(sub.digest, self._committee_now(), self.me)
 
     def _committee_now(self) -> tuple[str, ...]:
         """The committee a submission on the current version goes to: that of the view this
@@ -386,25 +397,6 @@ class NodeRuntime:
         if st is None:
             return committee_for(self.run_id, self.manifest, self.chain.cert).members
         return st.committee(st.expected_view(time.monotonic())).members
-
-    async def _submit_to(self, peer: str, sub: Submission) -> tuple[str, Reason | None, int | None]:
-        """(status, code, fast-forward hint) of one syncer's answer; status "error" when it
-        could not be reached."""
-        frames = [sub.header, sub.payload]
-        try:
-            if peer == self.me:
-                assert self.service is not None
-                reply, _ = await self.service.handle("submit", self.me, {}, frames)
-            else:
-                reply, _ = await self.transport.call(peer, "submit", frames=frames, timeout=120)
-        except RpcRefused as e:
-            return "rejected", e.code, None
-        except RpcError as e:
-            return ("rejected" if e.refused else "error"), e.code, None
-        status = str(reply.get("status", "error"))
-        hint = reply.get("fast_forward")
-        code = Reason.parse(reply["code"]) if "code" in reply else None
-        return status, code, hint if isinstance(hint, int) else None
 
     async def _poller(self) -> None:
         """While a delta is in flight: ask the committee for the next certificate and whether
@@ -415,7 +407,7 @@ class NodeRuntime:
             if pending is None or self.chain.version > pending.sub.base_version:
                 continue
             try:
-                fresh = [m for m in self._committee_now() if m not in pending.statuses]
+                fresh = next_targets(self._order(pending.sub), pending.statuses, [])
                 if fresh and not pending.delivering:
                     await self._deliver_submission(pending)  # a later view's committee
                 await self._poll_certificate(pending.sub.base_version + 1)

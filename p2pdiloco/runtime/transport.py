@@ -108,6 +108,9 @@ class MemoryHub:
     delay: dict[str, float] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)  # request + reply bytes sent, by peer
     received: dict[str, int] = field(default_factory=dict)
+    # Sees each answered request: (sender, receiver, control, request frames, reply), where
+    # control holds the op and the request's args. For tests.
+    tap: Callable[[str, str, dict[str, Any], list[bytes], dict[str, Any]], None] | None = None
 
     def transport(self, me: str) -> MemoryTransport:
         return MemoryTransport(self, me)
@@ -185,6 +188,8 @@ class MemoryTransport:
                 f"{op} to {peer}: reply frame over {reply_limit} bytes", code=Reason.MALFORMED
             )
         hub._count(peer, self.me, out)
+        if hub.tap is not None:
+            hub.tap(self.me, peer, control, [bytes(f) for f in frames], reply)
         return {**reply, "ok": True, "frames": len(out)}, [bytes(f) for f in out]
 
     async def serve(

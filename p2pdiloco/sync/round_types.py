@@ -96,6 +96,12 @@ class SubmissionStatus:
     standing: Standing
     code: Reason | None = None  # why it was dropped; None unless DROPPED
 
+    def reply(self) -> dict[str, str]:
+        """The answer to a learner's "receipt" request (``SyncService``)."""
+        if self.standing is Standing.DROPPED and self.code is not None:
+            return {"status": "dropped", "code": self.code.value}
+        return {"status": self.standing.value}
+
 
 # -- actions returned to the driver ---------------------------------------------------------
 

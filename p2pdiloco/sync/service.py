@@ -41,6 +41,7 @@ from p2pdiloco.sync.committee_msgs import (
 )
 from p2pdiloco.sync.fetch import fetch_submission
 from p2pdiloco.sync.intake import Held, Intake, Refusal
+from p2pdiloco.sync.relay import relay
 from p2pdiloco.sync.roster import CommitteeInfo, roster_of
 from p2pdiloco.sync.round import (
     Action,
@@ -53,7 +54,6 @@ from p2pdiloco.sync.round import (
     Propose,
     Reject,
     Sign,
-    Standing,
     Submission,
     SyncerRound,
 )
@@ -189,7 +189,7 @@ class SyncService:
         self, op: str, peer: str, control: dict[str, Any], frames: list[bytes]
     ) -> tuple[dict[str, Any], list[bytes]]:
         if op == "submit":
-            return await self._on_submit(peer, frames[0] if frames else b"", frames[1:])
+            return await self._on_submit(peer, frames, control.get("relay") is True)
         if op == "propose":
             return self._on_proposal(peer, frames)
         if op == "sign":
@@ -207,16 +207,12 @@ class SyncService:
 
     def _on_receipt(self, digest: str) -> dict[str, Any]:
         """Where a learner's submission stands in this syncer's round."""
-        if self.round is None:
-            return {"status": "unknown"}
-        status = self.round.status_of(digest)
-        if status.standing is Standing.DROPPED and status.code is not None:
-            return {"status": "dropped", "code": status.code.value}
-        return {"status": status.standing.value}
+        return self.round.status_of(digest).reply() if self.round else {"status": "unknown"}
 
     async def _on_submit(
-        self, stream_peer: str, raw: bytes, rest: list[bytes]
+        self, stream_peer: str, frames: list[bytes], pass_on: bool = False
     ) -> tuple[dict[str, Any], list[bytes]]:
+        raw, rest = (frames[0] if frames else b""), frames[1:]
         try:
             sub = open_submission(raw, run_id=self.run_id)
         except InvalidRecord as e:
@@ -254,6 +250,10 @@ class SyncService:
         if not rejected:
             self.held[sub.digest] = Held(sub, raw, rest[0])
             self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)
+            if pass_on and stream_peer == h.peer_id:  # from its learner, asked to: to the others
+                self._spawn(
+                    relay(self.transport, self._others(), raw, rest[0], lambda: self.round is rnd)
+                )
         self._execute(actions, sub.digest)
         if rejected:
             return {
