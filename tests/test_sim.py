@@ -29,6 +29,10 @@ def test_a_seed_gives_the_same_run_twice() -> None:
 
 def test_without_faults_nearly_all_trained_work_is_certified() -> None:
     result, world = simulate_run(replace(SMALL, duration=3600.0))
+    # Each delta is uploaded once, to one member, which relays it (ADR 0028): with nobody
+    # down, learners upload at most one payload per delta (members' own deltas: none).
+    assert 0 < world.learner_up <= world.deltas_sent * world.cfg.payload_bytes
+    assert world.relayed > 0
     assert result.versions >= 40 and result.view_changes == 0
     assert result.goodput > 0.95, result
     assert result.data_parallel is not None and result.data_parallel.goodput == pytest.approx(1.0)
@@ -57,14 +61,22 @@ def test_a_committee_that_loses_its_members_hands_the_version_to_the_next_view()
 
 
 def test_faulty_syncers_below_a_third_never_get_a_wrong_state_certified() -> None:
+    """The guarantee is per committee: a committee with fewer faulty members than its quorum
+    never certifies a wrong state. A quarter of the population faulty means a random draw of
+    seven can seat a quorum of them (about 0.3 % of draws): then the assumption is broken, and
+    the simulator says so (the wrong certificate is counted), as the k = 1 test below shows."""
+    quorum = 5  # of k = 7
     cfg = replace(SMALL, peers=24, committee_size=7, faulty_syncers=0.25, seed=11)
     result, world = simulate_run(cfg, baseline=False)
     faulty = {p.peer_id for p in world.profiles if p.faulty}
     sat = [c for c in world.certs if faulty & set(c.committee)]
     assert len(sat) >= 5, "the draw should seat faulty syncers on several committees"
     assert result.versions >= 20, result
-    assert result.wrong_certificates == 0 and result.conflicts == 0
-    assert all(not faulty & set(c.signers) for c in world.certs)  # they signed another state
+    below = [c for c in world.certs if len(faulty & set(c.committee)) < quorum]
+    assert len(below) >= 20 and all(not c.wrong for c in below)
+    assert result.conflicts == 0
+    assert all(not faulty & set(c.signers) for c in below)  # they signed another state
+    assert result.wrong_certificates == len(world.certs) - len(below)  # only where broken
 
 
 def test_a_committee_of_faulty_syncers_certifies_their_state_and_the_simulator_says_so() -> None:

@@ -68,6 +68,7 @@ def netsim(
         ("wrong or conflicting certificates", f"{result.wrong_certificates + result.conflicts}"),
         ("MB per learner per delta", f"{result.learner_bytes_per_delta / 1e6:.1f}"),
         ("MB per syncer per round", f"{result.syncer_bytes_per_round / 1e6:.1f}"),
+        ("MB relayed per syncer per round", f"{result.relayed_bytes_per_round / 1e6:.1f}"),
         ("simulated events / wall seconds", f"{result.events} / {result.wall_seconds:.1f}"),
     ]  # fmt: skip
     for name, value in rows:

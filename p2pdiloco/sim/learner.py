@@ -1,9 +1,10 @@
 """One island in the simulator: a real ``LearnerMachine`` whose inner steps take simulated time.
 
 Like the trainer thread, it looks at certificates between chunks of steps, never waits on the
-network (sending runs beside training), and sends each delta to every member of the committee
-it knows, again to those that answer "later" (retryable codes), telling the machine once: as
-soon as one syncer accepts, or once every one that answered refused.
+network (sending runs beside training), and sends each delta to one member of the committee it
+knows (``runtime.delivery``: the first of the delta's order), which relays it to the others;
+to the next member when one is down or refuses, again to one that answers "later" (retryable
+codes), telling the machine once: as soon as one syncer accepts, or once every one refused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Pending:
     hint: int | None = None
     told: bool = False
     tries: dict[int, int] = field(default_factory=dict)
+    unreachable: set[int] = field(default_factory=set)  # asked, but down when it arrived
 
 
 @dataclass
@@ -110,15 +112,29 @@ class SimLearner:
         self.machine.on_sent(sub.digest)
         w.subs[sub.digest] = sub
         self.pending = Pending(sub)
-        w.deliver(self, sub, self.pending.asked)
+        w.deliver(self, sub, self.pending)
 
     def redeliver(self) -> None:
-        """A new view's committee: send the delta in flight to its members not asked yet (even
-        if an old member accepted it: that member may never certify), as the runtime's poller
+        """A new view's committee: send the delta in flight to one of its members unless one
+        holds it (an old member that accepted it may never certify), as the runtime's poller
         does."""
         p = self.pending
         if p is not None and self.alive and self.machine.in_flight is not None:
-            self.world.deliver(self, p.sub, p.asked)
+            self.world.deliver(self, p.sub, p)
+
+    def unreachable(self, digest: str, member: int) -> None:
+        """A member was down: the next one at once, or this one again later if none is left."""
+        p, w = self.pending, self.world
+        if not self.alive or p is None or p.sub.digest != digest:
+            return
+        p.unreachable.add(member)
+        asked = len(p.asked)
+        w.deliver(self, p.sub, p)
+        tries = p.tries.get(member, 0)
+        if len(p.asked) == asked and tries < MAX_TRIES and w.version == p.sub.base_version:
+            p.tries[member] = tries + 1
+            p.unreachable.discard(member)
+            w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
 
     def reply(self, digest: str, member: int, accepted: bool, code: Reason | None,
               hint: int | None) -> None:  # fmt: skip
@@ -132,9 +148,11 @@ class SimLearner:
                 w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
             return
         p.answers[member] = accepted
+        p.unreachable.discard(member)
         if not accepted:
             p.codes.append(code or Reason.MALFORMED)
             p.hint = hint if hint is not None else p.hint
+            w.deliver(self, p.sub, p)  # refused: the next member, if one is left
         if p.told:
             return
         if accepted:

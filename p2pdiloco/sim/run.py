@@ -43,6 +43,7 @@ class SimResult:
     faults: int
     learner_bytes_per_delta: float  # up (every copy) + its share of the downloads
     syncer_bytes_per_round: float  # received by one member in one round
+    relayed_bytes_per_round: float  # learners' deltas one member passed on in one round
     events: int
     wall_seconds: float
     data_parallel: DataParallelResult | None = None
@@ -125,6 +126,7 @@ def simulate_run(
         faults=sum(1 for f in faults if f.kind in ("down", "leave")),
         learner_bytes_per_delta=(world.learner_up + world.learner_down) / deltas,
         syncer_bytes_per_round=world.syncer_in / max(1, world.member_rounds),
+        relayed_bytes_per_round=world.relayed / max(1, world.member_rounds),
         events=world.clock.events,
         wall_seconds=time.perf_counter() - started,
         data_parallel=dp,

@@ -61,7 +61,11 @@ class Member:
     # -- inputs ----------------------------------------------------------------------------
 
     def submit(self, sub: Submission, sender: int) -> tuple[bool, Reason | None, int | None]:
-        """A learner's submission arrived: (accepted, code, fast-forward hint)."""
+        """A learner's submission arrived: (accepted, code, fast-forward hint). A copy of one
+        it holds (relayed after the learner's own, or the other way round) is accepted again,
+        as ``SyncService`` answers from what it holds."""
+        if sub.digest in self.round.accepted:
+            return True, None, None
         self.senders.setdefault(sub.digest, sender)
         actions = self.round.on_submission(sub, self.world.clock.now)
         refusal = next((a for a in actions if isinstance(a, Reject) and a.peer_id == sub.peer_id),

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field, replace
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, content_digest
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import MAX_VIEWS
+from p2pdiloco.runtime.delivery import intake_order
 from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
-from p2pdiloco.sim.learner import SimLearner
+from p2pdiloco.sim.learner import Pending, SimLearner
 from p2pdiloco.sim.syncer import TICK, Member, open_member
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.learner_machine import LearnerMachine
@@ -33,6 +34,9 @@ from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.trust import trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
+
+UNREACHABLE_AFTER = 1.0  # seconds before a learner gives up dialling a member that is down
+RELAY_TRIES = 4  # a relayed copy answered "later" is sent again this often (sync.relay)
 
 
 @dataclass
@@ -95,6 +99,7 @@ class World:
     conflicts: int = 0  # two certificates of one version with different states
     fetched_bytes: int = 0
     learner_up: int = 0  # delta bytes learners sent (every copy, retries included)
+    relayed: int = 0  # delta bytes members passed on to their fellows (ADR 0028)
     learner_down: int = 0  # certified-update bytes learners fetched
     syncer_in: int = 0  # bytes members received: deltas, fetched inputs, states to sync from
     member_rounds: int = 0  # (member, view) rounds opened
@@ -182,17 +187,28 @@ class World:
 
     # -- delivery ----------------------------------------------------------------------------
 
-    def deliver(self, learner: SimLearner, sub: Submission, asked: set[int]) -> None:
-        for peer_id in self.committee.members:
-            index = self.by_id[peer_id]
-            if index not in asked:
-                asked.add(index)
-                self.deliver_one(learner, sub, index)
+    def deliver(self, learner: SimLearner, sub: Submission, p: Pending) -> None:
+        """To one member, as the runtime does (``runtime.delivery``): the first of the delta's
+        order not asked yet, unless a member of this view holds it or one is still answering;
+        the member that accepts it relays it to the others (``_relay``)."""
+        me = self.peers[learner.index].profile.peer_id
+        order = [self.by_id[m] for m in intake_order(sub.digest, self.committee.members, me)]
+        answering = p.asked - p.answers.keys() - p.unreachable
+        if any(p.answers.get(i) for i in order) or answering & set(order):
+            return
+        fresh = [i for i in order if i not in p.asked]
+        if fresh:
+            p.asked.add(fresh[0])
+            self.deliver_one(learner, sub, fresh[0])
 
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
         """The signed header goes first; the payload follows only if the syncer has the round
-        open (else it answers "later" from the header alone, as ``Intake.screen`` does)."""
+        open (else it answers "later" from the header alone, as ``Intake.screen`` does). A
+        learner on the committee hands its delta to its own syncer: no transfer."""
         if not learner.alive:
+            return
+        if index == learner.index:
+            self.clock.at(self.clock.now, self._arrival, learner, sub, index)
             return
         member = self.members.get(self.view, {}).get(index)
         size = self.cfg.payload_bytes if member is not None and member.alive else SMALL
@@ -208,15 +224,34 @@ class World:
         ok, hint = False, None
         if member is not None and member.alive:
             ok, code, hint = member.submit(sub, learner.index)
-        elif index not in self.peers or not self.peers[index].up:
-            return  # unreachable: no answer
+        elif index not in self.peers or not self.peers[index].up:  # unreachable: the next one
+            self.clock.after(UNREACHABLE_AFTER, learner.unreachable, sub.digest, index)
+            return
         t = self.links.transfer(index, learner.index, SMALL, self.clock.now)
+        if ok:  # straight from its learner: passed on to the other members
+            self._relay(sub, learner.index, index)
         p = learner.pending
         if ok and p is not None and p.sub.digest == sub.digest:
             if p.accepted_coming:
                 return  # one "accepted" tells the learner; more change nothing (fewer events)
             p.accepted_coming = True
         self.clock.at(t, learner.reply, sub.digest, index, ok, code, hint)
+
+    def _relay(self, sub: Submission, learner: int, src: int) -> None:
+        for peer_id in self.committee.members:
+            if (dst := self.by_id[peer_id]) != src:
+                t = self.links.transfer(src, dst, self.cfg.payload_bytes, self.clock.now)
+                self.relayed += self.cfg.payload_bytes
+                self.syncer_in += self.cfg.payload_bytes
+                self.clock.at(t, self._relayed, sub, learner, dst, 0)
+
+    def _relayed(self, sub: Submission, learner: int, dst: int, tries: int) -> None:
+        member = self.members.get(self.view, {}).get(dst)
+        if member is None or not member.alive:
+            return  # gone, or not in this view: it fetches the delta if a proposal names it
+        ok, code, _ = member.submit(sub, learner)
+        if not ok and code in RETRYABLE and tries < RELAY_TRIES:
+            self.clock.after(0.5 * (tries + 1), self._relayed, sub, learner, dst, tries + 1)
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:
         peer = self.peers.get(self.by_id[peer_id])
