@@ -27,17 +27,18 @@ def test_the_order_is_the_learner_itself_then_one_drawn_from_the_digest() -> Non
     assert set(firsts) == set(members) and min(firsts.values()) > 60  # spread over the members
 
 
-def test_next_targets_moves_on_from_the_unreachable_and_the_refusing_not_from_later() -> None:
+def test_next_targets_moves_on_from_the_unreachable_only() -> None:
     order = [A, B, C]
     assert next_targets(order, {}, []) == [A]
     assert next_targets(order, {A: "error"}, [A]) == [B]  # cannot be reached: the next at once
-    assert next_targets(order, {A: "rejected"}, []) == [B]  # refused: the next
     assert next_targets(order, {A: "rejected"}, [A]) == [A]  # "later": the same one again
+    assert next_targets(order, {A: "rejected"}, []) == []  # refused: the others would too
+    assert next_targets(order, {A: "error", B: "rejected"}, [A]) == []
     assert next_targets(order, {A: "rejected", B: "accepted"}, [A]) == []  # held: done
-    assert next_targets(order, {A: "rejected", B: "rejected", C: "rejected"}, []) == []
     assert next_targets(order, {A: "error", B: "error", C: "error"}, [A, B, C]) == [A, B, C]
-    # A later view's committee: the member holding it left, so a new one is asked
+    # A later view's committee: the member that held or refused it left, so a new one is asked
     assert next_targets([C, D], {A: "accepted"}, []) == [C]
+    assert next_targets([C, D], {A: "rejected"}, []) == [C]
 
 
 @pytest.mark.usefixtures("one_torch_thread")

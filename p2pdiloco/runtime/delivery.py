@@ -4,9 +4,13 @@ A learner uploads each delta once (BRIEF §7b, issue 11): to the first member of
 in an order drawn from the delta's digest, so a round's uploads spread evenly over the members.
 The member that accepts it from its learner relays the same signed bytes to its fellows
 (``sync.relay``). The learner moves on to the next member in that order only when one cannot
-be reached or refuses it; a member that says "later" (``RETRYABLE``) is asked again.
+be reached; a member that says "later" (``RETRYABLE``) is asked again. A refusal ends it: every
+honest member of a view judges a submission alike (late, stale, malformed), and sending the
+payload on to the next one only to hear the same cost late deltas up to k uploads (8 learners,
+k = 4: 1.6 payloads per delta on average, 4 at most, before this rule).
 
-A member that accepts a delta and then drops it costs the learner one round, not its work:
+A member that accepts a delta and then drops it, or refuses it falsely, costs the learner one
+round, not its work:
 the certificate does not name the delta, so the learner keeps that progress in its next
 delta (``LearnerMachine``: not merged → unsent), whose digest draws another member first.
 The choice is pure functions, which the runtime drives (``NodeRuntime._deliver``) and the
@@ -47,13 +51,16 @@ def next_targets(
     """Members to send to now (none: done). ``statuses`` holds each asked member's last
     answer ("accepted", "rejected" or "error": unreachable); ``retry`` the members to ask again
     (they said "later", or could not be reached). Done once a member of ``order`` (the current
-    committee) holds the delta, or every member has answered and none is left to retry."""
+    committee) holds the delta or refused it, or every member is unreachable and none is left
+    to retry."""
     if any(statuses.get(m) == "accepted" for m in order):
         return []
+    if any(statuses.get(m) == "rejected" and m not in retry for m in order):
+        return []  # refused by a member of this view: the others would say the same
     waiting = [m for m in retry if m in order]
     if any(statuses.get(m) == "error" for m in waiting) or not waiting:
         fresh = [m for m in order if m not in statuses]
-        if fresh:  # the next member at once: the one asked cannot be reached or refused
+        if fresh:  # the next member at once: the one asked cannot be reached
             return fresh[:1]
     return waiting
 

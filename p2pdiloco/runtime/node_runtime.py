@@ -338,10 +338,10 @@ class NodeRuntime:
 
     async def _deliver(self, pending: _Pending) -> None:
         """Send to one member of the current view's committee, which relays it to the others
-        (``runtime.delivery``); to the next member when one cannot be reached or refuses it, to
-        the same one again when it says "later", to a member of a later view when the view
-        changes. Tells the trainer once: accepted as soon as one syncer holds it, or refused by
-        every one that answered. Unreachable syncers never hold up the others' answer."""
+        (``runtime.delivery``); to the next member when one cannot be reached, to the same one
+        again when it says "later", to a member of a later view when the view changes. Tells
+        the trainer once: accepted as soon as one syncer holds it, or refused (the first code).
+        Unreachable syncers never hold up the others' answer."""
         sub, backoff, told = pending.sub, 1.0, False
         retry: list[str] = []
         codes: list[Reason] = []

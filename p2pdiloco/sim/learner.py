@@ -3,8 +3,8 @@
 Like the trainer thread, it looks at certificates between chunks of steps, never waits on the
 network (sending runs beside training), and sends each delta to one member of the committee it
 knows (``runtime.delivery``: the first of the delta's order), which relays it to the others;
-to the next member when one is down or refuses, again to one that answers "later" (retryable
-codes), telling the machine once: as soon as one syncer accepts, or once every one refused.
+to the next member when one is down, again to one that answers "later" (retryable codes),
+telling the machine once: as soon as one syncer accepts, or once one refused.
 """
 
 from __future__ import annotations
@@ -152,13 +152,12 @@ class SimLearner:
         if not accepted:
             p.codes.append(code or Reason.MALFORMED)
             p.hint = hint if hint is not None else p.hint
-            w.deliver(self, p.sub, p)  # refused: the next member, if one is left
         if p.told:
             return
         if accepted:
             p.told = True
             self.machine.on_reply(digest, True, None, None)
-        elif len(p.answers) >= len(p.asked) and not any(p.answers.values()):
+        elif len(p.answers) + len(p.unreachable) >= len(p.asked) and not any(p.answers.values()):
             p.told = True
             self._after(self.machine.on_reply(digest, False, p.codes[0], p.hint))
 
