@@ -184,12 +184,8 @@ class BlockwiseCodec(Codec):
         (int8 −128, or nibble 0 for 4 bits). The decoded product of an in-range code and a
         finite fp16 scale is always finite, so nothing else can fail. A fifth of a decode's
         time (tests/test_compress.py holds the two to the same verdicts)."""
-        numel = self._check_header(enc, ("codes", "scales"))
+        _, n_blocks, _ = self._scales(enc)
         K = self.block_size
-        n_blocks = -(-numel // K)
-        s_Bk = check_tensor(enc.payload, "scales", torch.float16, n_blocks)
-        if not bool((torch.isfinite(s_Bk) & ~torch.signbit(s_Bk)).all()):
-            raise CodecError(f"{self.name} scales must be finite and non-negative (not even −0)")
         if self.bits == 8:
             codes_P = check_tensor(enc.payload, "codes", torch.int8, n_blocks * K)
             bad = bool(codes_P.numel()) and int(codes_P.min()) < -self.qmax
@@ -200,14 +196,19 @@ class BlockwiseCodec(Codec):
         if bad:
             raise CodecError(f"{self.name} code {-self.qmax - 1} is outside the symmetric range")
 
-    @torch.no_grad()
-    def decode(self, enc: Encoded) -> torch.Tensor:
+    def _scales(self, enc: Encoded) -> tuple[int, int, torch.Tensor]:
+        """(D, blocks, fp16 scales) once the header and the scales check out."""
         numel = self._check_header(enc, ("codes", "scales"))
-        K, qmax = self.block_size, self.qmax
-        n_blocks = -(-numel // K)
+        n_blocks = -(-numel // self.block_size)
         s_Bk = check_tensor(enc.payload, "scales", torch.float16, n_blocks)
         if not bool((torch.isfinite(s_Bk) & ~torch.signbit(s_Bk)).all()):
             raise CodecError(f"{self.name} scales must be finite and non-negative (not even −0)")
+        return numel, n_blocks, s_Bk
+
+    @torch.no_grad()
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        numel, n_blocks, s_Bk = self._scales(enc)
+        K, qmax = self.block_size, self.qmax
         rows = max(1, CHUNK // K)
         if self.bits == 8:
             codes_P = check_tensor(enc.payload, "codes", torch.int8, n_blocks * K)

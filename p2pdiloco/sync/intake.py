@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pdiloco.compress import CodecError, get_codec
+from p2pdiloco.compress import CodecError, Encoded, get_codec
 from p2pdiloco.compress.wire import MAGIC, unpack_deltas
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
@@ -71,25 +71,19 @@ class Intake:
 
     def decode(self, payload: bytes) -> dict[str, torch.Tensor]:
         """The delta per tensor; CodecError if the payload is malformed in any way."""
-        enc = unpack_deltas(
-            payload,
-            expected=self.shapes,
-            codec=self.manifest.compression,
-            max_bytes=self.max_payload,
-        )
-        return {n: self.codec.decode(e) for n, e in enc.items()}
+        return {n: self.codec.decode(e) for n, e in self._unpack(payload).items()}
 
     def validate(self, payload: bytes) -> None:
         """CodecError exactly when ``decode`` would raise one, at a fraction of its cost: on
         arrival a payload is only checked; it is decoded when its round merges."""
-        enc = unpack_deltas(
-            payload,
-            expected=self.shapes,
-            codec=self.manifest.compression,
-            max_bytes=self.max_payload,
-        )
-        for e in enc.values():
+        for e in self._unpack(payload).values():
             self.codec.validate(e)
+
+    def _unpack(self, payload: bytes) -> dict[str, Encoded]:
+        return unpack_deltas(
+            payload, expected=self.shapes, codec=self.manifest.compression,
+            max_bytes=self.max_payload,
+        )  # fmt: skip
 
     async def check(
         self,
