@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,11 @@ def _credits(node: NodeProc, run_id: str, peer: str, after: int) -> list[tuple[i
 
 
 def test_a_lan_island_forms_through_the_dht_grows_and_re_forms(tmp_path: Path) -> None:
-    with LocalNetwork(tmp_path, replace(SMALL, compute_share=0.25)) as net:
+    with LocalNetwork(tmp_path, SMALL) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(2)]
         # H = 6: a stretch of the island's gloo steps at a quarter of the time took ~10 s at
         # H = 12, and this test waits out six rounds; what it asserts does not depend on H.
-        # (At SMALL's eighth of the time the stretches double: 44 → 55 s.)
         run_id = net.publish_run(keys, inner_steps=6)
         lead = net.start_node("lead", keys[0], until_version=100, extra=LAN)
         other = net.start_node("other", keys[1], until_version=100)
