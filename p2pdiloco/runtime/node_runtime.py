@@ -370,7 +370,10 @@ class NodeRuntime:
             if accepted and not told and self.deliver is not None:
                 self.deliver(Reply(sub.digest, True, None, ff))
                 told = True
-            unreachable = all(s == "error" for s in pending.statuses.values())
+            # None reachable: every member asked could not be reached, and none is left to try.
+            unreachable = all(s == "error" for s in pending.statuses.values()) and all(
+                m in pending.statuses for m in self._order(sub)
+            )
             self.tally.paused_reason = (
                 f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
             )
