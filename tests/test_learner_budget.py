@@ -97,3 +97,16 @@ def test_under_a_budget_a_delta_holding_carried_work_is_not_carried_again() -> N
     m.on_sent("d2")
     [rebase] = m.on_certified(m.version + 1, frozenset())  # not merged again: dropped
     assert rebase.carried == 0 and m.trained == 0 and m.carried == 0
+
+
+def test_budget_left_counts_down_to_the_send_and_is_none_otherwise() -> None:
+    assert machine().budget_left is None
+    m = machine(inner_steps=1000, chunk=250, time_budget=1.0)
+    assert m.budget_left == 1.0
+    m.on_trained(1, 0.4)
+    assert m.budget_left == pytest.approx(0.6)
+    m.on_trained(1, 0.7)  # the stretch is done: the rest of any pause waits for the send
+    assert m.stretch_done and m.budget_left is None
+    assert isinstance(m.next_action(0.0)[0], Send)
+    m.on_trained(1, 0.1)  # with a delta in flight the stretch's end sends nothing
+    assert m.budget_left is None

@@ -167,6 +167,8 @@ class Trainer:
         self._first: Submission | None = None
         self._error: str | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by ``deliver`` and ``stop``: ends a pause early
+        self._owed_pause = 0.0  # of the compute share, cut short and added to the next pause
         self._thread: threading.Thread | None = None
         pace = _pace(state)
         if pace is not None:  # joining mid-run: train at the run's lr, not a fresh warmup's
@@ -181,6 +183,7 @@ class Trainer:
     def stop(self, timeout: float = 60.0) -> None:
         """Stop after the current chunk of steps; the delta in flight is abandoned."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -201,6 +204,7 @@ class Trainer:
     def deliver(self, event: TrainerEvent) -> None:
         """Thread-safe: the runtime hands an event to the training thread."""
         self.inbox.put(event)
+        self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -303,14 +307,15 @@ class Trainer:
         c.last_at = time.monotonic()
         busy = c.last_at - start
         c.train_seconds += busy
-        if self.compute_share < 1.0:  # leave the machine usable: pause, interruptibly
-            self._stop.wait(busy * (1.0 / self.compute_share - 1.0))
+        seconds = busy
+        if self.compute_share < 1.0:  # leave the machine usable: pause
+            seconds = self._pause(busy, start)
             # A pause the volunteer asked for is not the learner standing still: the longest
             # pause counts only waits between chunks beyond it (the network must cause none).
             c.last_at = time.monotonic()
         # The round's time budget counts wall time, pauses included: a node that trains a
         # third of the time is paced like hardware three times slower.
-        self.machine.on_trained(st.steps, time.monotonic() - start)
+        self.machine.on_trained(st.steps, seconds)
         c.tokens_trained += st.tokens
         c.tokens_since_send += st.tokens
         c.last_loss = st.loss_last
@@ -318,6 +323,27 @@ class Trainer:
         per_step = st.seconds / max(1, st.steps)
         c.step_seconds = per_step if c.step_seconds == 0 else 0.7 * c.step_seconds + 0.3 * per_step
         c.tokens_per_second = st.tokens / st.seconds if st.seconds > 0 else 0.0
+
+    def _pause(self, busy: float, start: float) -> float:
+        """Pause for the compute share after a chunk that trained ``busy`` seconds; returns the
+        chunk's wall time to count against the budget. The pause never delays the learner:
+        it ends at the end of the budget, so the delta goes out on time, and when the runtime
+        hands over an event, so a certificate is rebased onto at once (a slow learner paused
+        through both, rebased up to 2.3 s after the others and missed the round's close under
+        CI load). What is cut short is added to the next pause, at most one chunk's worth."""
+        own = busy * (1.0 / self.compute_share - 1.0)
+        pause = own + self._owed_pause
+        left = self.machine.budget_left
+        cap = pause if left is None else min(pause, max(0.0, left - busy))
+        self._wake.clear()
+        if self.inbox.empty() and not self._stop.is_set():
+            self._wake.wait(cap)
+        paused = time.monotonic() - start - busy
+        self._owed_pause = min(own, max(0.0, pause - paused))
+        seconds = time.monotonic() - start
+        if left is not None and cap < pause and paused >= cap - 1e-3:  # budget spent: send
+            seconds = max(seconds, left)
+        return seconds
 
     def _send(self, overtime: int = 0, carried: int = 0) -> None:
         c = self._c

@@ -166,6 +166,14 @@ class LearnerMachine:
             return False
         return self.trained_seconds >= budget or self.carried > 0
 
+    @property
+    def budget_left(self) -> float | None:
+        """Seconds of the time budget left before this stretch's delta is due; None without a
+        budget, with a delta in flight (the stretch's end sends nothing) or once it is done."""
+        if self.time_budget is None or self.in_flight is not None or self.stretch_done:
+            return None
+        return max(0.0, self.time_budget - self.trained_seconds)
+
     # -- what to do now ------------------------------------------------------------------------
 
     def next_action(self, now: float) -> list[LearnerAction]:
