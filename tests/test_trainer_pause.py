@@ -1,6 +1,6 @@
 """The training thread's compute-share pause never delays the learner (``Trainer._pause``): under a
 time budget it ends at the budget's end, so the delta goes out on time, and it ends when the
-runtime hands over an event (a certificate to rebase onto). What is cut short is added to the next
+runtime hands over a certificate to rebase onto. What is cut short is added to the next
 pause. A slow learner that paused through both missed the round's close under CI load."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.runtime.trainer import Reply, Submission, Trainer
+from p2pdiloco.runtime.trainer import Certified, Reply, Submission, Trainer
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.train.data import build_corpus
@@ -119,18 +119,23 @@ def test_a_pause_ends_at_the_budget_and_what_is_cut_comes_after_the_send(
     assert asked == pytest.approx(chunk * (1 / SHARE - 1) + cut, abs=0.02)
 
 
-def test_an_event_from_the_runtime_ends_a_pause_at_once(one_thread: None) -> None:
+def test_a_certificate_ends_a_pause_at_once_and_a_reply_does_not(one_thread: None) -> None:
     events: Events = []
     trainer = start_trainer(None, events)
     try:
         wait_until(lambda: any(e == "paused" for e, _ in events), "a first pause")
         n = len(events)
         wait_until(lambda: len(events) > n and events[-1][0] == "pause", "a pause under way")
-        # Unbudgeted, the pause is 3 chunks' worth, at least 0.45 s: an event ends it now.
+        # Unbudgeted, the pause is 3 chunks' worth, at least 0.45 s. A reply does not end it
+        # (nothing to do at once); a certificate does.
         trainer.deliver(Reply("not ours", True, None, None))
+        assert not trainer._wake.is_set()
+        params = trainer.state.params
+        trainer.deliver(Certified(CertifiedState(1, None, params, {}), frozenset(), known=True))
         wait_until(lambda: events[-1][0] != "pause", "the pause ended")
+        wait_until(lambda: trainer.state.version == 1, "rebased onto version 1")
     finally:
         trainer.stop()
-    kind, seconds = events[-1] if events[-1][0] == "paused" else events[-2]
-    asked = next(s for e, s in reversed(events) if e == "pause")
-    assert kind == "paused" and asked >= 3 * STEP and seconds < asked / 2
+    i = max(i for i, (e, _) in enumerate(events) if e == "pause" and events[i + 1][0] == "paused")
+    (_, asked), (_, seconds) = events[i], events[i + 1]
+    assert asked >= 3 * STEP and seconds < asked / 2

@@ -167,7 +167,7 @@ class Trainer:
         self._first: Submission | None = None
         self._error: str | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by ``deliver`` and ``stop``: ends a pause early
+        self._wake = threading.Event()  # set by a certificate and by ``stop``: ends a pause
         self._owed_pause = 0.0  # of the compute share, cut short and added to the next pause
         self._thread: threading.Thread | None = None
         pace = _pace(state)
@@ -204,7 +204,8 @@ class Trainer:
     def deliver(self, event: TrainerEvent) -> None:
         """Thread-safe: the runtime hands an event to the training thread."""
         self.inbox.put(event)
-        self._wake.set()
+        if isinstance(event, Certified):  # rebased onto at once: a pause ends for it
+            self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -328,18 +329,21 @@ class Trainer:
         """Pause for the compute share after a chunk that trained ``busy`` seconds; returns the
         chunk's wall time to count against the budget. The pause never delays the learner:
         it ends at the end of the budget, so the delta goes out on time, and when the runtime
-        hands over an event, so a certificate is rebased onto at once (a slow learner paused
-        through both, rebased up to 2.3 s after the others and missed the round's close under
-        CI load). What is cut short is added to the next pause, at most one chunk's worth."""
+        hands over a certificate, so it is rebased onto at once (a slow learner paused through
+        both, rebased up to 2.3 s after the others and missed the round's close under CI load).
+        What is cut short is added to the next pause, so the share holds over time (up to four
+        chunks' pauses owed: a budget shorter than one chunk and its pause cannot hold it)."""
         own = busy * (1.0 / self.compute_share - 1.0)
         pause = own + self._owed_pause
         left = self.machine.budget_left
         cap = pause if left is None else min(pause, max(0.0, left - busy))
         self._wake.clear()
-        if self.inbox.empty() and not self._stop.is_set():
+        with self.inbox.mutex:
+            certified = any(isinstance(e, Certified) for e in self.inbox.queue)
+        if not certified and not self._stop.is_set():
             self._wake.wait(cap)
         paused = time.monotonic() - start - busy
-        self._owed_pause = min(own, max(0.0, pause - paused))
+        self._owed_pause = min(4 * own, max(0.0, pause - paused))
         seconds = time.monotonic() - start
         if left is not None and cap < pause and paused >= cap - 1e-3:  # budget spent: send
             seconds = max(seconds, left)
