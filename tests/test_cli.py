@@ -145,6 +145,7 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
         (["--grace", "0"], "invalid sync rule grace"),
         (["--time-budget", "0"], "invalid run setting time_budget"),
         (["--grace", "10", "--grace-min", "11"], "invalid sync rules: grace_min must not exceed"),
+        (["--time-budget", "60", "--grace", "60"], "--time-budget 60 s must be below --grace"),
     ],
 )
 def test_run_create_refuses_rules_before_signing_or_network(

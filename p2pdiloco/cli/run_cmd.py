@@ -151,6 +151,11 @@ def create(
         from p2pdiloco.sync.rules import check_supported
 
         check_supported(draft)  # before signing: never publish a run this build cannot follow
+        if draft.time_budget is not None and draft.time_budget >= draft.rules.grace:
+            raise ConfigError(
+                f"--time-budget {draft.time_budget:g} s must be below --grace "
+                f"{draft.rules.grace:g} s: every round would close before a learner sends"
+            )
         run_id, manifest, raw = create_manifest(creator, **fields)
     except ValidationError as e:
         err = e.errors()[0]

@@ -21,7 +21,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import MAX_VIEWS
-from p2pdiloco.runtime.delivery import intake_order
+from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
@@ -188,18 +188,23 @@ class World:
     # -- delivery ----------------------------------------------------------------------------
 
     def deliver(self, learner: SimLearner, sub: Submission, p: Pending) -> None:
-        """To one member, as the runtime does (``runtime.delivery``): the first of the delta's
-        order not asked yet, unless a member of this view holds it or one is still answering;
-        the member that accepts it relays it to the others (``_relay``)."""
+        """To one member, by the runtime's own rules (``runtime.delivery``): once no member is
+        still answering, ``next_targets`` of the delta's order names the member to ask (none
+        when a member of this view holds it or refused it); the member that accepts it relays
+        it to the others (``_relay``). Asking an unreachable one again is ``SimLearner``'s."""
         me = self.peers[learner.index].profile.peer_id
-        order = [self.by_id[m] for m in intake_order(sub.digest, self.committee.members, me)]
-        answering = p.asked - p.answers.keys() - p.unreachable
-        if any(p.answers.get(i) for i in order) or answering & set(order):
-            return
-        fresh = [i for i in order if i not in p.asked]
-        if fresh:
-            p.asked.add(fresh[0])
-            self.deliver_one(learner, sub, fresh[0])
+        order = intake_order(sub.digest, self.committee.members, me)
+        index = {m: self.by_id[m] for m in order}
+        if (p.asked - p.answers.keys() - p.unreachable) & set(index.values()):
+            return  # one is answering
+        statuses = {m: "accepted" if p.answers[i] else "rejected"
+                    for m, i in index.items() if i in p.answers}  # fmt: skip
+        down = [m for m, i in index.items() if i in p.unreachable]
+        statuses.update((m, "error") for m in down)
+        for m in next_targets(order, statuses, down):
+            if index[m] not in p.asked:
+                p.asked.add(index[m])
+                self.deliver_one(learner, sub, index[m])
 
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
         """The signed header goes first; the payload follows only if the syncer has the round
