@@ -35,7 +35,7 @@ RULE_PARAMS = {
     "trimmed_mean": {"f": 1},
     "median": {},
     "multi_krum": {"f": 1},
-    "centered_clip": {"tau": 1.0, "relative": True},
+    "centered_clip": {"tau": 1.0, "relative": 1.0},  # the manifest holds numbers: 1 = True
     "geometric_median": {},
 }
 
