@@ -5,6 +5,7 @@ pause. A slow learner that paused through both missed the round's close under CI
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,23 @@ from p2pdiloco.train.tokenizer import load_tokenizer
 
 STEP = 0.15  # each chunk of one step takes at least this long (a slow island)
 SHARE = 0.25  # trains a quarter of the time: pauses 3× each chunk's time
-Events = list[tuple[str, float]]
+
+
+class Events(list[tuple[str, float]]):
+    """What the trainer did, in order; ``wait_until`` wakes at each new entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = threading.Condition()
+
+    def append(self, item: tuple[str, float]) -> None:
+        with self.changed:
+            super().append(item)
+            self.changed.notify_all()
+
+    def wait_until(self, pred: Any, what: str, timeout: float = 60.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(pred, timeout), what
 
 
 @pytest.fixture
@@ -85,21 +102,14 @@ def start_trainer(budget: float | None, events: Events) -> Trainer:
     return trainer
 
 
-def wait_until(pred: Any, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_a_pause_ends_at_the_budget_and_what_is_cut_comes_after_the_send(
     one_thread: None,
 ) -> None:
     budget = 0.5  # one chunk and its pause (4 × 0.15 s at least) do not fit
-    events: Events = []
+    events = Events()
     trainer = start_trainer(budget, events)
     try:
-        wait_until(lambda: sum(e == "paused" for e, _ in events) >= 3, "three pauses")
+        events.wait_until(lambda: sum(e == "paused" for e, _ in events) >= 3, "three pauses")
     finally:
         trainer.stop()
     assert trainer.view.error is None
@@ -120,20 +130,20 @@ def test_a_pause_ends_at_the_budget_and_what_is_cut_comes_after_the_send(
 
 
 def test_a_certificate_ends_a_pause_at_once_and_a_reply_does_not(one_thread: None) -> None:
-    events: Events = []
+    events = Events()
     trainer = start_trainer(None, events)
     try:
-        wait_until(lambda: any(e == "paused" for e, _ in events), "a first pause")
+        events.wait_until(lambda: any(e == "paused" for e, _ in events), "a first pause")
         n = len(events)
-        wait_until(lambda: len(events) > n and events[-1][0] == "pause", "a pause under way")
+        events.wait_until(lambda: len(events) > n and events[-1][0] == "pause", "a pause under way")
         # Unbudgeted, the pause is 3 chunks' worth, at least 0.45 s. A reply does not end it
         # (nothing to do at once); a certificate does.
         trainer.deliver(Reply("not ours", True, None, None))
         assert not trainer._wake.is_set()
         params = trainer.state.params
         trainer.deliver(Certified(CertifiedState(1, None, params, {}), frozenset(), known=True))
-        wait_until(lambda: events[-1][0] != "pause", "the pause ended")
-        wait_until(lambda: trainer.state.version == 1, "rebased onto version 1")
+        events.wait_until(lambda: events[-1][0] != "pause", "the pause ended")
+        events.wait_until(lambda: trainer.state.version == 1, "rebased onto version 1")
     finally:
         trainer.stop()
     i = max(i for i, (e, _) in enumerate(events) if e == "pause" and events[i + 1][0] == "paused")

@@ -347,7 +347,8 @@ class NodeRuntime:
         codes: list[Reason] = []
         ff: int | None = None
         for _ in range(20):
-            targets = next_targets(self._order(sub), pending.statuses, retry)
+            order = self._order(sub)  # this pass's committee (a view may change between)
+            targets = next_targets(order, pending.statuses, retry)
             if not targets:
                 break
             if any(t in pending.statuses for t in targets):  # asking again: not at once
@@ -372,7 +373,7 @@ class NodeRuntime:
                 told = True
             # None reachable: every member asked could not be reached, and none is left to try.
             unreachable = all(s == "error" for s in pending.statuses.values()) and all(
-                m in pending.statuses for m in self._order(sub)
+                m in pending.statuses for m in order
             )
             self.tally.paused_reason = (
                 f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
