@@ -111,7 +111,8 @@ def main() -> int:
     for cell in a.cells.split(","):
         try:
             row = run_cell(cell, a)
-        except Exception as e:  # one failed cell (memory, a missing tokenizer) is reported, not fatal
+        # One failed cell (memory, a missing tokenizer) is reported, not fatal.
+        except Exception as e:
             row = {"cell": cell, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -11,10 +11,14 @@ after a cancel is cancelled again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
-from collections.abc import Iterable
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +64,31 @@ def quiet_stream_gc() -> None:
 
     hook._p2pdiloco = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking DHT/gossip I/O in a daemon thread and await it. Not the loop's executor:
+    a call stuck on a DHT that is shutting down must not hold the process at exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, None, e)
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, daemon=True, name="dht-io").start()
+    return await fut

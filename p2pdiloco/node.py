@@ -13,23 +13,28 @@ interval, so with gossip off (``gossip=False``) or dead, membership still conver
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import platform
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
+from p2pdiloco.aio import off_loop as _off_loop
 from p2pdiloco.errors import UserError
-from p2pdiloco.net import keys
+from p2pdiloco.net import keys, known_peers
 from p2pdiloco.net.cert_records import cert_topic, publish_certificate, read_certificates
 from p2pdiloco.net.dht import DHTPlane, NetworkError
-from p2pdiloco.net.discovery import RunInfo, choose_run, read_bootstraps, read_peers, read_runs
+from p2pdiloco.net.discovery import (
+    RunInfo,
+    RunNotFound,
+    choose_run,
+    read_bootstraps,
+    read_peers,
+    read_runs,
+)
 from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
 from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
@@ -42,7 +47,6 @@ from p2pdiloco.protocol.signing import InvalidRecord, open_envelope, seal
 from p2pdiloco.runtime.plane import Presence
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def run_topic(run_id: str) -> str:
@@ -64,6 +68,12 @@ class NodeConfig:
     gossip: bool = True  # False: DHT only (gossip is an accelerator)
     heartbeat_interval: float = keys.HEARTBEAT_INTERVAL
     heartbeat_ttl: float = keys.HEARTBEAT_TTL
+    # Where to remember the peers heard from (net.known_peers), dialled beside the bootstrap
+    # servers at the next start; None: remember nothing.
+    known_peers: Path | None = None
+    # Seconds to keep looking for the run before giving up: a DHT that a restarted bootstrap
+    # only begins to refill may not answer at once.
+    run_lookup_s: float = 20.0
 
 
 class Node:
@@ -91,6 +101,8 @@ class Node:
         self._gossip_retry_at: dict[str, float] = {}  # failed dials wait before the next try
         self._gossip_restarts = 0  # restarts of the gossip child seen by the dialer
         self._ticks = 0
+        self._remember_ticks = 0
+        self._remembered: frozenset[str] = frozenset()  # peer ids in the known-peers file
         self.events: list[str] = []
         self.view: dict[str, object] = {}  # immutable snapshot for other threads (see snapshot)
 
@@ -103,9 +115,16 @@ class Node:
         when no compatible run exists.
         """
         cfg = self.cfg
+        remembered = known_peers.load(cfg.known_peers, self.me) if cfg.known_peers else []
+        if remembered:
+            log.info(
+                "also dialling %d peer(s) remembered from earlier runs (%s)",
+                len(remembered),
+                cfg.known_peers,
+            )
         self.dht = DHTPlane(
             self.identity,
-            initial_peers=cfg.bootstrap,
+            initial_peers=known_peers.initial_peers(cfg.bootstrap, remembered),
             host=cfg.host,
             port=cfg.port,
             announce=cfg.announce,
@@ -155,12 +174,28 @@ class Node:
     # -- steps -------------------------------------------------------------------------------
 
     def _find_run(self) -> RunInfo:
+        """The run to join; looks again for up to ``run_lookup_s`` while it is not found (a
+        restarted bootstrap's DHT fills as the peers rejoin it, within a heartbeat interval)."""
+        deadline = time.monotonic() + self.cfg.run_lookup_s
+        pause = 2.0
+        while True:
+            try:
+                return self._find_run_once()
+            except RunNotFound as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.info("%s; looking again for up to %.0f s", e, left)
+                time.sleep(min(pause, left))
+                pause *= 2
+
+    def _find_run_once(self) -> RunInfo:
         assert self.dht is not None
         runs, _ = read_runs(self.dht, None if self.cfg.run else self.cfg.model)
         if self.cfg.run:
             match = [r for r in runs if r.run_id.startswith(self.cfg.run)]
             if not match:
-                raise UserError(f"run '{self.cfg.run}' not found in the DHT")
+                raise RunNotFound(f"run '{self.cfg.run}' not found in the DHT")
             if match[0].incompatible:
                 raise UserError(match[0].incompatible)
             run = match[0]
@@ -236,7 +271,22 @@ class Node:
         returns certificate bytes heard on gossip."""
         heard = self._apply(await _off_loop(self._io, presence))
         await _off_loop(self._dial_gossip_peers, self._gossip_targets())
+        await self._remember_peers()
         return heard
+
+    async def _remember_peers(self) -> None:
+        """Write the live peers' DHT addresses for the next start when the set changed, and
+        every ~minute to refresh when they were seen."""
+        if self.cfg.known_peers is None or self.members is None:
+            return
+        live = self.members.live(time.time())
+        ids = frozenset(v.peer_id for v in live)
+        self._remember_ticks += 1
+        if ids == self._remembered and self._remember_ticks % 12:
+            return
+        self._remembered = ids
+        peers = [known_peers.KnownPeer(v.peer_id, tuple(v.heartbeat.addrs), v.ts) for v in live]
+        await _off_loop(known_peers.save, self.cfg.known_peers, peers, self.me)
 
     def _io(self, presence: Presence) -> tuple[list[tuple[bytes, str, str]], list[GossipMessage]]:
         """Publish our heartbeat; read the run's heartbeats and drain gossip (worker thread:
@@ -398,34 +448,6 @@ class Node:
             "rejected": self.rejected,
             "events": tuple(self.events[-5:]),
         }
-
-
-async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Run blocking DHT/gossip I/O in a daemon thread and await it. Not the loop's executor:
-    a call stuck on a DHT that is shutting down must not hold the process at exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def work() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as e:  # handed to the awaiting coroutine
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(settle, None, e)
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=work, daemon=True, name="dht-io").start()
-    return await fut
 
 
 def _hardware() -> Hardware:

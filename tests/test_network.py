@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.net import keys
+from p2pdiloco.net import keys, known_peers
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import collect_state
 from p2pdiloco.net.gossip import GossipProcess
@@ -157,6 +157,18 @@ def test_three_nodes_see_each_other_and_a_killed_node_drops_out(net: dict) -> No
     assert peers_of(state, net["run_id"]) >= ids
     assert state["runs"][0]["peers"] >= 3 and all(
         p["reachability"] == "direct" for p in state["peers"]
+    )
+    # Each node remembers the others for its next start (net.known_peers): node0's file names
+    # node1 and node2 by their DHT addresses.
+    key = net["tmp"] / "node0" / "p2pdiloco" / "identity.key"
+    me = node_id(nodes[0])
+    wait_for(
+        "node0 to remember the other two",
+        lambda: (
+            {p.peer_id for p in known_peers.load(known_peers.known_peers_path(key), me)}
+            == ids - {me}
+        ),
+        timeout=20,
     )
 
     victim = nodes[2]

@@ -201,6 +201,7 @@ def join(
     _check_ports(host, port, mport, not no_gossip)
     stop = stop_event()
     log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
+    from p2pdiloco.net.known_peers import known_peers_path
     from p2pdiloco.node import Node, NodeConfig
 
     node = Node(
@@ -209,6 +210,7 @@ def join(
             model=model,
             run=run,
             identity=identity,
+            known_peers=known_peers_path(identity or default_identity_path()),
             host=host,
             port=port,
             announce=announce or [],

@@ -186,6 +186,10 @@ def collect_state(dht: DHTPlane) -> NetworkState:
     return NetworkState(runs=runs, bootstraps=read_bootstraps(dht), rejected=rejected)
 
 
+class RunNotFound(UserError):
+    """No run matched (a run that exists but is incompatible is a plain UserError)."""
+
+
 def choose_run(runs: list[RunInfo], model: str) -> RunInfo:
     """The most active compatible run for ``model``; UserError naming what was found if none."""
     candidates = [r for r in runs if r.manifest.model == model]
@@ -193,7 +197,7 @@ def choose_run(runs: list[RunInfo], model: str) -> RunInfo:
     if not usable:
         if candidates:
             raise UserError(candidates[0].incompatible)
-        raise UserError(
+        raise RunNotFound(
             f"no run for model '{model}' found in the DHT; start one with: "
             f"p2pdiloco run create --name NAME --model {model}"
         )
