@@ -18,7 +18,7 @@ from p2pdiloco.sync.fetch import verify_next
 from p2pdiloco.train.checkpoint import CheckpointStore
 from p2pdiloco.train.data import build_corpus, eval_batches
 from p2pdiloco.train.inner import evaluate
-from p2pdiloco.train.models import build_model, get_spec, param_state
+from p2pdiloco.train.models import build_for_loading, get_spec, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def summarize(
     spec = get_spec(cfg.model)
     corpus = build_corpus("embedded", load_tokenizer(spec.tokenizer), seq_len=cfg.seq_len)
     evals = eval_batches(corpus, batch_size=cfg.batch_size, max_batches=cfg.eval_batches)
-    model = build_model(cfg.model, seed=0)
+    model = build_for_loading(cfg.model)
     start = genesis_state(manifest)
     _load(model, start)
     loss_start = evaluate(model, evals)

@@ -12,6 +12,7 @@ from p2pdiloco.train.checkpoint import state_hash
 from p2pdiloco.train.memory import GiB, ModelTooLarge, check_fits, estimate_memory
 from p2pdiloco.train.models import (
     ModelError,
+    build_for_loading,
     build_model,
     get_spec,
     meta_parameter_count,
@@ -90,6 +91,31 @@ def test_init_does_not_disturb_global_rng() -> None:
     torch.manual_seed(0)
     build_model("gemma-tiny", seed=1)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("name", ["gemma-tiny", "gemma-small"])
+def test_a_model_built_for_loading_is_the_seeded_one_once_loaded(name: str) -> None:
+    """What learners and the evaluator build (no init draw, the state loaded next) equals the
+    seeded build to the last bit: every parameter and buffer, the head still tied, the same
+    logits."""
+    ref = build_model(name, seed=3)
+    torch.manual_seed(0)
+    expected_rng = torch.rand(3)
+    torch.manual_seed(0)
+    model = build_for_loading(name)
+    assert torch.equal(torch.rand(3), expected_rng)  # no draw from the global RNG either
+    with torch.no_grad():
+        for n, p in param_state(model).items():
+            p.copy_(param_state(ref)[n])
+    a, b = ref.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {n for n, _ in ref.named_buffers()} == {n for n, _ in model.named_buffers()}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rows = torch.randint(0, 256, (2, 16))
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(rows).logits, ref(rows).logits)
 
 
 def test_init_from_local_checkpoint_roundtrip(tmp_path) -> None:

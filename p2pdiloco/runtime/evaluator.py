@@ -16,7 +16,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.train.data import PackedCorpus, eval_batches
 from p2pdiloco.train.inner import evaluate
-from p2pdiloco.train.models import build_model, param_state
+from p2pdiloco.train.models import build_for_loading, param_state
 
 
 class Evaluator:
@@ -46,7 +46,7 @@ class Evaluator:
 
     def _run(self, state: CertifiedState) -> float | None:
         if self._model is None:
-            self._model = build_model(self.manifest.model, seed=self.manifest.seed)
+            self._model = build_for_loading(self.manifest.model)
             assert self.corpus is not None
             self._rows = eval_batches(
                 self.corpus, batch_size=self.manifest.inner.batch_size, max_batches=2

@@ -42,7 +42,7 @@ from p2pdiloco.train.inner import (
     seek_schedule,
     train_steps,
 )
-from p2pdiloco.train.models import build_model, param_state
+from p2pdiloco.train.models import build_for_loading, param_state
 
 
 def inner_config(manifest: RunManifest) -> InnerConfig:
@@ -119,7 +119,7 @@ class Learner:
 
     def _setup(self, base_params: Mapping[str, torch.Tensor], global_step: int) -> None:
         """The model at ``base_params``, its inner optimizer, the schedule at ``global_step``."""
-        self.model = build_model(self.manifest.model, seed=self.manifest.seed, device=self.device)
+        self.model = build_for_loading(self.manifest.model, device=self.device)
         self.load(base_params)
         self.optimizer, self.scheduler = make_inner_optimizer(self.model, self.cfg)
         self.seek(global_step)

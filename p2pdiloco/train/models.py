@@ -11,6 +11,7 @@ weights (``tests/test_models.py`` checks this across processes through the state
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,6 +80,38 @@ def build_model(
         model = _load_pretrained(spec, Path(init_from))
     model.train()
     return model.to(device)
+
+
+def build_for_loading(name: str, *, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model's modules with *uninitialised* parameters, allocated on ``device``, for a
+    caller that loads every parameter next (a certified state).
+
+    ``build_model`` draws the seeded init on the CPU and then moves it: for gemma-12b that is
+    12 B normal draws and 47 GB of host memory before a GPU learner can load the state it came
+    for. Buffers (rotary frequencies, the embedding scale) are computed from the config as
+    usual. Where this transformers has no ``no_init_weights`` the init runs (slower, same
+    result once loaded).
+    """
+    spec = get_spec(name)
+    import_transformers()
+    from transformers import Gemma3ForCausalLM
+
+    with _no_init_weights(), torch.device(device):
+        model = Gemma3ForCausalLM(spec.hf_config())
+    model.tie_weights()  # skipped with the init: the output head shares the embedding
+    model.train()
+    return model.float()
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager[object]:
+    try:  # transformers 5
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:  # transformers 4.x
+            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef,attr-defined]
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _load_pretrained(spec: ModelSpec, path: Path) -> torch.nn.Module:
