@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from p2pdiloco.train.configs import InnerConfig
 from p2pdiloco.train.inner import InnerStats, make_inner_optimizer, seek_schedule, train_steps
-from p2pdiloco.train.models import build_model, named_trainable
+from p2pdiloco.train.models import build_for_loading, named_trainable
 
 
 def shard_model(
@@ -97,7 +97,7 @@ class Shards:
         self.cfg = cfg
         if offload and self.device.type != "cuda":
             raise ValueError("optimizer offload moves state off a GPU: it needs CUDA ranks")
-        model = build_model(model_name, seed=seed, device=self.device)
+        model = build_for_loading(model_name, device=self.device)  # scattered into next
         self.model = shard_model(model, checkpointing=checkpointing, offload=offload)
         self.optimizer, self.scheduler = make_inner_optimizer(self.model, cfg)
         seek_schedule(self.optimizer, self.scheduler, global_step)
