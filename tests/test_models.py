@@ -118,6 +118,24 @@ def test_a_model_built_for_loading_is_the_seeded_one_once_loaded(name: str) -> N
         assert torch.equal(model(rows).logits, ref(rows).logits)
 
 
+def test_an_island_build_holds_no_parameter_memory_and_the_real_buffers() -> None:
+    """What an island rank builds before sharding (island.shards): gemma-12b's 11.8 B
+    parameters all on the meta device, its buffers computed; gemma-tiny's buffers equal to the
+    seeded build's."""
+    big = build_for_loading("gemma-12b", params_on_meta=True)
+    assert all(p.is_meta for p in big.parameters())
+    assert sum(p.numel() for p in big.parameters()) == PUBLISHED["gemma-12b"]
+    assert not any(b.is_meta for b in big.buffers())
+    tiny, ref = (
+        build_for_loading("gemma-tiny", params_on_meta=True),
+        build_model("gemma-tiny", seed=0),
+    )
+    want = dict(ref.named_buffers())
+    assert {n: b for n, b in tiny.named_buffers()}.keys() == want.keys()
+    assert all(torch.equal(b, want[n]) for n, b in tiny.named_buffers())
+    assert tiny.lm_head.weight is tiny.model.embed_tokens.weight
+
+
 def test_init_from_local_checkpoint_roundtrip(tmp_path) -> None:
     model = build_model("gemma-tiny", seed=3)
     model.save_pretrained(tmp_path / "ckpt")

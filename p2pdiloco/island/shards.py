@@ -97,8 +97,15 @@ class Shards:
         self.cfg = cfg
         if offload and self.device.type != "cuda":
             raise ValueError("optimizer offload moves state off a GPU: it needs CUDA ranks")
-        model = build_for_loading(model_name, device=self.device)  # scattered into next
+        # Parameters on the meta device until sharded: a rank allocates its shards only, never
+        # the whole model (scattered into next: ``scatter``).
+        model = build_for_loading(model_name, device=self.device, params_on_meta=True)
+        buffers = dict(model.named_buffers())
         self.model = shard_model(model, checkpointing=checkpointing, offload=offload)
+        self.model.to_empty(device=torch.device("cpu") if offload else self.device)
+        for name, value in buffers.items():  # to_empty left them uninitialised
+            owner, _, leaf = name.rpartition(".")
+            self.model.get_submodule(owner)._buffers[leaf] = value
         self.optimizer, self.scheduler = make_inner_optimizer(self.model, cfg)
         seek_schedule(self.optimizer, self.scheduler, global_step)
 

@@ -82,7 +82,9 @@ def build_model(
     return model.to(device)
 
 
-def build_for_loading(name: str, *, device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_for_loading(
+    name: str, *, device: torch.device | str = "cpu", params_on_meta: bool = False
+) -> torch.nn.Module:
     """The model's modules with *uninitialised* parameters, allocated on ``device``, for a
     caller that loads every parameter next (a certified state).
 
@@ -90,17 +92,41 @@ def build_for_loading(name: str, *, device: torch.device | str = "cpu") -> torch
     12 B normal draws and 47 GB of host memory before a GPU learner can load the state it came
     for. Buffers (rotary frequencies, the embedding scale) are computed from the config as
     usual. Where this transformers has no ``no_init_weights`` the init runs (slower, same
-    result once loaded).
+    result once loaded). ``params_on_meta``: parameters on the meta device (no memory), buffers
+    on ``device``: what an island shards before it allocates only its own shards.
     """
     spec = get_spec(name)
     import_transformers()
     from transformers import Gemma3ForCausalLM
 
-    with _no_init_weights(), torch.device(device):
+    meta = _params_on_meta() if params_on_meta else contextlib.nullcontext()
+    with _no_init_weights(), torch.device(device), meta:
         model = Gemma3ForCausalLM(spec.hf_config())
     model.tie_weights()  # skipped with the init: the output head shares the embedding
     model.train()
     return model.float()
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Every parameter a module registers in the block moves to the meta device as it is
+    registered; buffers stay where they were made."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            assert p is not None
+            module._parameters[name] = torch.nn.Parameter(
+                p.to("meta"), requires_grad=p.requires_grad
+            )
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager[object]:
