@@ -58,9 +58,10 @@ class _Scratch:
         v_Mn = self.buf("v", self.m, torch.float32)
         t_Mn = self.buf("t", self.m, torch.int32)
         for rs in row_chunks(self.m, self.n):
-            v, t, key = v_Mn[rs], t_Mn[rs], self.sorter.src[rs]
+            v, t = v_Mn[rs], t_Mn[rs]
             torch.add(block_Mn[rs], 0.0, out=v)  # -0.0 → +0.0
             self._flip(v.view(torch.int32), t)
+            key = self.sorter.src[rs]
             key.copy_(t).bitwise_left_shift_(32).bitwise_or_(self.learner_M1[rs])
         return self.sorter.run()
 
@@ -220,10 +221,6 @@ class TrimmedMean(AggregationRule):
             srt = sc.sort(delta_MD[:, s:e])
             kept = srt[f : m - f] if w_M is None else sc.values(srt[f : m - f], "kept")
             plain = sc.buf("plain", 1, torch.float64)[0]
-            plain.copy_(kept[0])
-            for r in range(1, k):
-                plain.add_(kept[r])
-            plain.div_(count)
             if w_M is not None:
                 w = sc.weights(w_M, srt[f : m - f])
                 num = sc.buf("num", k, torch.float64).copy_(kept).mul_(w)  # w · v, float64
@@ -231,11 +228,16 @@ class TrimmedMean(AggregationRule):
                     num[0].add_(num[r])
                     w[0].add_(w[r])
                 num[0].div_(w[0])
-                # A column whose kept learners all weigh 0 keeps the unweighted mean (rare:
-                # one check per block instead of a ``where`` on every column).
+                # Where the kept learners all weigh 0, the unweighted mean (rare: one check per
+                # block rather than a ``where`` on every column).
                 if bool(w[0].gt(0).all()):
-                    plain.copy_(num[0])
-                else:
-                    torch.where(w[0] > 0, num[0], plain, out=plain)
+                    out_D[s:e].copy_(num[0])
+                    continue
+            plain.copy_(kept[0])
+            for r in range(1, k):
+                plain.add_(kept[r])
+            plain.div_(count)
+            if w_M is not None:
+                torch.where(w[0] > 0, num[0], plain, out=plain)
             out_D[s:e].copy_(plain)
         return out_D
