@@ -50,8 +50,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .rows import RowSet
 
 BLOCK = 4096  # fold leaf: coordinates summed by one halving tree before blocks are combined
 GRAIN = 32768  # torch's intra-op grain: ops on at most this many elements stay on one thread
@@ -422,6 +426,16 @@ class AggregationRule(ABC):
     def min_learners(self) -> int:
         """Fewest learners the rule accepts (close a round only once this many are screened)."""
         return 1
+
+    def select(
+        self, deltas: RowSet, rows: list[int], weights: list[float] | None
+    ) -> tuple[list[int], AggregationRule, list[float] | None] | None:
+        """For a rule that is not coordinate-wise but is a choice of learners followed by a
+        coordinate-wise merge (Krum, multi-Krum): make the choice from ``rows`` of ``deltas``
+        (window by window, never stacking them) and return ``(chosen rows, coordinate-wise
+        rule, their weights)``, which gives the bits ``aggregate`` gives on the stacked rows.
+        None (the default): the rule needs all columns at once."""
+        return None
 
     @abstractmethod
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
