@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -34,123 +36,162 @@ def block_cols(m: int, rows: int) -> int:
     return max(64, GRAIN // max(1, m // 2, rows))
 
 
-class _Scratch:
-    """One block width's sorter and buffers (made per call: never shared between threads)."""
+class _Plan:
+    """One block width's sorter, buffers and ops, all made once per call (so never shared
+    between threads); ``run`` merges one block. The ops after the sort are bound to fixed views
+    like the sorter's: made per block, the views cost about as much as the ops."""
 
-    def __init__(self, m: int, n: int, weighted: bool, wanted: list[int], dev: torch.device):
-        self.m, self.n, self.weighted, self.dev = m, n, weighted, dev
-        dtype = torch.int64 if weighted else torch.float32
-        self.sorter = Sorter(m, n, dtype, dev, wanted)
-        self.bufs: dict[str, torch.Tensor] = {}
-        self.learner_M1 = torch.arange(m, device=dev).view(m, 1)
-        self.shift = torch.tensor(31, dtype=torch.int32, device=dev)  # a 0-dim shift is faster
+    def __init__(self, m: int, n: int, f: int, weights: list[float] | None, dev: torch.device):
+        """``f`` rows trimmed per side (a trimmed mean), or -1 for the median."""
+        self.m, self.n, self.dev = m, n, dev
+        median = f < 0
+        lo_row, hi_row = (m - 1) // 2, m // 2
+        wanted = list(range(f, m - f)) if not median else [lo_row, hi_row]
+        if median and weights is not None:
+            wanted = list(range(m))
+        self.weighted = weights is not None
+        self.sorter = Sorter(m, n, torch.int64 if self.weighted else torch.float32, dev, wanted)
+        srt = self.sorter.out
+        self.ops: list[Callable[[], object]] = []
+        self.check: Callable[[], bool] | None = None
+        self.fallback: list[Callable[[], object]] = []
+        if self.weighted:
+            self.v_Mn = self._buf(m, torch.float32)
+            self.t_Mn = self._buf(m, torch.int32)
+            self.shift = torch.tensor(31, dtype=torch.int32, device=dev)  # faster than 31
+            learner_M1 = torch.arange(m, device=dev).view(m, 1)
+            self.keys = [
+                (rs, self.t_Mn[rs], self.sorter.src[rs], learner_M1[rs]) for rs in row_chunks(m, n)
+            ]
+            w_M = torch.tensor(weights, dtype=torch.float64, device=dev)
+        if median:
+            acc = self._buf(1, torch.float64)[0]
+            if weights is None:
+                self.ops += [partial(acc.copy_, srt[lo_row]), partial(acc.add_, srt[hi_row])]
+            else:
+                self._weighted_median(srt, w_M, math.fsum(weights) / 2, acc)
+            self.ops.append(partial(acc.mul_, 0.5))
+            self.result = acc
+            return
+        k = m - 2 * f
+        kept = srt[f : m - f] if weights is None else self._values(srt[f : m - f])
+        plain = self._buf(1, torch.float64)[0]
+        plain_ops = [partial(plain.copy_, kept[0])]
+        plain_ops += [partial(plain.add_, kept[r]) for r in range(1, k)]
+        count = torch.tensor(float(k), dtype=torch.float64, device=dev)  # a true division
+        plain_ops.append(partial(plain.div_, count))
+        if weights is None:
+            self.ops, self.result = plain_ops, plain
+            return
+        w = self._weights(w_M, srt[f : m - f])
+        num = self._buf(k, torch.float64)
+        self.ops += [partial(num.copy_, kept), partial(num.mul_, w)]  # w · v, float64
+        for r in range(1, k):
+            self.ops += [partial(num[0].add_, num[r]), partial(w[0].add_, w[r])]
+        self.ops.append(partial(num[0].div_, w[0]))
+        # Where the kept learners all weigh 0, their unweighted mean: rare, so one check per
+        # block rather than a ``where`` on every column.
+        self.check = lambda: bool(w[0].gt(0).all())
+        self.fallback = [*plain_ops, lambda: torch.where(w[0] > 0, num[0], plain, out=num[0])]
+        self.result = num[0]
 
-    def buf(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        if name not in self.bufs:
-            self.bufs[name] = torch.empty(rows, self.n, dtype=dtype, device=self.dev)
-        return self.bufs[name]
+    def _buf(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(rows, self.n, dtype=dtype, device=self.dev)
 
-    def sort(self, block_Mn: torch.Tensor) -> torch.Tensor:
-        """``block_Mn`` sorted per column: float32 values, or with weights int64 keys."""
+    def _flip(self, bits: torch.Tensor, out: torch.Tensor) -> list[Callable[[], object]]:
+        """Ops of the order-preserving involution between float32 bit patterns and int32
+        (negatives get their magnitude bits inverted), so that integer order is float order."""
+        return [
+            partial(torch.bitwise_right_shift, bits, self.shift, out=out),
+            partial(out.bitwise_and_, _MAGNITUDE),
+            partial(out.bitwise_xor_, bits),
+        ]
+
+    def _values(self, key_Kn: torch.Tensor) -> torch.Tensor:
+        """The float32 values of sorted keys (their high halves, flipped back)."""
+        out = self._buf(key_Kn.shape[0], torch.float32)
+        self.ops += self._flip(key_Kn.view(torch.int32)[:, _HIGH::2], out.view(torch.int32))
+        return out
+
+    def _weights(self, w_M: torch.Tensor, key_Kn: torch.Tensor) -> torch.Tensor:
+        """Each sorted key's learner weight, float64 [K, n] (``take`` would go to the thread
+        pool at this size)."""
+        k = key_Kn.shape[0]
+        idx, out = self._buf(k, torch.int64), self._buf(k, torch.float64)
+        for rs in row_chunks(k, self.n):
+            self.ops.append(partial(torch.bitwise_and, key_Kn[rs], _LOW32, out=idx[rs]))
+            flat_idx, flat_out = idx[rs].view(-1), out[rs].view(-1)
+            self.ops.append(partial(torch.index_select, w_M, 0, flat_idx, out=flat_out))
+        return out
+
+    def _weighted_median(
+        self, srt: torch.Tensor, w_M: torch.Tensor, half: float, acc: torch.Tensor
+    ) -> None:
+        m = self.m
+        cw = self._weights(w_M, srt)
+        self.ops += [partial(cw[k].add_, cw[k - 1]) for k in range(1, m)]  # in sorted order
+        # The running weight never decreases: the rows below half (or at most half) are the
+        # first ones; their count is the row of the first that reaches (or exceeds) it, or the
+        # last row where none does. Integer sums are exact in any order.
+        below_Mn = self._buf(m, torch.bool)  # a comparison into any other dtype is ~50× slower
+        cnt_Mn = below_Mn.view(torch.uint8) if m < 256 else self._buf(m, torch.int32)
+        pos_1n, key_1n = self._buf(1, torch.int64), self._buf(1, torch.int64)
+        for strict in (False, True):
+            below = torch.le if strict else torch.lt
+            for rs in row_chunks(m, self.n):
+                self.ops.append(partial(below, cw[rs], half, out=below_Mn[rs]))
+                if m >= 256:
+                    self.ops.append(partial(cnt_Mn[rs].copy_, below_Mn[rs]))
+            r = m
+            while r > 1:
+                h = r // 2
+                self.ops.append(partial(cnt_Mn[:h].add_, cnt_Mn[r - h : r]))
+                r -= h
+            self.ops += [
+                partial(pos_1n.copy_, cnt_Mn[:1]),
+                partial(pos_1n.clamp_, max=m - 1),
+                partial(torch.gather, srt, 0, pos_1n, out=key_1n),
+            ]
+            val = self._values(key_1n)[0]
+            self.ops.append(partial(acc.add_, val) if strict else partial(acc.copy_, val))
+
+    def run(self, block_Mn: torch.Tensor, out_n: torch.Tensor) -> None:
         if not self.weighted:
             self.sorter.load(block_Mn)
-            return self.sorter.run()
-        v_Mn = self.buf("v", self.m, torch.float32)
-        t_Mn = self.buf("t", self.m, torch.int32)
-        for rs in row_chunks(self.m, self.n):
-            v, t = v_Mn[rs], t_Mn[rs]
-            torch.add(block_Mn[rs], 0.0, out=v)  # -0.0 → +0.0
-            self._flip(v.view(torch.int32), t)
-            key = self.sorter.src[rs]
-            key.copy_(t).bitwise_left_shift_(32).bitwise_or_(self.learner_M1[rs])
-        return self.sorter.run()
-
-    def _flip(self, bits: torch.Tensor, out: torch.Tensor) -> None:
-        """Order-preserving involution between float32 bit patterns and int32 (negatives get
-        their magnitude bits inverted), so that integer order is float order."""
-        torch.bitwise_right_shift(bits, self.shift, out=out)
-        out.bitwise_and_(_MAGNITUDE).bitwise_xor_(bits)
-
-    def values(self, key_Kn: torch.Tensor, name: str) -> torch.Tensor:
-        """The float32 values of sorted keys (their high halves, flipped back)."""
-        out = self.buf(name, key_Kn.shape[0], torch.float32)
-        self._flip(key_Kn.view(torch.int32)[:, _HIGH::2], out.view(torch.int32))
-        return out
-
-    def weights(self, w_M: torch.Tensor, key_Kn: torch.Tensor) -> torch.Tensor:
-        """Each sorted key's learner weight, float64 [K, n]. (``take`` would go to the thread
-        pool at this size.)"""
-        k = key_Kn.shape[0]
-        idx, out = self.buf("idx", k, torch.int64), self.buf("w", k, torch.float64)
-        for rs in row_chunks(k, self.n):
-            torch.bitwise_and(key_Kn[rs], _LOW32, out=idx[rs])
-            torch.index_select(w_M, 0, idx[rs].view(-1), out=out[rs].view(-1))
-        return out
-
-
-class _Widths:
-    """The ``_Scratch`` of each block width a call meets (the full one and the last, narrower
-    block), made on first use."""
-
-    def __init__(self, m: int, rows: int, weighted: bool, wanted: list[int], dev: torch.device):
-        self.n = block_cols(m, rows)
-        self.args = m, weighted, wanted, dev
-        self.made: dict[int, _Scratch] = {}
-
-    def get(self, n: int) -> _Scratch:
-        if n not in self.made:
-            m, weighted, wanted, dev = self.args
-            self.made[n] = _Scratch(m, n, weighted, wanted, dev)
-        return self.made[n]
-
-
-def _median_into(out_D: torch.Tensor, delta_MD: torch.Tensor, weights: list[float] | None) -> None:
-    m, d = delta_MD.shape
-    dev = delta_MD.device
-    lo_row, hi_row = (m - 1) // 2, m // 2
-    wanted = sorted({lo_row, hi_row}) if weights is None else list(range(m))
-    widths = _Widths(m, 2, weights is not None, wanted, dev)
-    if weights is not None:
-        w_M = torch.tensor(weights, dtype=torch.float64, device=dev)
-        half = math.fsum(weights) / 2
-        count_dtype = torch.uint8 if m < 256 else torch.int32
-    for s, e in blocks(d, widths.n):
-        sc = widths.get(e - s)
-        srt = sc.sort(delta_MD[:, s:e])
-        acc = sc.buf("acc", 1, torch.float64)[0]
-        if weights is None:
-            acc.copy_(srt[lo_row])
-            acc.add_(srt[hi_row])
         else:
-            cw = sc.weights(w_M, srt)
-            for k in range(1, m):  # running weight, in sorted order
-                cw[k].add_(cw[k - 1])
-            # The running weight never decreases: the rows below half (or at most half) are
-            # the first ones; their count is the row of the first that reaches (or exceeds)
-            # it, or the last row where none does. Integer sums are exact in any order.
-            cnt_Mn, pos_1n = sc.buf("cnt", m, count_dtype), sc.buf("pos", 1, torch.int64)
-            key_1n = sc.buf("key", 1, torch.int64)
-            for strict in (False, True):
-                for rs in row_chunks(m, sc.n):
-                    (torch.le if strict else torch.lt)(cw[rs], half, out=cnt_Mn[rs])
-                r = m
-                while r > 1:
-                    h = r // 2
-                    cnt_Mn[:h].add_(cnt_Mn[r - h : r])
-                    r -= h
-                pos_1n.copy_(cnt_Mn[:1]).clamp_(max=m - 1)
-                torch.gather(srt, 0, pos_1n, out=key_1n)
-                val = sc.values(key_1n, "val")[0]
-                acc.add_(val) if strict else acc.copy_(val)
-        acc.mul_(0.5)
-        out_D[s:e].copy_(acc)
+            for rs, t, key, learner in self.keys:
+                v = self.v_Mn[rs]
+                torch.add(block_Mn[rs], 0.0, out=v)  # -0.0 → +0.0
+                for op in self._flip(v.view(torch.int32), t):
+                    op()
+                key.copy_(t).bitwise_left_shift_(32).bitwise_or_(learner)
+        self.sorter.run()
+        for op in self.ops:
+            op()
+        if self.check is not None and not self.check():
+            for op in self.fallback:
+                op()
+        out_n.copy_(self.result)
+
+
+def _order_stat(
+    out_D: torch.Tensor, delta_MD: torch.Tensor, f: int, weights: list[float] | None
+) -> torch.Tensor:
+    """Median (``f`` = -1) or ``f``-trimmed mean of each column into ``out_D``, block by block."""
+    m, d = delta_MD.shape
+    n = block_cols(m, 1 if f < 0 else m - 2 * f)
+    plans: dict[int, _Plan] = {}
+    for s, e in blocks(d, n):
+        if e - s not in plans:
+            plans[e - s] = _Plan(m, e - s, f, weights, delta_MD.device)
+        plans[e - s].run(delta_MD[:, s:e], out_D[s:e])
+    return out_D
 
 
 def median64(delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
     """Coordinate-wise (weighted) median, float64 [D]; see ``CoordinateMedian``."""
     out_D = torch.empty(delta_MD.shape[1], dtype=torch.float64, device=delta_MD.device)
-    _median_into(out_D, delta_MD, weights)
-    return out_D
+    return _order_stat(out_D, delta_MD, -1, weights)
 
 
 class CoordinateMedian(AggregationRule):
@@ -176,8 +217,7 @@ class CoordinateMedian(AggregationRule):
 
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
         out_D = torch.empty(delta_MD.shape[1], dtype=torch.float32, device=delta_MD.device)
-        _median_into(out_D, delta_MD, weights)
-        return out_D
+        return _order_stat(out_D, delta_MD, -1, weights)
 
 
 class TrimmedMean(AggregationRule):
@@ -209,35 +249,5 @@ class TrimmedMean(AggregationRule):
         return {"f": self.f}
 
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
-        m, d = delta_MD.shape
-        f, dev = self.f, delta_MD.device
-        k = m - 2 * f
-        widths = _Widths(m, k, weights is not None, list(range(f, m - f)), dev)
-        count = torch.tensor(float(k), dtype=torch.float64, device=dev)  # ``div_``: a true division
-        w_M = None if weights is None else torch.tensor(weights, dtype=torch.float64, device=dev)
-        out_D = torch.empty(d, dtype=torch.float32, device=dev)
-        for s, e in blocks(d, widths.n):
-            sc = widths.get(e - s)
-            srt = sc.sort(delta_MD[:, s:e])
-            kept = srt[f : m - f] if w_M is None else sc.values(srt[f : m - f], "kept")
-            plain = sc.buf("plain", 1, torch.float64)[0]
-            if w_M is not None:
-                w = sc.weights(w_M, srt[f : m - f])
-                num = sc.buf("num", k, torch.float64).copy_(kept).mul_(w)  # w · v, float64
-                for r in range(1, k):
-                    num[0].add_(num[r])
-                    w[0].add_(w[r])
-                num[0].div_(w[0])
-                # Where the kept learners all weigh 0, the unweighted mean (rare: one check per
-                # block rather than a ``where`` on every column).
-                if bool(w[0].gt(0).all()):
-                    out_D[s:e].copy_(num[0])
-                    continue
-            plain.copy_(kept[0])
-            for r in range(1, k):
-                plain.add_(kept[r])
-            plain.div_(count)
-            if w_M is not None:
-                torch.where(w[0] > 0, num[0], plain, out=plain)
-            out_D[s:e].copy_(plain)
-        return out_D
+        out_D = torch.empty(delta_MD.shape[1], dtype=torch.float32, device=delta_MD.device)
+        return _order_stat(out_D, delta_MD, self.f, weights)
