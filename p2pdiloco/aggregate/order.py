@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 
@@ -41,15 +43,17 @@ class _Plan:
     between threads); ``run`` merges one block. The ops after the sort are bound to fixed views
     like the sorter's: made per block, the views cost about as much as the ops."""
 
-    def __init__(self, m: int, n: int, f: int, weights: list[float] | None, dev: torch.device):
-        """``f`` rows trimmed per side (a trimmed mean), or -1 for the median."""
+    def __init__(self, m: int, n: int, f: int, weighted: bool, dev: torch.device):
+        """``f`` rows trimmed per side (a trimmed mean), or -1 for the median. With
+        ``weighted``, call ``set_weights`` before ``run``."""
         self.m, self.n, self.dev = m, n, dev
         median = f < 0
         lo_row, hi_row = (m - 1) // 2, m // 2
         wanted = list(range(f, m - f)) if not median else [lo_row, hi_row]
-        if median and weights is not None:
+        if median and weighted:
             wanted = list(range(m))
-        self.weighted = weights is not None
+        self.weighted = weighted
+        weights = [0.0] * m if weighted else None  # the weights' values go in ``w_M``
         self.sorter = Sorter(m, n, torch.int64 if self.weighted else torch.float32, dev, wanted)
         srt = self.sorter.out
         self.ops: list[Callable[[], object]] = []
@@ -63,13 +67,14 @@ class _Plan:
             self.keys = [
                 (rs, self.t_Mn[rs], self.sorter.src[rs], learner_M1[rs]) for rs in row_chunks(m, n)
             ]
-            w_M = torch.tensor(weights, dtype=torch.float64, device=dev)
+            self.w_M = w_M = torch.zeros(m, dtype=torch.float64, device=dev)
+            self.half = torch.zeros((), dtype=torch.float64, device=dev)
         if median:
             acc = self._buf(1, torch.float64)[0]
             if weights is None:
                 self.ops += [partial(acc.copy_, srt[lo_row]), partial(acc.add_, srt[hi_row])]
             else:
-                self._weighted_median(srt, w_M, math.fsum(weights) / 2, acc)
+                self._weighted_median(srt, w_M, self.half, acc)
             self.ops.append(partial(acc.mul_, 0.5))
             self.result = acc
             return
@@ -125,7 +130,7 @@ class _Plan:
         return out
 
     def _weighted_median(
-        self, srt: torch.Tensor, w_M: torch.Tensor, half: float, acc: torch.Tensor
+        self, srt: torch.Tensor, w_M: torch.Tensor, half: torch.Tensor, acc: torch.Tensor
     ) -> None:
         m = self.m
         cw = self._weights(w_M, srt)
@@ -155,6 +160,10 @@ class _Plan:
             val = self._values(key_1n)[0]
             self.ops.append(partial(acc.add_, val) if strict else partial(acc.copy_, val))
 
+    def set_weights(self, weights: list[float]) -> None:
+        self.w_M.copy_(torch.tensor(weights, dtype=torch.float64))
+        self.half.fill_(math.fsum(weights) / 2)
+
     def run(self, block_Mn: torch.Tensor, out_n: torch.Tensor) -> None:
         if not self.weighted:
             self.sorter.load(block_Mn)
@@ -174,17 +183,34 @@ class _Plan:
         out_n.copy_(self.result)
 
 
+# Plans are reused across calls (a merge calls the rule once per window): per thread, since a
+# plan's buffers are its working memory, and only the last few.
+_PLANS = threading.local()
+_KEPT_PLANS = 8
+
+
+def _plan(m: int, n: int, f: int, weights: list[float] | None, dev: torch.device) -> _Plan:
+    made: OrderedDict[tuple, _Plan] = _PLANS.__dict__.setdefault("made", OrderedDict())
+    key = (m, n, f, weights is not None, str(dev))
+    plan = made.pop(key, None) or _Plan(m, n, f, weights is not None, dev)
+    made[key] = plan
+    while len(made) > _KEPT_PLANS:
+        made.popitem(last=False)
+    if weights is not None:
+        plan.set_weights(weights)
+    return plan
+
+
 def _order_stat(
     out_D: torch.Tensor, delta_MD: torch.Tensor, f: int, weights: list[float] | None
 ) -> torch.Tensor:
     """Median (``f`` = -1) or ``f``-trimmed mean of each column into ``out_D``, block by block."""
     m, d = delta_MD.shape
     n = block_cols(m, 1 if f < 0 else m - 2 * f)
-    plans: dict[int, _Plan] = {}
     for s, e in blocks(d, n):
-        if e - s not in plans:
-            plans[e - s] = _Plan(m, e - s, f, weights, delta_MD.device)
-        plans[e - s].run(delta_MD[:, s:e], out_D[s:e])
+        if s == 0 or e - s < n:
+            plan = _plan(m, e - s, f, weights, delta_MD.device)
+        plan.run(delta_MD[:, s:e], out_D[s:e])
     return out_D
 
 
