@@ -207,7 +207,8 @@ class SqSums:
         if centered in self.plans:
             return self.plans[centered]
         assert self.x64 is not None
-        x64, ops = self.x64, []
+        x64 = self.x64
+        ops: list[Callable[[], object]] = []
         for g0, g1, runs in self.groups:
             v_Gn = self.buf_Gn[: g1 - g0, :BLOCK]
             for kb in range(GRAIN // BLOCK):

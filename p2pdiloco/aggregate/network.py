@@ -18,6 +18,7 @@ to torch's thread pool (ADR 0023). ADR 0030 has the measurements.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -115,13 +116,13 @@ class Sorter:
                     self._ops(lo, hi, _rows(t, first + gap, step, count), torch.maximum)
             for first, step, count in runs(through):
                 src, dst = _rows(s, first, step, count), _rows(t, first, step, count)
-                self.ops.append(lambda d=dst, x=src: d.copy_(x))
+                self.ops.append(partial(dst.copy_, src))
             cur = 1 - cur
         self.out = self.bufs[cur]
 
     def _ops(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fn: Callable) -> None:
         for rs in row_chunks(a.shape[0], a.shape[1]):
-            self.ops.append(lambda x=a[rs], y=b[rs], o=out[rs]: fn(x, y, out=o))
+            self.ops.append(partial(fn, a[rs], b[rs], out=out[rs]))
 
     def load(self, block_Mn: torch.Tensor) -> None:
         """Copy ``block_Mn`` into ``src`` with −0.0 made +0.0 (``x + 0.0``), so that equal values

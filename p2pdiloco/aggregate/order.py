@@ -81,7 +81,7 @@ class _Plan:
         k = m - 2 * f
         kept = srt[f : m - f] if weights is None else self._values(srt[f : m - f])
         plain = self._buf(1, torch.float64)[0]
-        plain_ops = [partial(plain.copy_, kept[0])]
+        plain_ops: list[Callable[[], object]] = [partial(plain.copy_, kept[0])]
         plain_ops += [partial(plain.add_, kept[r]) for r in range(1, k)]
         count = torch.tensor(float(k), dtype=torch.float64, device=dev)  # a true division
         plain_ops.append(partial(plain.div_, count))
