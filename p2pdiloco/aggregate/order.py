@@ -73,9 +73,9 @@ class _Plan:
             acc = self._buf(1, torch.float64)[0]
             if weights is None:
                 self.ops += [partial(acc.copy_, srt[lo_row]), partial(acc.add_, srt[hi_row])]
-                self.ops.append(partial(acc.mul_, 0.5))
             else:
                 self._weighted_median(srt, w_M, self.half, acc)
+            self.ops.append(partial(acc.mul_, 0.5))
             self.result = acc
             return
         k = m - 2 * f
@@ -112,11 +112,10 @@ class _Plan:
             partial(out.bitwise_xor_, bits),
         ]
 
-    def _values(self, key_Kn: torch.Tensor, ops: list | None = None) -> torch.Tensor:
+    def _values(self, key_Kn: torch.Tensor) -> torch.Tensor:
         """The float32 values of sorted keys (their high halves, flipped back)."""
         out = self._buf(key_Kn.shape[0], torch.float32)
-        flip = self._flip(key_Kn.view(torch.int32)[:, _HIGH::2], out.view(torch.int32))
-        (self.ops if ops is None else ops).extend(flip)
+        self.ops += self._flip(key_Kn.view(torch.int32)[:, _HIGH::2], out.view(torch.int32))
         return out
 
     def _weights(self, w_M: torch.Tensor, key_Kn: torch.Tensor) -> torch.Tensor:
@@ -142,39 +141,24 @@ class _Plan:
         below_Mn = self._buf(m, torch.bool)  # a comparison into any other dtype is ~50× slower
         cnt_Mn = below_Mn.view(torch.uint8) if m < 256 else self._buf(m, torch.int32)
         pos_1n, key_1n = self._buf(1, torch.int64), self._buf(1, torch.int64)
-        chunks = row_chunks(m, self.n)
         for strict in (False, True):
-            ops = self.ops if not strict else self.fallback
             below = torch.le if strict else torch.lt
-            for rs in chunks:
-                ops.append(partial(below, cw[rs], half, out=below_Mn[rs]))
+            for rs in row_chunks(m, self.n):
+                self.ops.append(partial(below, cw[rs], half, out=below_Mn[rs]))
                 if m >= 256:
-                    ops.append(partial(cnt_Mn[rs].copy_, below_Mn[rs]))
+                    self.ops.append(partial(cnt_Mn[rs].copy_, below_Mn[rs]))
             r = m
             while r > 1:
                 h = r // 2
-                ops.append(partial(cnt_Mn[:h].add_, cnt_Mn[r - h : r]))
+                self.ops.append(partial(cnt_Mn[:h].add_, cnt_Mn[r - h : r]))
                 r -= h
-            ops += [
+            self.ops += [
                 partial(pos_1n.copy_, cnt_Mn[:1]),
                 partial(pos_1n.clamp_, max=m - 1),
                 partial(torch.gather, srt, 0, pos_1n, out=key_1n),
             ]
-            val = self._values(key_1n, ops)[0]
-            ops.append(partial(acc.add_, val) if strict else partial(acc.copy_, val))
-        self.fallback.append(partial(acc.mul_, 0.5))
-
-        # Where no running weight equals half exactly, both rows are the same and the median is
-        # (lo + lo) / 2 = lo, exactly: the second search (``fallback``) runs only in a block
-        # with such a tie (with integer token counts, not rare).
-        def untied() -> bool:
-            for rs in chunks:
-                torch.eq(cw[rs], half, out=below_Mn[rs])
-                if bool(below_Mn[rs].any()):
-                    return False
-            return True
-
-        self.check = untied
+            val = self._values(key_1n)[0]
+            self.ops.append(partial(acc.add_, val) if strict else partial(acc.copy_, val))
 
     def set_weights(self, weights: list[float]) -> None:
         self.w_M.copy_(torch.tensor(weights, dtype=torch.float64))
