@@ -235,7 +235,8 @@ class CoordinateMedian(AggregationRule):
     of the total weight, cannot drag any coordinate outside the honest range), no
     hyperparameter. It is noisier than the mean on honest data (efficiency ~64% for Gaussian
     noise) and is vulnerable to small coordinated shifts (ALIE); prefer ``trimmed_mean`` when
-    you know a bound on attackers. Cost: ~3× the mean at M = 8 (``bench/aggregate.py``).
+    you know a bound on attackers. Cost at M = 8: ~1.5× the mean, ~4× with weights
+    (``bench/aggregate.py``, ``docs/benchmarks.md``).
     """
 
     name = "median"
