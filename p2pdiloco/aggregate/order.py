@@ -39,9 +39,9 @@ def block_cols(m: int, rows: int) -> int:
 
 
 class _Plan:
-    """One block width's sorter, buffers and ops, all made once per call (so never shared
-    between threads); ``run`` merges one block. The ops after the sort are bound to fixed views
-    like the sorter's: made per block, the views cost about as much as the ops."""
+    """One block width's sorter, buffers and ops, made once and kept per thread (``_plan``:
+    never shared between threads); ``run`` merges one block. The ops after the sort are bound
+    to fixed views like the sorter's: made per block, the views cost about as much as the ops."""
 
     def __init__(self, m: int, n: int, f: int, weighted: bool, dev: torch.device):
         """``f`` rows trimmed per side (a trimmed mean), or -1 for the median. With
@@ -53,13 +53,12 @@ class _Plan:
         if median and weighted:
             wanted = list(range(m))
         self.weighted = weighted
-        weights = [0.0] * m if weighted else None  # the weights' values go in ``w_M``
-        self.sorter = Sorter(m, n, torch.int64 if self.weighted else torch.float32, dev, wanted)
+        self.sorter = Sorter(m, n, torch.int64 if weighted else torch.float32, dev, wanted)
         srt = self.sorter.out
         self.ops: list[Callable[[], object]] = []
         self.check: Callable[[], bool] | None = None
         self.fallback: list[Callable[[], object]] = []
-        if self.weighted:
+        if weighted:
             self.v_Mn = self._buf(m, torch.float32)
             self.t_Mn = self._buf(m, torch.int32)
             self.shift = torch.tensor(31, dtype=torch.int32, device=dev)  # faster than 31
@@ -71,7 +70,7 @@ class _Plan:
             self.half = torch.zeros((), dtype=torch.float64, device=dev)
         if median:
             acc = self._buf(1, torch.float64)[0]
-            if weights is None:
+            if not weighted:
                 self.ops += [partial(acc.copy_, srt[lo_row]), partial(acc.add_, srt[hi_row])]
             else:
                 self._weighted_median(srt, w_M, self.half, acc)
@@ -79,13 +78,13 @@ class _Plan:
             self.result = acc
             return
         k = m - 2 * f
-        kept = srt[f : m - f] if weights is None else self._values(srt[f : m - f])
+        kept = srt[f : m - f] if not weighted else self._values(srt[f : m - f])
         plain = self._buf(1, torch.float64)[0]
         plain_ops: list[Callable[[], object]] = [partial(plain.copy_, kept[0])]
         plain_ops += [partial(plain.add_, kept[r]) for r in range(1, k)]
         count = torch.tensor(float(k), dtype=torch.float64, device=dev)  # a true division
         plain_ops.append(partial(plain.div_, count))
-        if weights is None:
+        if not weighted:
             self.ops, self.result = plain_ops, plain
             return
         w = self._weights(w_M, srt[f : m - f])
