@@ -34,7 +34,8 @@ is therefore built from four kinds of operation only:
 4. Scalar logic (scores, scale factors, weight sums) in Python floats (IEEE double), with
    ``math.fsum`` (exactly rounded) for sums over learners.
 
-The only torch reduction used is ``aminmax`` in validation (min/max are exact in any order).
+The only torch reductions used are ``aminmax`` in validation (min/max are exact in any order)
+and a per-block ``all`` over booleans in the weighted trimmed mean (exact as well).
 Per-coordinate order statistics are in ``order.py`` (a comparison network: the same ops).
 ``BLOCK`` is part of the contract: changing it changes the last bits of norm-based rules.
 Tested on CPU (1 vs 2 threads, AVX-512 build); the ops are also chosen to agree on CUDA
