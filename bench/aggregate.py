@@ -5,13 +5,18 @@ process, interleaved repeat by repeat (medians of ``--repeats``), so the ratio t
 cancels out how busy the machine is. Throughput is learner-parameters per second (M·D / s).
 
     .venv/bin/python bench/aggregate.py                          # M=8, D=4M
+    .venv/bin/python bench/aggregate.py --weighted --threads 1   # as syncers run: with weights
     .venv/bin/python bench/aggregate.py --learners 16 --numel 1000000 --weighted --json
+
+Every rule keeps its ops within torch's grain (ADR 0023), so ``--threads`` changes only the
+mean's last full-length ops and the input validation; on a busy host compare 1-thread figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,11 +39,14 @@ def main() -> int:
     ap.add_argument("--numel", type=int, default=4_000_000, help="D, parameters per delta")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--weighted", action="store_true", help="pass token weights to every rule")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: as is)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if a.learners < 3 or a.numel < 1 or a.repeats < 1:
-        ap.error("need --learners >= 3, --numel >= 1, --repeats >= 1")
+    if a.learners < 3 or a.numel < 1 or a.repeats < 1 or a.threads < 0:
+        ap.error("need --learners >= 3, --numel >= 1, --repeats >= 1, --threads >= 0")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     t_start = time.perf_counter()
     m, d = a.learners, a.numel
     g = torch.Generator().manual_seed(a.seed)
@@ -83,6 +91,7 @@ def main() -> int:
         "repeats": a.repeats,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "results": rows,
         "seconds_total": time.perf_counter() - t_start,
@@ -92,7 +101,8 @@ def main() -> int:
         return 0
     print(
         f"M={m} D={d:,} float32{' weighted' if a.weighted else ''}, median of {a.repeats}, "
-        f"torch {torch.__version__} {out['threads']} threads {out['cpu_capability']}"
+        f"torch {torch.__version__} {out['threads']} threads {out['cpu_capability']}, "
+        f"load average {' '.join(f'{x:.2f}' for x in out['load_average'])}"
     )
     print(f"{'rule':<20}{'seconds':>10}{'M·D/s':>12}{'time vs mean':>14}")
     for r in rows:

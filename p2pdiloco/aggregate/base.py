@@ -34,7 +34,8 @@ is therefore built from four kinds of operation only:
 4. Scalar logic (scores, scale factors, weight sums) in Python floats (IEEE double), with
    ``math.fsum`` (exactly rounded) for sums over learners.
 
-The only torch reduction used is ``aminmax`` in validation (min/max are exact in any order).
+The only torch reductions used are ``aminmax`` in validation (min/max are exact in any order)
+and a per-block ``all`` over booleans in the weighted trimmed mean (exact as well).
 Per-coordinate order statistics are in ``order.py`` (a comparison network: the same ops).
 ``BLOCK`` is part of the contract: changing it changes the last bits of norm-based rules.
 Tested on CPU (1 vs 2 threads, AVX-512 build); the ops are also chosen to agree on CUDA
@@ -48,12 +49,18 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .rows import RowSet
+
 BLOCK = 4096  # fold leaf: coordinates summed by one halving tree before blocks are combined
 GRAIN = 32768  # torch's intra-op grain: ops on at most this many elements stay on one thread
+assert BLOCK & (BLOCK - 1) == 0 and GRAIN % BLOCK == 0  # SqSums cuts full trees into halves
 # Blocked loops keep each op at or below GRAIN elements: in cache, and off the thread pool,
 # whose hand-offs cost milliseconds per op on a busy machine (results would not change).
 
@@ -64,6 +71,10 @@ def blocks(numel: int, size: int = BLOCK) -> Iterator[tuple[int, int]]:
         yield s, min(numel, s + size)
 
 
+def _row_slices(rows: int, per: int) -> list[slice]:
+    return [slice(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
 def cols_per_block(rows: int) -> int:
     """Columns per block so that a [rows, n] op stays within ``GRAIN`` elements."""
     return max(64, GRAIN // max(1, rows))
@@ -71,10 +82,10 @@ def cols_per_block(rows: int) -> int:
 
 def _fold_(v_Rn: torch.Tensor) -> None:
     """Pairwise-sum each row of ``v_Rn`` into its column 0, in place (halving tree)."""
-    n = v_Rn.shape[1]
+    n = v_Rn.shape[-1]
     while n > 1:
         h = n // 2
-        v_Rn[:, :h].add_(v_Rn[:, n - h : n])
+        v_Rn[..., :h].add_(v_Rn[..., n - h : n])
         n -= h
 
 
@@ -120,10 +131,18 @@ class SqSums:
     """The sums of ``_blocked_sq_sums``, fed one column window at a time (``add``), so a caller
     never holds the whole [M, D]: each ``BLOCK`` of coordinates leaves one float64 partial per
     term, and ``result`` folds those. A window must start at a multiple of ``BLOCK`` (then every
-    partial, and so every result, is bit-identical to one call on the whole matrix)."""
+    partial, and so every result, is bit-identical to one call on the whole matrix).
+
+    Speed without new bits: the rows are widened to float64 once per ``GRAIN`` columns (then one
+    ``sub`` per run of terms, not a copy and a ``sub``), and a full block's halving tree is cut
+    after its first ``log2(BLOCK / STAGE)`` levels: the ``STAGE`` values left per term and block
+    are staged for all the blocks of those columns and folded together, the same additions in
+    the same order in a few ops instead of a dozen per block (ADR 0030)."""
+
+    STAGE = 64  # values per term and block left to the batched end of the halving tree
 
     def __init__(self, terms: Sequence[tuple[int, int]], numel: int, device: torch.device):
-        self.terms, self.numel = list(terms), numel
+        self.terms, self.numel, self.device = list(terms), numel, device
         r = len(self.terms)
         self.per_group = max(1, GRAIN // BLOCK)
         self.part_RB = torch.zeros(
@@ -132,6 +151,11 @@ class SqSums:
         self.buf_Gn = torch.empty(
             self.per_group, min(numel, BLOCK) or 1, dtype=torch.float64, device=device
         )
+        self.stage_RKs = torch.empty(
+            r, GRAIN // BLOCK, self.STAGE, dtype=torch.float64, device=device
+        )
+        self.rows = sorted({r for term in self.terms for r in term})
+        self.x64: torch.Tensor | None = None  # the window's rows in float64, made on first use
         # Each group is filled by runs of consecutive rows j sharing what is subtracted from them
         # (row i for a pair, else the center): (row in group, i or -1, first j, last j).
         self.groups: list[tuple[int, int, list[tuple[int, int, int, int]]]] = []
@@ -150,20 +174,93 @@ class SqSums:
         center, if any."""
         if start % BLOCK:
             raise ValueError(f"a window starts at a multiple of {BLOCK}, not {start}")
-        k0 = start // BLOCK
-        for k, (s, e) in enumerate(blocks(win_Mn.shape[1]), start=k0):
+        if not self.terms:
+            return
+        m = win_Mn.shape[0]
+        if self.x64 is None or self.x64.shape[0] < m:
+            self.x64 = torch.empty(m, GRAIN, dtype=torch.float64, device=self.device)
+            self.c64 = torch.empty(GRAIN, dtype=torch.float64, device=self.device)
+            self.plans: dict[bool, list[Callable[[], object]]] = {}
+        per = GRAIN // BLOCK
+        for b0, b1 in blocks(win_Mn.shape[1], GRAIN):
+            for r in self.rows:
+                self.x64[r, : b1 - b0].copy_(win_Mn[r, b0:b1])
+            k0 = (start + b0) // BLOCK
+            if b1 - b0 == GRAIN:  # the usual case: ops on views made once (they cost ~1 µs each)
+                if center_n is not None:
+                    self.c64.copy_(center_n[b0:b1])
+                for op in self._plan(center_n is not None):
+                    op()
+                for rs in _row_slices(len(self.terms), per):
+                    self.part_RB[rs, k0 : k0 + per].copy_(self.stage_RKs[rs, :, 0])
+                continue
+            x64 = self.x64[:, : b1 - b0]
+            c = None if center_n is None else center_n[b0:b1]
             for g0, g1, runs in self.groups:
-                v_Gn = self.buf_Gn[: g1 - g0, : e - s]
+                for kb, (s, e) in enumerate(blocks(b1 - b0), start=k0):
+                    v = self._squares(g1 - g0, runs, x64, c, s, e - s)
+                    _fold_(v)
+                    self.part_RB[g0:g1, kb].copy_(v[:, 0])
+
+    def _plan(self, centered: bool) -> list[Callable[[], object]]:
+        """The ops of one full ``GRAIN``-column batch, on fixed views: squares block by block,
+        each block's tree down to ``STAGE`` values, then the rest of every tree at once."""
+        if centered in self.plans:
+            return self.plans[centered]
+        assert self.x64 is not None
+        x64 = self.x64
+        ops: list[Callable[[], object]] = []
+        for g0, g1, runs in self.groups:
+            v_Gn = self.buf_Gn[: g1 - g0, :BLOCK]
+            for kb in range(GRAIN // BLOCK):
+                s, e = kb * BLOCK, (kb + 1) * BLOCK
                 for t, base, first, last in runs:
-                    v = v_Gn[t : t + last - first + 1]
-                    v.copy_(win_Mn[first : last + 1, s:e])
+                    v, x = v_Gn[t : t + last - first + 1], x64[first : last + 1, s:e]
                     if base >= 0:
-                        v.sub_(win_Mn[base, s:e])
-                    elif center_n is not None:
-                        v.sub_(center_n[s:e])
-                v_Gn.mul_(v_Gn)
-                _fold_(v_Gn)
-                self.part_RB[g0:g1, k].copy_(v_Gn[:, 0])
+                        ops.append(partial(torch.sub, x, x64[base, s:e], out=v))
+                    elif centered:
+                        ops.append(partial(torch.sub, x, self.c64[s:e], out=v))
+                    else:
+                        ops.append(partial(v.copy_, x))
+                ops.append(partial(v_Gn.mul_, v_Gn))
+                n = BLOCK
+                while n > 2 * self.STAGE:
+                    n //= 2
+                    ops.append(partial(v_Gn[:, :n].add_, v_Gn[:, n : 2 * n]))
+                out = self.stage_RKs[g0:g1, kb]
+                ops.append(
+                    partial(torch.add, v_Gn[:, : self.STAGE], v_Gn[:, self.STAGE : n], out=out)
+                )
+        per_op = max(1, GRAIN // (GRAIN // BLOCK * self.STAGE))
+        for rs in _row_slices(len(self.terms), per_op):
+            stage = self.stage_RKs[rs]
+            n = self.STAGE
+            while n > 1:
+                n //= 2
+                ops.append(partial(stage[..., :n].add_, stage[..., n : 2 * n]))
+        self.plans[centered] = ops
+        return ops
+
+    def _squares(
+        self,
+        g: int,
+        runs: list[tuple[int, int, int, int]],
+        x64_Mn: torch.Tensor,
+        center_n: torch.Tensor | None,
+        s: int,
+        n: int,
+    ) -> torch.Tensor:
+        """[g, n] float64: each term's squared differences on columns ``s : s + n``."""
+        v_Gn = self.buf_Gn[:g, :n]
+        for t, base, first, last in runs:
+            v, x = v_Gn[t : t + last - first + 1], x64_Mn[first : last + 1, s : s + n]
+            if base >= 0:
+                torch.sub(x, x64_Mn[base, s : s + n], out=v)
+            elif center_n is not None:
+                torch.sub(x, center_n[s : s + n], out=v)
+            else:
+                v.copy_(x)
+        return v_Gn.mul_(v_Gn)
 
     def result(self) -> list[float]:
         if not self.terms:
@@ -331,6 +428,16 @@ class AggregationRule(ABC):
     def min_learners(self) -> int:
         """Fewest learners the rule accepts (close a round only once this many are screened)."""
         return 1
+
+    def select(
+        self, deltas: RowSet, rows: list[int], weights: list[float] | None
+    ) -> tuple[list[int], AggregationRule, list[float] | None] | None:
+        """For a rule that is not coordinate-wise but is a choice of learners followed by a
+        coordinate-wise merge (Krum, multi-Krum): make the choice from ``rows`` of ``deltas``
+        (window by window, never stacking them) and return ``(chosen rows, coordinate-wise
+        rule, their weights)``, which gives the bits ``aggregate`` gives on the stacked rows.
+        None (the default): the rule needs all columns at once."""
+        return None
 
     @abstractmethod
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:

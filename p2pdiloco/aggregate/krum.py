@@ -4,7 +4,9 @@ Shapes as in ``base.py``. Each learner i is scored by the sum of its squared dis
 M − f − 2 nearest other learners; honest deltas cluster, so they score low. Distances come from
 ``pairwise_sq_dists64`` (float64, fixed pairwise tree), scores are ``math.fsum`` of the sorted
 nearest distances, and ties go to the lowest learner index: the selection, and so the result,
-is identical on every honest syncer.
+is identical on every honest syncer. A merge (``select``) sums the distances window by window
+(``SqSums``: the same partials) and then averages the chosen rows window by window, so it never
+stacks the M deltas (ADR 0030).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import math
 
 import torch
 
-from .base import AggregationRule, check_int, pairwise_sq_dists64
-from .mean import weighted_mean64
+from .base import AggregationRule, SqSums, check_int, pairwise_sq_dists64
+from .mean import Mean, weighted_mean64
+from .rows import RowSet
 
 
 def krum_scores(delta_MD: torch.Tensor, f: int) -> list[float]:
@@ -22,17 +25,42 @@ def krum_scores(delta_MD: torch.Tensor, f: int) -> list[float]:
 
     Raises ValueError unless M > 2f + 2.
     """
-    m = delta_MD.shape[0]
-    if m <= 2 * f + 2:
-        raise ValueError(f"krum with f={f} needs more than 2f + 2 = {2 * f + 2} learners, got {m}")
-    dist = pairwise_sq_dists64(delta_MD)
-    k = m - f - 2
-    return [math.fsum(sorted(dist[i][:i] + dist[i][i + 1 :])[:k]) for i in range(m)]
+    _check_m(delta_MD.shape[0], f)
+    return _scores(pairwise_sq_dists64(delta_MD), f)
 
 
 def krum_ranking(delta_MD: torch.Tensor, f: int) -> list[int]:
     """Learner indices from best (lowest score) to worst; ties by lowest index."""
-    scores = krum_scores(delta_MD, f)
+    return _ranking(krum_scores(delta_MD, f))
+
+
+def windowed_ranking(deltas: RowSet, rows: list[int], f: int) -> list[int]:
+    """``krum_ranking`` of ``rows`` of ``deltas`` (positions in ``rows``), the distances summed
+    window by window: bit-identical, and no [M, D] stack."""
+    m = len(rows)
+    _check_m(m, f)
+    pairs = [(i, j) for i in range(m - 1) for j in range(i + 1, m)]
+    sums = SqSums(pairs, deltas.d, deltas.device)
+    for s, e in deltas.windows():
+        sums.add(deltas.window(rows, s, e), s)
+    dist = [[0.0] * m for _ in range(m)]
+    for (i, j), v in zip(pairs, sums.result(), strict=True):
+        dist[i][j] = dist[j][i] = v
+    return _ranking(_scores(dist, f))
+
+
+def _check_m(m: int, f: int) -> None:
+    if m <= 2 * f + 2:
+        raise ValueError(f"krum with f={f} needs more than 2f + 2 = {2 * f + 2} learners, got {m}")
+
+
+def _scores(dist: list[list[float]], f: int) -> list[float]:
+    m = len(dist)
+    k = m - f - 2
+    return [math.fsum(sorted(dist[i][:i] + dist[i][i + 1 :])[:k]) for i in range(m)]
+
+
+def _ranking(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda i: (scores[i], i))
 
 
@@ -59,6 +87,12 @@ class Krum(AggregationRule):
 
     def aggregate(self, delta_MD: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
         return delta_MD[krum_ranking(delta_MD, self.f)[0]].clone()
+
+    def select(
+        self, deltas: RowSet, rows: list[int], weights: list[float] | None
+    ) -> tuple[list[int], AggregationRule, list[float] | None]:
+        # The unweighted mean of one row is that row, bit for bit (float64 and back).
+        return [rows[windowed_ranking(deltas, rows, self.f)[0]]], Mean(), None
 
 
 class MultiKrum(AggregationRule):
@@ -89,3 +123,13 @@ class MultiKrum(AggregationRule):
         count = delta_MD.shape[0] - self.f if self.m is None else self.m
         chosen = sorted(krum_ranking(delta_MD, self.f)[:count])
         return weighted_mean64(delta_MD, chosen, weights).float()
+
+    def select(
+        self, deltas: RowSet, rows: list[int], weights: list[float] | None
+    ) -> tuple[list[int], AggregationRule, list[float] | None]:
+        count = len(rows) - self.f if self.m is None else self.m
+        chosen = sorted(windowed_ranking(deltas, rows, self.f)[:count])
+        # ``Mean`` on the chosen rows is ``weighted_mean64`` of them: the same sums in the same
+        # order, and the same fallback to their unweighted mean at zero total weight.
+        picked = None if weights is None else [weights[t] for t in chosen]
+        return [rows[t] for t in chosen], Mean(), picked

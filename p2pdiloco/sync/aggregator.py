@@ -125,15 +125,23 @@ def merge_round(
     }
     flat_p = [new_params[n].view(-1) for n in names]
     flat_m = [new_momentum[n].view(-1) for n in names]
-    # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
-    # holds the M deltas, the new state and one window; any other rule sees all columns at once.
-    spans = deltas.windows() if chosen.coordinatewise else iter([(0, deltas.d)])
     # The rule's own checks once (the rows are screened: finite float32), then its arithmetic
     # per window: re-validating each window would scan it again, in ops above GRAIN.
     checked = check_weights(weights, len(kept))
+    rows_in, rule, w_in = kept, chosen, checked
+    if not chosen.coordinatewise:
+        # Krum and multi-Krum choose rows in a pass over the windows, then merge them by a
+        # coordinate-wise rule; the others (centered clipping, geometric median) see all
+        # columns at once: one window of width D, a stack of the kept rows.
+        picked = chosen.select(deltas, kept, checked)
+        if picked is not None:
+            rows_in, rule, w_in = picked
+    # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
+    # holds the M deltas, the new state and one window.
+    spans = deltas.windows() if rule.coordinatewise else iter([(0, deltas.d)])
     for s, e in spans:
         with torch.no_grad():
-            merged_n = chosen.aggregate(deltas.window(kept, s, e), checked)
+            merged_n = rule.aggregate(deltas.window(rows_in, s, e), w_in)
         for k, first, last in deltas.spans(s, e):
             at = deltas.starts[k] + first - s
             g = merged_n[at : at + last - first]
