@@ -36,7 +36,7 @@ from p2pdiloco.protocol.identity import (
 # 5: committee recency (``rules.committee_recency``: only recent contributors are elected).
 # 6: norm screening compares each delta with the median of the others (leave-one-out,
 # ADR 0027): a round's verdicts, and so its certified bytes, differ from protocol 5's.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -45,6 +45,8 @@ class Tally:
     sync_wait_s: float = 0.0
     stall_logged: bool = False  # the stall of this version has its event line
     progress_at: float = 0.0  # when the last download progress line was logged
+    updates: int = 0  # versions made from the one before by their certified update (ADR 0029)
+    update_fallbacks: int = 0  # versions whose update failed: the whole state was downloaded
 
     def download_progress(self, version: int, done: int, total: int, seconds: float) -> None:
         """A state download's bytes and rate: the phase shows it, one log line every 2 s."""
