@@ -229,3 +229,55 @@ def test_only_liars_or_a_wrong_update_hash_fall_back_to_the_full_state(
     serving(hub2, tmp_path, honest, run_id, genesis, state)
     got, how = follow(hub2, manifest, genesis, bogus, [honest])
     assert how == "full" and got.state_hash == bogus.body.state_hash
+
+
+def corrupt_updates(hub: MemoryHub, peers: list[str]) -> None:
+    """Every update ``peers`` serve from now on has its first byte flipped."""
+    for peer in peers:
+        handler, limits, screen = hub.handlers[peer]
+
+        async def lying(op: str, src: str, control: dict[str, Any], frames: list[bytes],
+                        handler: Any = handler) -> Any:  # fmt: skip
+            reply, out = await handler(op, src, control, frames)
+            if op == "update" and control.get("i") == 0:
+                out = [bytes([out[0][0] ^ 1]) + out[0][1:]]
+            return reply, out
+
+        hub.handlers[peer] = (lying, limits, screen)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_node_off_the_committee_follows_by_updates_and_falls_back_on_lies(
+    tmp_path: Path,
+) -> None:
+    from p2pdiloco.runtime.memnet import MemoryNetwork
+
+    async def main() -> None:
+        async with MemoryNetwork(
+            tmp_path, nodes=5, committee_size=4, learners=4, rules={"update_codec": "int8"}
+        ) as net:
+            follower = net.nodes[4]  # trains nothing, so it is never elected
+            tally = follower.runtime.tally
+            await net.wait_for(lambda: tally.updates >= 2, 120, "two versions by update")
+            assert not tally.downloads  # never a full state
+            state = follower.runtime.chain.current
+            assert state is not None and state.cert is not None and state.update is not None
+            assert state.state_hash == state.cert.body.state_hash
+            assert follower.peer_id not in state.cert.body.committee
+            got = net.hub.received[follower.peer_id] / tally.updates
+            assert got < state.blob().index.total_bytes / 4  # int8 g, not params + momentum
+            corrupt_updates(net.hub, [n.peer_id for n in net.nodes[:4]])
+            await net.wait_for(lambda: tally.update_fallbacks >= 1 and tally.downloads, 120,
+                               "a full download after refused updates")  # fmt: skip
+            top = max(n.version for n in net.nodes[:4])
+            await net.wait_for(lambda: follower.version >= top, 60, "the follower caught up")
+            hashes = {}
+            for node in net.live():
+                for v, raw in node.runtime.chain.certs.items():
+                    h = parse_certificate(raw, run_id=net.run_id).body.state_hash
+                    assert hashes.setdefault(v, h) == h
+            current = follower.runtime.chain.current
+            assert current is not None and current.state_hash == hashes[current.version]
+
+    asyncio.run(main())
