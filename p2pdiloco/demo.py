@@ -229,7 +229,9 @@ class LocalNetwork:
             outer={"lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
         )
         rules: dict[str, Any] = dict(
-            aggregation=cfg.aggregation, grace=cfg.grace, agree_timeout=cfg.agree_timeout,
+            aggregation=cfg.aggregation,
+            grace=cfg.grace,
+            agree_timeout=cfg.agree_timeout,
             update_codec=cfg.update_compression,
         )
         for key, value in overrides.items():

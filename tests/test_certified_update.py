@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, assemble, parse_certificate, sign_body
@@ -30,7 +31,7 @@ from p2pdiloco.sync.committee_msgs import body_of, request_limits
 from p2pdiloco.sync.fetch import SyncError, download_state, follow_update
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
-from p2pdiloco.sync.update import UpdateError, hash_update
+from p2pdiloco.sync.update import UpdateError, hash_update, pack_update, update_codec
 from p2pdiloco.train.configs import OuterConfig
 
 KEYS = [Identity.from_seed(hashlib.sha256(b"update%d" % i).digest()) for i in range(4)]
@@ -96,6 +97,14 @@ def test_applying_the_certified_update_reaches_exactly_the_certified_state(
     per_param = {"none": 4, "fp16": 2, "int8": 1.01, "int4": 0.6}[codec]
     assert len(state.update) < per_param * numel + 65536  # payload plus header
     assert len(state.update) < genesis.blob().index.total_bytes / 1.9  # vs params + momentum
+
+
+def test_the_update_pack_is_the_delta_pack_of_the_merged_update(genesis: CertifiedState) -> None:
+    rules = make_run("int8")[1].rules
+    result = merge_round(genesis.params, genesis.momentum, round_inputs(genesis), rules=rules,
+                         outer=OUTER, update_codec=update_codec("int8"))  # fmt: skip
+    want = pack_deltas(dict(sorted(result.update.items())))
+    assert pack_update(result.update) == want and not result.update  # consumed as packed
 
 
 def test_the_none_update_codec_certifies_the_states_of_before(genesis: CertifiedState) -> None:

@@ -132,13 +132,13 @@ class ChainStore:
             raise RpcRefused(Reason.NOT_FOUND, f"state of version {version!r} is not held here")
         i = control.get("i")
         if op == "update":
-            raw = held[0].update
-            if raw is None:
+            update = held[0].update
+            if update is None:
                 raise RpcRefused(Reason.NOT_FOUND, f"no update of version {version!r} here")
-            if not isinstance(i, int) or not 0 <= i * UPDATE_CHUNK_BYTES < max(len(raw), 1):
+            if not isinstance(i, int) or not 0 <= i * UPDATE_CHUNK_BYTES < max(len(update), 1):
                 raise RpcRefused(Reason.OUT_OF_RANGE, "update chunk index out of range")
-            part = raw[i * UPDATE_CHUNK_BYTES : (i + 1) * UPDATE_CHUNK_BYTES]
-            return {"total_bytes": len(raw)}, [part]
+            part = bytes(update[i * UPDATE_CHUNK_BYTES : (i + 1) * UPDATE_CHUNK_BYTES])
+            return {"total_bytes": len(update)}, [part]
         blob = held[0].blob()
         if op == "index":
             return {"state_hash": blob.state_hash}, [blob.index_bytes]

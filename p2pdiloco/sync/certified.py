@@ -37,7 +37,7 @@ class CertifiedState:
     momentum: dict[str, torch.Tensor]  # outer Nesterov buffers by parameter name
     # The packed update that made this version from the one before (sync.update), served to
     # peers holding that one; None at genesis, after a full download or a restart.
-    update: bytes | None = field(default=None, repr=False)
+    update: bytes | bytearray | None = field(default=None, repr=False)
     _blob: StateBlob | None = field(default=None, repr=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -90,15 +90,18 @@ def next_state(
     result = merge_round(
         base.params, base.momentum, inputs, rules=rules, outer=outer, update_codec=codec
     )
-    raw = pack_update(result.update)
-    result.update = {}  # the pack holds it now
+    raw = pack_update(result.update)  # empties result.update: the pack holds it now
     state = CertifiedState(base.version + 1, None, result.params, result.momentum, update=raw)
     state.blob()
     return result, state
 
 
 def apply_update(
-    base: CertifiedState, cert: Certificate, raw: bytes, rules: SyncRules, outer: OuterConfig
+    base: CertifiedState,
+    cert: Certificate,
+    raw: bytes | bytearray,
+    rules: SyncRules,
+    outer: OuterConfig,
 ) -> CertifiedState:
     """The state ``cert`` certifies, made from ``base`` (the version before) and the update
     ``raw``: the hash checked against ``cert.body.update_hash``, decoded, the outer step applied
@@ -120,7 +123,7 @@ def apply_update(
     momentum = {n: base.momentum[n].detach().float().clone() for n in params}
     for n in sorted(params):
         outer_update_(params[n].view(-1), momentum[n].view(-1), g_hat[n].reshape(-1), outer)
-    state = CertifiedState(body.version, cert, params, momentum, update=bytes(raw))
+    state = CertifiedState(body.version, cert, params, momentum, update=raw)
     if state.state_hash != body.state_hash:
         raise UpdateError(
             Reason.STATE_MISMATCH,

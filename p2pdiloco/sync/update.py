@@ -18,7 +18,7 @@ import torch
 from p2pdiloco.choices import UPDATE_CODECS
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.base import Codec, Encoded
-from p2pdiloco.compress.wire import MAGIC, MAX_HEADER_BYTES, pack_deltas, unpack_deltas
+from p2pdiloco.compress.wire import MAGIC, MAX_HEADER_BYTES, pack_consuming, unpack_deltas
 from p2pdiloco.protocol.reasons import Reason
 
 UPDATE_DOMAIN = b"p2pdiloco/update/v1\x00"
@@ -42,14 +42,18 @@ def update_codec(name: str) -> Codec:
     return get_codec(name)
 
 
-def hash_update(raw: bytes) -> str:
+def hash_update(raw: bytes | bytearray) -> str:
     """The update hash a certificate carries: sha256 hex of ``UPDATE_DOMAIN + raw``."""
-    return hashlib.sha256(UPDATE_DOMAIN + bytes(raw)).hexdigest()
+    h = hashlib.sha256(UPDATE_DOMAIN)
+    h.update(raw)  # no copy of a large update
+    return h.hexdigest()
 
 
-def pack_update(update: Mapping[str, Encoded]) -> bytes:
-    """The canonical bytes of an encoded update (``MergeResult.update``, sorted names)."""
-    return pack_deltas({n: update[n] for n in sorted(update)})
+def pack_update(update: dict[str, Encoded]) -> bytearray:
+    """The canonical bytes of an encoded update (``MergeResult.update``, sorted names). Empties
+    ``update`` as it goes: a merge holds the pack, not the pack and its tensors."""
+    ordered = {n: update.pop(n) for n in sorted(update)}
+    return pack_consuming(ordered)
 
 
 def max_update_bytes(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> int:
@@ -59,7 +63,7 @@ def max_update_bytes(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> int
 
 
 def decode_update(
-    raw: bytes, codec_name: str, shapes: Mapping[str, tuple[int, ...]]
+    raw: bytes | bytearray, codec_name: str, shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
     """ĝ per tensor from a pack whose hash the caller checked; UpdateError (MALFORMED) if the
     committee certified bytes that do not decode to exactly ``shapes``."""
