@@ -28,7 +28,7 @@ from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of, request_limits
-from p2pdiloco.sync.fetch import SyncError, download_state, follow_update
+from p2pdiloco.sync.fetch import SyncError, download_state, follow_update, follow_updates
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError, hash_update, pack_update, update_codec
@@ -290,3 +290,25 @@ def test_a_node_off_the_committee_follows_by_updates_and_falls_back_on_lies(
             assert current is not None and current.state_hash == hashes[current.version]
 
     asyncio.run(main())
+
+
+def test_a_node_two_versions_behind_chains_the_two_updates(
+    genesis: CertifiedState, tmp_path: Path
+) -> None:
+    run_id, manifest = make_run()
+    chain, states, base = [], [], genesis
+    for seed in (0, 1):
+        inputs = round_inputs(base, seed=seed)
+        _, state = next_state(base, inputs, manifest.rules, OUTER)
+        state.cert = certify(run_id, manifest, base, state, inputs, state.update_hash)
+        chain.append(state.cert)
+        states.append(state)
+        base = state
+    hub = MemoryHub()
+    holder = KEYS[3].peer_id
+    serving(hub, tmp_path, holder, run_id, *states)  # its current and previous versions
+    got = asyncio.run(
+        follow_updates(hub.transport("learner"), manifest, genesis, chain, lambda c: [holder])
+    )
+    assert got.version == 2 and got.state_hash == chain[-1].body.state_hash
+    assert hub.received["learner"] < sum(len(s.update or b"") for s in states) + 4096

@@ -42,7 +42,7 @@ from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, Tra
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
-from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert, follow_update
+from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert, follow_updates
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.sync.update import UpdateError
@@ -51,6 +51,7 @@ from p2pdiloco.train.data import PackedCorpus
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 5  # attempts to apply a certificate whose state no peer could serve yet
+MAX_CHAINED_UPDATES = 2  # versions behind that a node follows by updates (peers keep two)
 
 
 @dataclass
@@ -264,7 +265,7 @@ class NodeRuntime:
             new, computed.cert = computed, cert
             if computed.update_hash != cert.body.update_hash:
                 computed.update = None  # never serve an update its certificate does not name
-        elif (updated := await self._follow_update(cert, peers)) is not None:
+        elif (updated := await self._follow_updates(chain)) is not None:
             new = updated
         else:
             self.tally.phase = "downloading"
@@ -300,23 +301,20 @@ class NodeRuntime:
         self._publish_view()
         await self.write_status()
 
-    async def _follow_update(self, cert: Certificate, peers: list[str]) -> CertifiedState | None:
-        """The state of ``cert`` made from the current one by its certified update, or None
-        (not one version behind, or no usable update): the caller downloads the whole state."""
+    async def _follow_updates(self, chain: list[Certificate]) -> CertifiedState | None:
+        """The state of ``chain[-1]`` made by its certified updates, or None: download it."""
         base = self.chain.current
-        if base is None or cert.body.update_hash is None or cert.body.version != base.version + 1:
+        if base is None or not 0 < len(chain) <= MAX_CHAINED_UPDATES:
             return None
         try:
-            state, peer = await follow_update(self.transport, self.manifest, base, cert, peers)
+            state = await follow_updates(self.transport, self.manifest, base, chain, self._holders)
         except (SyncError, UpdateError, ValueError) as e:
             code = e.code.value if isinstance(e, UpdateError) else "unavailable"
-            log.warning("version %d: no usable update [%s] (%s); downloading the whole state",
-                        cert.body.version, code, e)  # fmt: skip
+            log.warning("version %d: no usable update [%s] (%s); downloading the state",
+                        chain[-1].body.version, code, e)  # fmt: skip
             self.tally.update_fallbacks += 1
             return None
-        self.tally.updates += 1
-        log.info("version %d made from its certified update (%d bytes from %s)",
-                 state.version, len(state.update or b""), peer[-8:])  # fmt: skip
+        self.tally.updates += len(chain)
         return state
 
     def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:

@@ -269,6 +269,26 @@ async def follow_update(
     return state, peer
 
 
+async def follow_updates(
+    transport: Transport,
+    manifest: RunManifest,
+    base: CertifiedState,
+    chain: Sequence[Certificate],
+    holders: Callable[[Certificate], Sequence[str]],
+) -> CertifiedState:
+    """The state of ``chain[-1]`` made from ``base`` by each certificate's update in turn
+    (``follow_update``, from ``holders(cert)``). Raises SyncError for a certificate that names
+    no update or is not the next version, and what ``follow_update`` raises."""
+    state = base
+    for cert in chain:
+        if cert.body.update_hash is None or cert.body.version != state.version + 1:
+            raise SyncError(f"no update certified from version {state.version}")
+        state, peer = await follow_update(transport, manifest, state, cert, holders(cert))
+        log.info("version %d made from its certified update (%d bytes from %s)",
+                 state.version, len(state.update or b""), peer[-8:])  # fmt: skip
+    return state
+
+
 async def download_update(
     transport: Transport, cert: Certificate, peers: Sequence[str], max_bytes: int
 ) -> tuple[bytes, str]:
