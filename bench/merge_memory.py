@@ -8,6 +8,7 @@ glibc's mmap threshold is fixed so freed fragments leave RSS (see ``main``).
 
     .venv/bin/python bench/merge_memory.py                        # M=8, 12 × 2 M, trimmed_mean
     .venv/bin/python bench/merge_memory.py --rule median --stacked
+    .venv/bin/python bench/merge_memory.py --update-codec int8   # as sync.certified.next_state
 """
 
 from __future__ import annotations
@@ -61,8 +62,16 @@ def _measure(a: argparse.Namespace) -> dict:
         return len(ins)
 
     def windowed(ins: list[MergeInput]) -> int:
-        out = merge_round(params, momentum, ins, rules=rules, outer=OuterConfig())
-        return len(out.accepted)
+        if a.update_codec is None:
+            out = merge_round(params, momentum, ins, rules=rules, outer=OuterConfig())
+            return len(out.accepted)
+        from p2pdiloco.sync.update import pack_update, update_codec
+
+        codec = update_codec(a.update_codec)  # and the pack a syncer serves (ADR 0029)
+        out = merge_round(params, momentum, ins, rules=rules, outer=OuterConfig(),
+                          update_codec=codec)  # fmt: skip
+        raw = pack_update(out.update)
+        return len(out.accepted) if raw else 0
 
     merge = stacked if a.stacked else windowed
     merge(inputs)  # warm-up: first-call allocations are not the merge's (freed ones leave RSS)
@@ -83,6 +92,7 @@ def _measure(a: argparse.Namespace) -> dict:
         "command": " ".join(["bench/merge_memory.py", *sys.argv[1:]]),
         "merge": "stacked" if a.stacked else "windowed",
         "rule": a.rule,
+        "update_codec": a.update_codec,
         "learners": a.learners,
         "fragment_mb": frag / 2**20,
         "kept": kept,
@@ -100,6 +110,7 @@ def main() -> int:
     ap.add_argument("--rule", default="trimmed_mean")
     ap.add_argument("--params", default='{"f": 2}', help="rule parameters as JSON")
     ap.add_argument("--stacked", action="store_true", help="the pre-window algorithm")
+    ap.add_argument("--update-codec", help="also encode and pack the certified update")
     a = ap.parse_args()
     if os.environ.get(RESTARTED) != "1":
         # A fixed mmap threshold: each fragment-sized tensor is its own mapping, returned to the

@@ -22,6 +22,9 @@ RULES: tuple[str, ...] = (
 )
 # Delta codecs (p2pdiloco.compress).
 CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "topk2")
+# Codecs of the certified update (SyncRules.update_codec, ADR 0029): dense ones only. A sparse
+# update would need error feedback on the committee's side, which a learner cannot recompute.
+UPDATE_CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4")
 # Attacks a test or demo node can play (p2pdiloco.sync.attacks).
 ATTACKS: tuple[str, ...] = (
     "sign-flip",

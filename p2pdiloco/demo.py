@@ -45,6 +45,7 @@ class DemoConfig:
     adversary: str | None = None  # the last node attacks with this kind
     aggregation: str = "trimmed_mean"
     compression: str = "int8"
+    update_compression: str = "int8"  # the certified update's codec (ADR 0029), as `run create`
     committee_size: int = 4
     outer_lr: float = 0.7
     outer_momentum: float = 0.5  # short runs: ADR 0006
@@ -228,7 +229,10 @@ class LocalNetwork:
             outer={"lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
         )
         rules: dict[str, Any] = dict(
-            aggregation=cfg.aggregation, grace=cfg.grace, agree_timeout=cfg.agree_timeout
+            aggregation=cfg.aggregation,
+            grace=cfg.grace,
+            agree_timeout=cfg.agree_timeout,
+            update_codec=cfg.update_compression,
         )
         for key, value in overrides.items():
             (rules if key in SyncRules.model_fields else fields)[key] = value

@@ -141,6 +141,7 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
         (["--aggregation", "nope"], "aggregation rule 'nope'"),
         (["--aggregation", "trimmed_mean", "--agg-param", "g=1"], "takes ['f']"),
         (["--compression", "int2"], "codec 'int2'"),
+        (["--update-compression", "topk2"], "updates with codec 'topk2'"),
         (["--weight-cap", "2"], "invalid sync rule weight_cap"),
         (["--grace", "0"], "invalid sync rule grace"),
         (["--time-budget", "0"], "invalid run setting time_budget"),
@@ -182,6 +183,7 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
     manifest = doc["manifest"]
     assert doc["published"] is False and len(doc["run_id"]) == 64
     assert manifest["compression"] == "int8"
+    assert manifest["rules"]["update_codec"] == "int8"
     assert manifest["rules"]["aggregation"] == "trimmed_mean"
     assert manifest["rules"]["aggregation_params"] == {"f": 1.0}
     assert manifest["rules"]["screen_norm_factor"] == 3.0

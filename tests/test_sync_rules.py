@@ -132,6 +132,7 @@ def test_rule_defaults() -> None:
         "linger": 3.0,
         "agree_timeout": 20.0,
         "view_timeout": None,
+        "update_codec": "none",
     }
     assert manifest().rules.view_timeout_s == 3 * (60.0 + 20.0)
 
@@ -159,6 +160,7 @@ def test_manifest_rules_round_trip() -> None:
         "linger": 0.0,
         "agree_timeout": 10.0,
         "view_timeout": 90.0,
+        "update_codec": "int4",
     }
     run_id, m = parse({"rules": rules})
     assert m.rules.model_dump(mode="json") == rules

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from p2pdiloco.choices import ATTACKS, CODECS, check_sparse_rule
+from p2pdiloco.choices import ATTACKS, CODECS, UPDATE_CODECS, check_sparse_rule
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.tables import demo_summary
 from p2pdiloco.demo import DemoConfig, run_demo
@@ -32,6 +32,9 @@ def demo(
     compression: Annotated[
         str, typer.Option(help=f"Delta codec: {', '.join(CODECS)}.")
     ] = _d.compression,
+    update_compression: Annotated[
+        str, typer.Option(help=f"Codec of the certified update: {', '.join(UPDATE_CODECS)}.")
+    ] = _d.update_compression,
     committee_size: Annotated[int, typer.Option(help="Syncers per round (k).")] = _d.committee_size,
     workdir: Annotated[Path | None, typer.Option(help="Keep logs, keys and states here.")] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = _d.timeout,
@@ -47,6 +50,7 @@ def demo(
         adversary=adversary,
         aggregation=aggregation,
         compression=compression,
+        update_compression=update_compression,
         committee_size=committee_size,
         workdir=workdir,
         timeout=timeout,

@@ -10,7 +10,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from p2pdiloco.choices import ATTACKS, CODECS, RULES
+from p2pdiloco.choices import ATTACKS, CODECS, RULES, UPDATE_CODECS
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.progress import progress_bar
 from p2pdiloco.dashboard.tables import simulation_summary
@@ -103,6 +103,13 @@ def simulate(
     compression: Annotated[
         str, typer.Option(help=f"Delta codec with error feedback: {', '.join(CODECS)}.")
     ] = _d.compression,
+    update_compression: Annotated[
+        str,
+        typer.Option(
+            help=f"Codec of the merged update the outer step applies, as a committee certifies "
+            f"it: {', '.join(UPDATE_CODECS)}."
+        ),
+    ] = _d.rules.update_codec,
 ) -> None:
     """Train M DiLoCo learners in one process, next to data-parallel on the same tokens."""
     total = rounds * inner_steps
@@ -131,6 +138,7 @@ def simulate(
             aggregation_params=parse_agg_params(agg_param or []),
             screen_norm_factor=screen_norm_factor or None,
             weight_cap=weight_cap,
+            update_codec=update_compression,
         ),
         adversaries=adversaries,
         attack=attack,

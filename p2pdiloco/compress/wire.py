@@ -32,7 +32,7 @@ from p2pdiloco.compress.base import MAX_NUMEL, CodecError, Encoded
 if sys.byteorder != "little":  # payload bytes are the host's element bytes
     raise ImportError("p2pdiloco.compress.wire needs a little-endian host")
 
-__all__ = ["DTYPES", "MAGIC", "MAX_HEADER_BYTES", "pack_deltas", "unpack_deltas"]
+__all__ = ["DTYPES", "MAGIC", "MAX_HEADER_BYTES", "pack_consuming", "pack_deltas", "unpack_deltas"]
 
 MAGIC = b"P2DD\x01"
 MAX_HEADER_BYTES = 1 << 20  # largest JSON header a receiver parses
@@ -58,6 +58,25 @@ def pack_deltas(encoded: Mapping[str, Encoded]) -> bytes:
     payload tensor is not a 1-D strided tensor of an allowed dtype (``DTYPES``); TypeError for a
     value that is not an Encoded. Payload tensors on an accelerator are copied to the CPU.
     """
+    header, blobs = _pack_parts(encoded)
+    return b"".join([header, *blobs])
+
+
+def pack_consuming(encoded: dict[str, Encoded]) -> bytearray:
+    """``pack_deltas(encoded)``, emptying ``encoded`` as it goes: each tensor is removed once
+    its payloads are copied, so a caller holding nothing else of them packs in the pack's
+    size, not twice it (the certified update of a large model, ADR 0029)."""
+    header, blobs = _pack_parts(encoded)
+    out = bytearray(header)
+    blobs.reverse()
+    for name in list(encoded):
+        for _ in encoded.pop(name).payload:
+            out += blobs.pop()  # grows in place: large buffers are remapped, not copied
+    return out
+
+
+def _pack_parts(encoded: Mapping[str, Encoded]) -> tuple[bytes, list[memoryview]]:
+    """Magic, length and header; then every payload's bytes, in order (views, not copies)."""
     if not encoded:
         raise ValueError("pack_deltas needs at least one tensor")
     codecs = {enc.codec if isinstance(enc, Encoded) else None for enc in encoded.values()}
@@ -85,11 +104,11 @@ def pack_deltas(encoded: Mapping[str, Encoded]) -> bytes:
             blobs.append(flat.view(torch.uint8).numpy().data)
         entries.append({"name": name, "shape": [int(s) for s in enc.shape], "payload": payload})
     header = _canonical({"codec": codecs.pop(), "tensors": entries})
-    return b"".join([MAGIC, _LEN.pack(len(header)), header, *blobs])
+    return MAGIC + _LEN.pack(len(header)) + header, blobs
 
 
 def unpack_deltas(
-    raw: bytes, *, expected: Mapping[str, tuple[int, ...]], codec: str, max_bytes: int
+    raw: bytes | bytearray, *, expected: Mapping[str, tuple[int, ...]], codec: str, max_bytes: int
 ) -> dict[str, Encoded]:
     """Parse a peer's pack into name → Encoded, in the order of ``expected``.
 

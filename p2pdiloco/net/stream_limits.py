@@ -22,7 +22,8 @@ class Busy(Exception):
 @dataclass(frozen=True)
 class StreamLimits:
     """Caps on inbound sync streams. Tuning: ``max_streams_per_peer`` must exceed what one
-    honest peer opens at once (a state download asks 4 chunks in parallel from each peer)."""
+    honest peer opens at once (a state or update download asks 4 chunks in parallel from each
+    peer)."""
 
     max_streams_per_peer: int = 8
     max_streams: int = 64

@@ -1,6 +1,7 @@
 """Quorum certificates for global versions, which double as contribution receipts.
 
-A syncer signs the certificate *body*: run, new version, its base, the state hash, the committee
+A syncer signs the certificate *body*: run, new version, its base, the state hash, the hash of
+the update that made the state from its base (ADR 0029), the committee
 and quorum, the sorted lists of accepted and rejected submissions, and the roster of peers who
 may sit on later committees. q matching signatures from distinct committee members make the
 certificate valid. Because the accepted list is inside what the committee signs, each
@@ -83,6 +84,9 @@ class CertificateBody(_Strict):
     # over after views 0 … j − 1 timed out (the certificate carries their timeout certificates).
     view: int = Field(default=0, ge=0, lt=MAX_VIEWS)
     state_hash: Hex64
+    # sha256 of the encoded update that made this state from the base (sync.update, ADR 0029);
+    # None: no update certified (bodies made outside a merge), peers download the whole state.
+    update_hash: Hex64 | None = None
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
     accepted: list[Accepted] = Field(max_length=4096)  # sorted by digest

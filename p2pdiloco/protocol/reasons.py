@@ -53,6 +53,8 @@ class Reason(enum.StrEnum):
     BAD_EXPIRY = "bad_expiry"  # expiry beyond the record type's TTL from now
     OVER_QUOTA = "over_quota"  # the signer already fills its share of this node's storage
     UNVERIFIED = "unverified"  # a certificate not verifiable by its chain: its version is ignored
+    # -- certified updates (ADR 0029) ------------------------------------------------------
+    STATE_MISMATCH = "state_mismatch"  # a certified update does not give the certified state
 
     @classmethod
     def parse(cls, value: object) -> Reason:

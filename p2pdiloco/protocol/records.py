@@ -210,6 +210,10 @@ class SyncRules(_Strict):
     # departed members than it can lose (k − q) never certifies (the simulator found this
     # stalling runs under churn: docs/adr/0021-network-simulator.md). None: no such condition.
     committee_recency: int | None = Field(default=2, ge=1, le=10_000)
+    # Codec of the certified update, the round's merged pseudo-gradient (ADR 0029): the committee
+    # steps with its decoded value and learners download it instead of the state. One of
+    # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``). "none": fp32.
+    update_codec: RuleName = "none"
 
     @model_validator(mode="after")
     def _grace_bounds(self) -> SyncRules:

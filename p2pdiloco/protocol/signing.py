@@ -36,7 +36,9 @@ from p2pdiloco.protocol.identity import (
 # 5: committee recency (``rules.committee_recency``: only recent contributors are elected).
 # 6: norm screening compares each delta with the median of the others (leave-one-out,
 # ADR 0027): a round's verdicts, and so its certified bytes, differ from protocol 5's.
-PROTOCOL_VERSION = 6
+# 7: certified updates (ADR 0029): ``rules.update_codec``, the outer step applies the decoded
+# update, and certificate bodies carry ``update_hash``; the ``update`` op serves it.
+PROTOCOL_VERSION = 7
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -4,7 +4,8 @@ Owned by the runtime's loop. On disk, under ``state_dir``: ``certified/`` (the n
 states, atomic checkpoints with their certificate), ``certs/<version>.json`` (every certificate
 applied: this node's receipts, verified again from genesis by the ledger) and
 ``manifest.json``. A restart resumes from the newest checkpoint whose hash matches its
-certificate. The chain also answers peers' ``cert``, ``index`` and ``chunk`` requests.
+certificate. The chain also answers peers' ``cert``, ``index``, ``chunk`` and ``update``
+requests (the update of each of the two states held, when this node has it: ADR 0029).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES
 from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -115,7 +117,8 @@ class ChainStore:
     # -- serving peers -------------------------------------------------------------------------
 
     def serve(self, op: str, control: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-        """``cert`` (version, -1 for the newest), ``index`` and ``chunk`` of a held state."""
+        """``cert`` (version, -1 for the newest), ``index`` and ``chunk`` of a held state, and
+        chunk ``i`` of the update that made it (``update``; the reply names ``total_bytes``)."""
         version = control.get("version")
         if op == "cert":
             if version == -1 and self.certs:
@@ -127,10 +130,18 @@ class ChainStore:
         held = [s for s in (self.current, self.previous) if s is not None and s.version == version]
         if not held:
             raise RpcRefused(Reason.NOT_FOUND, f"state of version {version!r} is not held here")
+        i = control.get("i")
+        if op == "update":
+            update = held[0].update
+            if update is None:
+                raise RpcRefused(Reason.NOT_FOUND, f"no update of version {version!r} here")
+            if not isinstance(i, int) or not 0 <= i * UPDATE_CHUNK_BYTES < max(len(update), 1):
+                raise RpcRefused(Reason.OUT_OF_RANGE, "update chunk index out of range")
+            part = bytes(update[i * UPDATE_CHUNK_BYTES : (i + 1) * UPDATE_CHUNK_BYTES])
+            return {"total_bytes": len(update)}, [part]
         blob = held[0].blob()
         if op == "index":
             return {"state_hash": blob.state_hash}, [blob.index_bytes]
-        i = control.get("i")
         if not isinstance(i, int) or not 0 <= i < len(blob.chunks):
             raise RpcRefused(Reason.OUT_OF_RANGE, "chunk index out of range")
         return {}, [bytes(blob.chunks[i])]

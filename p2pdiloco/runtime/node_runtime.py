@@ -42,14 +42,16 @@ from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, Tra
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
-from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert
+from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert, follow_updates
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.service import SyncService
+from p2pdiloco.sync.update import UpdateError
 from p2pdiloco.train.data import PackedCorpus
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 5  # attempts to apply a certificate whose state no peer could serve yet
+MAX_CHAINED_UPDATES = 2  # versions behind that a node follows by updates (peers keep two)
 
 
 @dataclass
@@ -185,7 +187,7 @@ class NodeRuntime:
     async def _handle(
         self, op: str, peer: str, control: dict[str, Any], frames: list[bytes]
     ) -> tuple[dict[str, Any], list[bytes]]:
-        if op in ("cert", "index", "chunk"):
+        if op in ("cert", "index", "chunk", "update"):
             return self.chain.serve(op, control)
         if self.service is None:
             raise RpcRefused(Reason.NO_STATE, "starting")
@@ -261,6 +263,10 @@ class NodeRuntime:
         peers = self._holders(cert)
         if computed is not None and computed.state_hash == cert.body.state_hash:
             new, computed.cert = computed, cert
+            if computed.update_hash != cert.body.update_hash:
+                computed.update = None  # never serve an update its certificate does not name
+        elif (updated := await self._follow_updates(chain)) is not None:
+            new = updated
         else:
             self.tally.phase = "downloading"
             v = cert.body.version
@@ -294,6 +300,22 @@ class NodeRuntime:
         self.evaluator.spawn(new, self._loop)
         self._publish_view()
         await self.write_status()
+
+    async def _follow_updates(self, chain: list[Certificate]) -> CertifiedState | None:
+        """The state of ``chain[-1]`` made by its certified updates, or None: download it."""
+        base = self.chain.current
+        if base is None or not 0 < len(chain) <= MAX_CHAINED_UPDATES:
+            return None
+        try:
+            state = await follow_updates(self.transport, self.manifest, base, chain, self._holders)
+        except (SyncError, UpdateError, ValueError) as e:
+            code = e.code.value if isinstance(e, UpdateError) else "unavailable"
+            log.warning("version %d: no usable update [%s] (%s); downloading the state",
+                        chain[-1].body.version, code, e)  # fmt: skip
+            self.tally.update_fallbacks += 1
+            return None
+        self.tally.updates += len(chain)
+        return state
 
     def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:
         """Try a certificate again shortly, at most ``MAX_RETRIES`` times (a forged one that

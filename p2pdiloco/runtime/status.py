@@ -45,6 +45,8 @@ class Tally:
     sync_wait_s: float = 0.0
     stall_logged: bool = False  # the stall of this version has its event line
     progress_at: float = 0.0  # when the last download progress line was logged
+    updates: int = 0  # versions made from the one before by their certified update (ADR 0029)
+    update_fallbacks: int = 0  # versions whose update failed: the whole state was downloaded
 
     def download_progress(self, version: int, done: int, total: int, seconds: float) -> None:
         """A state download's bytes and rate: the phase shows it, one log line every 2 s."""
@@ -139,6 +141,8 @@ class Tally:
             stalled=stall,
             stalled_s=round(waited, 1) if stalled else 0.0,
             sync_wait_s=round(self.sync_wait_s, 2),
+            updates=self.updates,
+            update_fallbacks=self.update_fallbacks,
         )
 
 
@@ -163,6 +167,8 @@ class RuntimeView:
     stalled: str | None = None  # "stalled: no certificate for version ... (waiting on ...)"
     stalled_s: float = 0.0  # seconds waited for that certificate, while stalled
     sync_wait_s: float = 0.0  # send → next certificate, summed over versions (Tally)
+    updates: int = 0  # versions made by their certified update (ADR 0029)
+    update_fallbacks: int = 0  # versions whose update failed: downloaded whole
 
     def status_json(
         self, peer_id: str, run_id: str, trainer: Any, traffic: Mapping[str, int] | None = None
@@ -195,6 +201,8 @@ class RuntimeView:
                 "stalled": self.stalled,
                 "stalled_s": self.stalled_s,
                 "downloads": list(self.downloads),
+                "updates": self.updates,
+                "update_fallbacks": self.update_fallbacks,
                 "rejections": list(self.rejections),
                 "bytes_up": int(traffic.get("up", 0)),
                 "bytes_down": int(traffic.get("down", 0)),

@@ -44,6 +44,7 @@ class Outcome:
     state_hash: str
     merged: tuple[str, ...]  # digests merged (the input set less those screened out)
     screened_out: dict[str, str]  # digest → why screening refused it
+    update_hash: str | None = None  # the certified update's hash (tensor mode only)
 
 
 class Merge(Protocol):
@@ -151,4 +152,6 @@ class TensorMerge:
         except MergeError as e:
             raise MergeFailed(frozenset(e.rejected)) from e
         self.states.setdefault(state.state_hash, state)
-        return Outcome(state.state_hash, tuple(result.accepted), dict(result.rejected))
+        return Outcome(
+            state.state_hash, tuple(result.accepted), dict(result.rejected), state.update_hash
+        )

@@ -384,6 +384,7 @@ class World:
         body = body_of(
             self.run_id, self.manifest, self.version, self.cert, self.committee, done.state_hash,
             senders, list(merged), out.screened_out if out is not None else {}, self.view,
+            out.update_hash if out is not None else None,
         )  # fmt: skip
         self.cert = Certificate(body, done.signers, b"")
         self.trusted = trusted_peers(self.manifest, self.cert)

@@ -20,6 +20,7 @@ from p2pdiloco.aggregate import get_rule
 from p2pdiloco.aggregate.base import SqSums, check_weights
 from p2pdiloco.aggregate.clipping import judge_norms
 from p2pdiloco.aggregate.rows import RowSet
+from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.outer import OuterConfig, outer_update_
 
@@ -46,6 +47,9 @@ class MergeResult:
     accepted: list[str]  # digests merged, in input order
     rejected: dict[str, str] = field(default_factory=dict)  # digest → screening reason
     rule: str = ""  # the rule actually applied (a fallback is named here)
+    # The merged pseudo-gradient g encoded per tensor (sorted names) with the update codec, when
+    # one was given: the outer step applied decode(encode(g)), which is what learners repeat.
+    update: dict[str, Encoded] = field(default_factory=dict)
 
 
 class MergeError(ValueError):
@@ -67,6 +71,7 @@ def merge_round(
     *,
     rules: SyncRules,
     outer: OuterConfig,
+    update_codec: Codec | None = None,
 ) -> MergeResult:
     """The next state of the tensors named in ``params`` (left untouched, as is ``momentum``).
 
@@ -79,6 +84,11 @@ def merge_round(
     rule needs, the coordinate median is used instead (named in ``MergeResult.rule``), so a
     round that closed with few learners still produces a state. A name without a momentum
     buffer starts from zero.
+
+    With ``update_codec``, each tensor's merged g is kept until its last window, encoded
+    (``MergeResult.update``), and the outer step applies the decoded values instead (ADR 0029):
+    the merge then also holds one tensor's g and its encoding. Without it, g is applied as
+    merged, window by window.
 
     Raises MergeError if no input survives screening, and ValueError from ``get_rule`` for rule
     parameters the rule refuses (``sync.rules.check_supported`` catches those up front).
@@ -139,13 +149,29 @@ def merge_round(
     # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
     # holds the M deltas, the new state and one window.
     spans = deltas.windows() if rule.coordinatewise else iter([(0, deltas.d)])
+    update: dict[str, Encoded] = {}
+    g_of: dict[int, torch.Tensor] = {}  # tensor index → its merged g so far (update codec only)
+    for k, n in enumerate(names):
+        if update_codec is not None and not flat_p[k].numel():  # no window ever covers it
+            _step_encoded(update_codec, update, n, flat_p[k].new_zeros(0), new_params[n],
+                          flat_p[k], flat_m[k], outer)  # fmt: skip
     for s, e in spans:
         with torch.no_grad():
             merged_n = rule.aggregate(deltas.window(rows_in, s, e), w_in)
         for k, first, last in deltas.spans(s, e):
             at = deltas.starts[k] + first - s
             g = merged_n[at : at + last - first]
-            outer_update_(flat_p[k][first:last], flat_m[k][first:last], g, outer)
+            if update_codec is None:
+                outer_update_(flat_p[k][first:last], flat_m[k][first:last], g, outer)
+                continue
+            g_D = g_of.get(k)
+            if g_D is None:
+                g_D = g_of[k] = torch.empty_like(flat_p[k], dtype=torch.float32)
+            g_D[first:last].copy_(g)
+            if last == g_D.numel():  # the tensor's last window: encode, then step with ĝ
+                del g_of[k]
+                _step_encoded(update_codec, update, names[k], g_D, new_params[names[k]],
+                              flat_p[k], flat_m[k], outer)  # fmt: skip
     order = {inp.digest: k for k, inp in enumerate(inputs)}
     return MergeResult(
         params=new_params,
@@ -153,7 +179,25 @@ def merge_round(
         accepted=[inputs[rows[j]].digest for j in kept],
         rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
+        update={n: update[n] for n in names if n in update},
     )
+
+
+def _step_encoded(
+    codec: Codec,
+    update: dict[str, Encoded],
+    name: str,
+    g_D: torch.Tensor,
+    like: torch.Tensor,
+    p_D: torch.Tensor,
+    m_D: torch.Tensor,
+    outer: OuterConfig,
+) -> None:
+    """Encode one tensor's merged g into ``update[name]`` and step with its decoded value."""
+    enc = codec.encode(g_D.view(like.shape))
+    update[name] = enc
+    g_hat = codec.decode(enc).reshape(-1).to(p_D.device)
+    outer_update_(p_D, m_D, g_hat, outer)
 
 
 def _away_from_trusted(deltas: RowSet, accepted: list[int], trusted: list[bool]) -> dict[int, str]:

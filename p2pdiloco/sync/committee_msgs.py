@@ -115,13 +115,14 @@ def certificate_body(
     accepted_digests: list[str],
     rejected: dict[str, str],
     view: int = 0,
+    update_hash: str | None = None,
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
     senders = {d: (h.peer_id, h.steps, h.tokens) for d, h in headers.items()}
     return body_of(
         run_id, manifest, base.version, base.cert, committee, new_state_hash, senders,
-        accepted_digests, rejected, view,
+        accepted_digests, rejected, view, update_hash,
     )  # fmt: skip
 
 
@@ -136,6 +137,7 @@ def body_of(
     accepted_digests: list[str],
     rejected: Mapping[str, str],
     view: int = 0,
+    update_hash: str | None = None,
 ) -> CertificateBody:
     """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
     The simulator (``p2pdiloco.sim``) builds its certificates with it."""
@@ -157,6 +159,7 @@ def body_of(
         base_version=base_version,
         view=view,
         state_hash=new_state_hash,
+        update_hash=update_hash,
         committee=list(committee.members),
         quorum=committee.quorum,
         accepted=accepted,
@@ -183,4 +186,5 @@ def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:
         "cert": (),
         "index": (),
         "chunk": (),
+        "update": (),
     }

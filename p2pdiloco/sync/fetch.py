@@ -5,7 +5,9 @@ version it trusts to the newest one — each must be signed by a quorum of exact
 that the previous certificate elects, and carry the roster that follows from it — then
 downloads the newest state in chunks from several peers at once. Each chunk is checked against
 the index, and the index against the certificate's state hash, so a lying peer can waste a
-request but never get a byte of bad state applied.
+request but never get a byte of bad state applied. A node one version behind downloads the
+certified update instead (``download_update``, ADR 0029), checked against the certificate's
+update hash; the caller applies it and checks the state hash.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.certified import CertifiedState, apply_update
 from p2pdiloco.sync.roster import verify_successor
 from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
+from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update, max_update_bytes, update_codec
+from p2pdiloco.train.configs import OuterConfig
 
 if TYPE_CHECKING:
     from p2pdiloco.runtime.transport import Transport
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 PER_PEER_PARALLEL = 4
 # Peers asked for one certificate while catching up before that version counts as missing.
 MAX_PEERS_PER_VERSION = 6
+# Peers asked for a certified update before the node downloads the whole state instead.
+MAX_UPDATE_PEERS = 3
 
 
 class SyncError(Exception):
@@ -240,3 +246,100 @@ async def download_state(
     await asyncio.gather(*(get(i) for i in range(len(chunks))))
     tensors = decode_state(index, [c for c in chunks if c is not None])
     return Download(CertifiedState.from_tensors(version, cert, tensors), by_peer)
+
+
+async def follow_update(
+    transport: Transport,
+    manifest: RunManifest,
+    base: CertifiedState,
+    cert: Certificate,
+    peers: Sequence[str],
+) -> tuple[CertifiedState, str]:
+    """The state ``cert`` certifies, made from ``base`` (the version before) by the certified
+    update (``download_update``, then ``certified.apply_update`` in a worker thread), and the
+    peer that served the update. Raises SyncError (no peer served it) or UpdateError (it does
+    not give the certified state): download the whole state instead."""
+    shapes = {n: tuple(t.shape) for n, t in base.params.items()}
+    limit = max_update_bytes(update_codec(manifest.rules.update_codec), shapes)
+    raw, peer = await download_update(transport, cert, peers, limit)
+    outer = OuterConfig(**manifest.outer.model_dump())
+    state = await asyncio.get_running_loop().run_in_executor(
+        None, apply_update, base, cert, raw, manifest.rules, outer
+    )
+    return state, peer
+
+
+async def follow_updates(
+    transport: Transport,
+    manifest: RunManifest,
+    base: CertifiedState,
+    chain: Sequence[Certificate],
+    holders: Callable[[Certificate], Sequence[str]],
+) -> CertifiedState:
+    """The state of ``chain[-1]`` made from ``base`` by each certificate's update in turn
+    (``follow_update``, from ``holders(cert)``). Raises SyncError for a certificate that names
+    no update or is not the next version, and what ``follow_update`` raises."""
+    state = base
+    for cert in chain:
+        if cert.body.update_hash is None or cert.body.version != state.version + 1:
+            raise SyncError(f"no update certified from version {state.version}")
+        state, peer = await follow_update(transport, manifest, state, cert, holders(cert))
+        log.info("version %d made from its certified update (%d bytes from %s)",
+                 state.version, len(state.update or b""), peer[-8:])  # fmt: skip
+    return state
+
+
+async def download_update(
+    transport: Transport, cert: Certificate, peers: Sequence[str], max_bytes: int
+) -> tuple[bytes, str]:
+    """The update ``cert`` names (its bytes, and the peer that served them), from the first of
+    ``peers`` (at most ``MAX_UPDATE_PEERS``) whose bytes hash to ``cert.body.update_hash``. A
+    peer serving other bytes is logged with the code and skipped, never believed. Raises
+    SyncError when no peer served it: download the whole state instead."""
+    version, want = cert.body.version, cert.body.update_hash
+    if want is None:
+        raise SyncError(f"the certificate of version {version} names no update")
+    errors: list[str] = []
+    for peer in list(peers)[:MAX_UPDATE_PEERS]:
+        try:
+            raw = await _update_from(transport, peer, version, max_bytes)
+        except RpcError as e:
+            errors.append(f"{peer[-8:]}: {e}")
+            continue
+        if hash_update(raw) == want:
+            return raw, peer
+        log.warning(
+            "update of version %d from %s refused [%s]: its %d bytes do not match the "
+            "certified update hash", version, peer, Reason.DIGEST_MISMATCH.value, len(raw),
+        )  # fmt: skip
+        errors.append(f"{peer[-8:]}: {Reason.DIGEST_MISMATCH.value}")
+    raise SyncError(f"no peer served the update of version {version} ({'; '.join(errors)[:300]})")
+
+
+async def _update_from(transport: Transport, peer: str, version: int, max_bytes: int) -> bytes:
+    """All chunks of ``peer``'s update of ``version``: the first says the total (bounded)."""
+
+    async def chunk(i: int) -> tuple[dict[str, object], bytes]:
+        reply, frames = await transport.call(
+            peer, "update", args={"version": version, "i": i}, reply_limit=UPDATE_CHUNK_BYTES
+        )
+        if len(frames) != 1:
+            raise RpcError(f"{peer} answered an update request without one", code=Reason.MALFORMED)
+        return reply, frames[0]
+
+    reply, first = await chunk(0)
+    total = reply.get("total_bytes")
+    if not isinstance(total, int) or isinstance(total, bool) or not 0 < total <= max_bytes:
+        raise RpcError(f"{peer} announced an update of {total!r} bytes", code=Reason.MALFORMED)
+    n = -(-total // UPDATE_CHUNK_BYTES)
+    limit = asyncio.Semaphore(PER_PEER_PARALLEL)
+
+    async def limited(i: int) -> bytes:
+        async with limit:
+            return (await chunk(i))[1]
+
+    rest = await asyncio.gather(*(limited(i) for i in range(1, n)))
+    raw = b"".join([first, *rest])
+    if len(raw) != total:
+        raise RpcError(f"{peer} served {len(raw)} update bytes, not {total}", code=Reason.MALFORMED)
+    return raw

@@ -8,6 +8,7 @@ never get a signature to match, so it must refuse the run up front with one clea
 from __future__ import annotations
 
 from p2pdiloco.aggregate import RULES, get_rule
+from p2pdiloco.choices import SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.records import RunManifest
@@ -26,7 +27,8 @@ def check_supported(manifest: RunManifest) -> None:
     build can merge, decode and sync exactly as the manifest says.
 
     Checks: the aggregation rule is in ``p2pdiloco.aggregate.RULES`` and accepts the manifest's
-    parameters; the codec is in ``p2pdiloco.compress.CODECS``; the outer step syncs one
+    parameters; the codec is in ``p2pdiloco.compress.CODECS``; the update codec is a dense one
+    (``p2pdiloco.choices.UPDATE_CODECS``, ADR 0029); the outer step syncs one
     fragment (``outer.fragments == 1``; Streaming DiLoCo fragments exist in ``simulate`` only).
     """
     rules = manifest.rules
@@ -47,6 +49,17 @@ def check_supported(manifest: RunManifest) -> None:
         raise UnsupportedManifest(
             f"run {manifest.name!r} compresses deltas with codec {manifest.compression!r}, "
             f"which this p2pdiloco lacks; it has {', '.join(CODECS)}"
+        )
+    if rules.update_codec not in UPDATE_CODECS:
+        why = (
+            "a sparse update would need error feedback on the committee's side, which learners "
+            "cannot recompute"
+            if rules.update_codec in SPARSE_CODECS
+            else "this p2pdiloco lacks it"
+        )
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} certifies updates with codec {rules.update_codec!r}: {why}; "
+            f"use one of {', '.join(UPDATE_CODECS)}"
         )
     if manifest.outer.fragments != 1:
         raise UnsupportedManifest(

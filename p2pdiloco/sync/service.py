@@ -442,7 +442,7 @@ class SyncService:
         view = self.views.state.view if self.views.state is not None else 0
         body = certificate_body(
             self.run_id, self.manifest, base, committee, state.state_hash, headers,
-            result.accepted, result.rejected, view=view,
+            result.accepted, result.rejected, view=view, update_hash=state.update_hash,
         )  # fmt: skip
         lock = self.views.state.lock if self.views.state is not None else None
         if lock is not None and content_digest(body) != lock:

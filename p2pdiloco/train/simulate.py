@@ -29,11 +29,13 @@ from typing import Any
 import torch
 
 from p2pdiloco.aggregate import get_rule
+from p2pdiloco.choices import UPDATE_CODECS
 from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.attacks import AttackConfig, Attacker
+from p2pdiloco.sync.update import update_codec
 from p2pdiloco.sync.weights import merge_weights
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
 from p2pdiloco.train.data import (
@@ -88,6 +90,7 @@ class SimulationResult:
     peak_memory_bytes: int
     aggregation: str = "mean"
     compression: str = "none"
+    update_codec: str = "none"  # codec of the merged update the outer step applied (ADR 0029)
     adversaries: list[int] = field(default_factory=list)  # learner indices that attacked
     attack: str | None = None
     accepted_deltas: list[int] = field(default_factory=list)  # per learner, over the run
@@ -156,6 +159,11 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses.
     ConfigError (before any work) for a codec this build lacks."""
     get_codec(cfg.compression)
+    if cfg.rules.update_codec not in UPDATE_CODECS:
+        raise ConfigError(
+            f"update codec {cfg.rules.update_codec!r} is not one of {', '.join(UPDATE_CODECS)} "
+            "(a sparse update would need error feedback on the committee's side)"
+        )
     device, corpus = prepare(cfg)
     total_units = cfg.rounds * cfg.inner_steps * cfg.learners * (2 if cfg.baseline else 1)
     done = 0
@@ -201,6 +209,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         peak_memory_bytes=_peak_memory(device),
         aggregation=cfg.rules.aggregation,
         compression=cfg.compression,
+        update_codec=cfg.rules.update_codec,
         adversaries=sorted(attackers),
         attack=cfg.attack if cfg.adversaries else None,
         accepted_deltas=counts.accepted,
@@ -271,7 +280,9 @@ def merge_fragment(
         inputs,
         rules=rules,
         outer=outer,
+        update_codec=update_codec(rules.update_codec),  # as sync.certified.next_state does
     )
+    result.update = {}
     with torch.no_grad():
         for n in names:
             theta[n].copy_(result.params[n])
