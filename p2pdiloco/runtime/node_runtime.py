@@ -36,22 +36,21 @@ from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.runtime.delivery import intake_order, next_targets, submit_to
 from p2pdiloco.runtime.evaluator import Evaluator
+from p2pdiloco.runtime.obtain import obtain_state
 from p2pdiloco.runtime.plane import Plane, Presence
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
 from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
-from p2pdiloco.sync.fetch import SyncError, catch_up, download_state, fetch_cert, follow_updates
+from p2pdiloco.sync.fetch import SyncError, catch_up, fetch_cert
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.service import SyncService
-from p2pdiloco.sync.update import UpdateError
 from p2pdiloco.train.data import PackedCorpus
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 5  # attempts to apply a certificate whose state no peer could serve yet
-MAX_CHAINED_UPDATES = 2  # versions behind that a node follows by updates (peers keep two)
 
 
 @dataclass
@@ -260,24 +259,10 @@ class NodeRuntime:
             lambda v: self._holders(target, v),
         )  # fmt: skip
         cert = chain[-1]  # below target if target's chain does not verify (its claim ignored)
-        peers = self._holders(cert)
-        if computed is not None and computed.state_hash == cert.body.state_hash:
-            new, computed.cert = computed, cert
-            if computed.update_hash != cert.body.update_hash:
-                computed.update = None  # never serve an update its certificate does not name
-        elif (updated := await self._follow_updates(chain)) is not None:
-            new = updated
-        else:
-            self.tally.phase = "downloading"
-            v = cert.body.version
-            dl = await download_state(
-                self.transport,
-                cert,
-                peers,
-                lambda d, t, s: self.tally.download_progress(v, d, t, s),
-            )
-            new = dl.state
-            self.tally.record_download(cert.body.version, dict(dl.chunks_by_peer))
+        new = await obtain_state(
+            self.transport, self.manifest, self.chain.current, chain, computed, self._holders,
+            self.tally,
+        )  # fmt: skip
         # Serve it at once (peers download from the signers), then make it durable.
         self.chain.add_certs(chain)
         self.chain.install(new)
@@ -300,22 +285,6 @@ class NodeRuntime:
         self.evaluator.spawn(new, self._loop)
         self._publish_view()
         await self.write_status()
-
-    async def _follow_updates(self, chain: list[Certificate]) -> CertifiedState | None:
-        """The state of ``chain[-1]`` made by its certified updates, or None: download it."""
-        base = self.chain.current
-        if base is None or not 0 < len(chain) <= MAX_CHAINED_UPDATES:
-            return None
-        try:
-            state = await follow_updates(self.transport, self.manifest, base, chain, self._holders)
-        except (SyncError, UpdateError, ValueError) as e:
-            code = e.code.value if isinstance(e, UpdateError) else "unavailable"
-            log.warning("version %d: no usable update [%s] (%s); downloading the state",
-                        chain[-1].body.version, code, e)  # fmt: skip
-            self.tally.update_fallbacks += 1
-            return None
-        self.tally.updates += len(chain)
-        return state
 
     def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:
         """Try a certificate again shortly, at most ``MAX_RETRIES`` times (a forged one that
