@@ -39,7 +39,8 @@ from p2pdiloco.train.models import get_spec
 @dataclass
 class DemoConfig:
     nodes: int = 4  # training nodes (each a learner; the committee is drawn from them)
-    rounds: int = 3  # certified versions to reach
+    rounds: int = 3  # outer rounds: each syncs every fragment once (rounds × fragments versions)
+    fragments: int = 1  # Streaming DiLoCo fragments P (sync.fragments); H must be a multiple
     model: str = "gemma-tiny"
     inner_steps: int = 20  # H
     adversary: str | None = None  # the last node attacks with this kind
@@ -61,6 +62,11 @@ class DemoConfig:
     # a volunteer's GPU would; below 1 leaves the cores to the rounds (the tests' networks).
     compute_share: float = 1.0
     eval_batches: int = 8
+
+    @property
+    def versions(self) -> int:
+        """Certified versions to reach: every round syncs each fragment once."""
+        return self.rounds * self.fragments
 
 
 @dataclass
@@ -226,7 +232,11 @@ class LocalNetwork:
                 "warmup_steps": max(1, total // 10),
                 "total_steps": total,
             },
-            outer={"lr": cfg.outer_lr, "momentum": cfg.outer_momentum},
+            outer={
+                "lr": cfg.outer_lr,
+                "momentum": cfg.outer_momentum,
+                "fragments": cfg.fragments,
+            },
         )
         rules: dict[str, Any] = dict(
             aggregation=cfg.aggregation,
@@ -325,7 +335,7 @@ class LocalNetwork:
 
 
 def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> DemoResult:
-    """Run the network until every node applied version ``cfg.rounds``; raise UserError with
+    """Run the network until every node applied version ``cfg.versions``; raise UserError with
     the failing node's log tail if a node dies or the demo times out."""
     if cfg.nodes < 2 or cfg.rounds < 1:
         raise ConfigError("--nodes must be at least 2 and --rounds at least 1")
@@ -346,12 +356,13 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         say(f"bootstrap up at {net.start_bootstrap()}")
         keys = [Identity.generate() for _ in range(cfg.nodes)]
         run_id = net.publish_run(keys)
-        say(f"run {run_id[:12]} published: {cfg.model}, H={cfg.inner_steps}")
+        frags = f", {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+        say(f"run {run_id[:12]} published: {cfg.model}, H={cfg.inner_steps}{frags}")
         nodes = [
             net.start_node(
                 f"node{i}",
                 key,
-                until_version=cfg.rounds,
+                until_version=cfg.versions,
                 adversary=cfg.adversary if i == cfg.nodes - 1 else None,
             )
             for i, key in enumerate(keys)
@@ -360,7 +371,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
             say(f"{cfg.nodes} nodes started; node{cfg.nodes - 1} attacks with {cfg.adversary}")
         else:
             say(f"{cfg.nodes} nodes started")
-        statuses = net.wait_versions(cfg.rounds, nodes, cfg.timeout, say)
+        statuses = net.wait_versions(cfg.versions, nodes, cfg.timeout, say)
         net.close()
         say("nodes stopped; verifying certificates and evaluating")
         return summarize(cfg, nodes, statuses, net.manifest, run_id, workdir, t0)

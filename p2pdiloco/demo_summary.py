@@ -37,6 +37,7 @@ class DemoResult:
     rejected: dict[str, int]
     downloads: list[dict[str, Any]] = field(default_factory=list)
     workdir: str = ""
+    fragments: int = 1  # version v synced fragment (v − 1) mod fragments
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +47,7 @@ class DemoResult:
             "seconds": round(self.seconds, 1),
             "run_id": self.run_id,
             "committee": {str(k): v for k, v in self.committee.items()},
+            "fragments": self.fragments,
             "peers": self.peers,
             "rejected": self.rejected,
             "workdir": self.workdir,
@@ -147,6 +149,7 @@ def summarize(
         peers=peers,
         rejected={n.name: rejected[n.identity.peer_id] for n in nodes},
         workdir=str(workdir) if cfg.workdir else "",
+        fragments=manifest.outer.fragments,
     )
 
 

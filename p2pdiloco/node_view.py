@@ -15,6 +15,7 @@ from p2pdiloco.dashboard.live import DashboardSnapshot
 from p2pdiloco.net import sync_rpc
 from p2pdiloco.node import Node
 from p2pdiloco.runtime.launch import RunningNode
+from p2pdiloco.sync.fragments import round_fragment
 
 # The learner's phases, spelled as the dashboard's states.
 _STATES = {"training on (stretch done)": "training on, delta in flight", "starting": "connecting"}
@@ -67,7 +68,9 @@ class NodeView:
         snap.stalled = rv.stalled
         phase = "paused" if rv.paused_reason else tv.phase if tv is not None else rv.phase
         snap.state = _STATES.get(phase, "idle" if phase.startswith("idle") else phase)
-        H = self.running.manifest.inner_steps
+        fragments = self.running.manifest.outer.fragments
+        H = self.running.manifest.inner_steps // fragments  # steps per delta
+        snap.fragments, snap.fragment = fragments, round_fragment(rv.version, fragments)
         if tv is not None:
             snap.inner_step = min(tv.inner_step, H)
             snap.eta_seconds = (

@@ -137,7 +137,8 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--fragments", "2"], "syncs one fragment"),
+        (["--fragments", "3"], "must be a multiple of the fragments"),
+        (["--fragments", "100"], "more than the 54 tensors of gemma-tiny"),
         (["--aggregation", "nope"], "aggregation rule 'nope'"),
         (["--aggregation", "trimmed_mean", "--agg-param", "g=1"], "takes ['f']"),
         (["--compression", "int2"], "codec 'int2'"),

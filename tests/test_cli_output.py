@@ -286,6 +286,6 @@ def test_json_documents_keep_the_keys_of_docs_cli_md() -> None:
     ).to_dict()  # fmt: skip
     assert set(demo) == {
         "versions", "loss_start", "loss_end", "seconds", "run_id", "committee", "peers",
-        "rejected", "workdir",
+        "rejected", "workdir", "fragments",
     }  # fmt: skip
     assert set(Finding("disk", "ok", "fine").as_dict()) == {"check", "severity", "detail", "fix"}

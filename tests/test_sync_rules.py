@@ -101,9 +101,12 @@ def test_unknown_codec_names_it_and_what_this_build_has() -> None:
     assert all(c in msg for c in CODECS)
 
 
-def test_more_than_one_fragment_is_refused_for_the_network() -> None:
-    msg = refusal(manifest(outer={"fragments": 2}))
-    assert "2 fragments" in msg and "one fragment" in msg and "fragments=1" in msg
+def test_fragments_need_h_a_multiple_of_them_and_staleness_zero() -> None:
+    check_supported(manifest(outer={"fragments": 2}, inner_steps=20))  # ADR 0032
+    msg = refusal(manifest(outer={"fragments": 3}, inner_steps=20))
+    assert "3 fragments every 20 inner steps" in msg and "multiple" in msg
+    msg = refusal(manifest(outer={"fragments": 2}, inner_steps=20, rules={"staleness": 1}))
+    assert "staleness 1" in msg and "staleness 0" in msg
 
 
 def test_protocol_1_manifest_is_refused() -> None:

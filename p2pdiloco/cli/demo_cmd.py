@@ -21,7 +21,12 @@ _d = DemoConfig()
 @user_errors
 def demo(
     nodes: Annotated[int, typer.Option(help="Training nodes (separate processes).")] = _d.nodes,
-    rounds: Annotated[int, typer.Option(help="Global versions to certify.")] = _d.rounds,
+    rounds: Annotated[
+        int, typer.Option(help="Outer rounds; each certifies one version per fragment.")
+    ] = _d.rounds,
+    fragments: Annotated[
+        int, typer.Option(help="Streaming DiLoCo fragments: a round per fragment, in turn.")
+    ] = _d.fragments,
     model: Annotated[str, typer.Option(help="Model (see `p2pdiloco models`).")] = _d.model,
     inner_steps: Annotated[int, typer.Option(help="Inner steps per round (H).")] = _d.inner_steps,
     adversary: Annotated[
@@ -45,6 +50,7 @@ def demo(
     cfg = DemoConfig(
         nodes=nodes,
         rounds=rounds,
+        fragments=fragments,
         model=model,
         inner_steps=inner_steps,
         adversary=adversary,

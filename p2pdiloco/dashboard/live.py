@@ -69,7 +69,9 @@ class DashboardSnapshot:
     version: int = 0  # global certified version held
     # round progress
     inner_step: int = 0  # inner steps done in this round
-    inner_steps: int = 0  # H
+    inner_steps: int = 0  # steps per delta: H, or H/P with P fragments
+    fragments: int = 1  # Streaming DiLoCo fragments P of the run (sync.fragments)
+    fragment: int = 0  # the fragment this round syncs: version mod P
     eta_seconds: float | None = None  # estimated seconds to the next sync
     tokens_per_second: float = 0.0  # local training throughput
     utilization: float = 0.0  # share of wall time in inner steps (runtime.trainer)
@@ -271,6 +273,8 @@ def _training_panel(snap: DashboardSnapshot) -> Panel:
     else:
         progress.append(_eta_text(snap.eta_seconds))
     grid.add_row("Round", progress)
+    if snap.fragments > 1:
+        grid.add_row("Fragments", _fragments_text(snap))
     speed = f"{_rate(snap.tokens_per_second)}  ·  {100 * snap.utilization:.0f}% of time training"
     grid.add_row("Speed", Text(speed))
     loss = Text()
@@ -285,6 +289,26 @@ def _training_panel(snap: DashboardSnapshot) -> Panel:
     grid.add_row("Loss", loss)
     body = Group(_header(snap), Text(), grid)
     return Panel(body, title=Text("p2pdiloco join", style="bold"), box=box.ROUNDED)
+
+
+def _fragments_text(snap: DashboardSnapshot) -> Text:
+    """This round's fragment, and the version that last synced each fragment."""
+    text = Text()
+    text.append(f"syncing {snap.fragment + 1} of {snap.fragments}", style="bold")
+    text.append("  ·  last synced ", style="dim")
+    lasts = []
+    for f in range(snap.fragments):
+        last = last_synced(snap.version, f, snap.fragments)
+        lasts.append(f"{f + 1}:v{last}" if last is not None else f"{f + 1}:-")
+    text.append(" ".join(lasts))
+    return text
+
+
+def last_synced(version: int, fragment: int, fragments: int) -> int | None:
+    """The newest version up to ``version`` that updated ``fragment`` (version u syncs fragment
+    (u − 1) mod P); None before its first."""
+    last = version - (version - 1 - fragment) % fragments
+    return last if last >= 1 else None
 
 
 def _network_panel(snap: DashboardSnapshot) -> Panel:
@@ -358,6 +382,7 @@ def plain_line(snap: DashboardSnapshot) -> str:
         f"[{_state_label(snap)}]",
         f"version {snap.version}",
         f"step {snap.inner_step}/{snap.inner_steps}",
+        *([f"fragment {snap.fragment + 1}/{snap.fragments}"] if snap.fragments > 1 else []),
         _rate(snap.tokens_per_second),
         f"compute {100 * snap.utilization:.0f}%",
         f"loss {local:.3f}" if local is not None else "loss -",

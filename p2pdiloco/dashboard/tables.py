@@ -126,11 +126,15 @@ def demo_summary(result: dict[str, Any], width: int = 80) -> RenderableType:
         ),
         f"   certified versions {result['versions']}",
     )
+    fragments = int(result.get("fragments", 1))
     committees = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     committees.add_column("version", justify="right", no_wrap=True)
+    if fragments > 1:  # version v syncs fragment (v − 1) mod P (sync.fragments)
+        committees.add_column("fragment", justify="right", no_wrap=True)
     committees.add_column("syncers (leader first)", overflow="fold")
     for v, members in sorted(result["committee"].items(), key=lambda kv: int(kv[0])):
-        committees.add_row(str(v), ", ".join(short_peer_id(m) for m in members))
+        frag = [f"{(int(v) - 1) % fragments + 1} of {fragments}"] if fragments > 1 else []
+        committees.add_row(str(v), *frag, ", ".join(short_peer_id(m) for m in members))
     columns = [
         Column("node"),
         Column("peer id", drop=2),

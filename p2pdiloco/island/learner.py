@@ -21,7 +21,7 @@ from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.train.data import PackedCorpus
 from p2pdiloco.train.inner import InnerStats
-from p2pdiloco.train.learner import Learner, Outgoing
+from p2pdiloco.train.learner import Learner, Outgoing, rebase_anchor
 
 
 class IslandLearner(Learner):
@@ -91,7 +91,7 @@ class IslandLearner(Learner):
         old_base: Mapping[str, torch.Tensor],
         sent: Outgoing | None,
     ) -> None:
-        anchor = sent.sent_params if sent is not None else old_base
+        anchor = rebase_anchor(old_base, sent)
         local = self.params()
         self.load({n: new_base[n].float() + (t - anchor[n].float()) for n, t in local.items()})
 
@@ -106,15 +106,16 @@ class IslandLearner(Learner):
         return self.island.world
 
     def after_send(self, sent: Outgoing) -> int | None:
-        """Right after a send, θ_local is ``sent.sent_params``: the moment members that
+        """Right after a send, θ_local is θ_sent on the sent fragment: the moment members that
         registered since the island formed (other hosts of a LAN island) are taken in, by
-        forming the next generation and loading those parameters, so no step is lost (the
-        inner optimizer's moments start afresh). Returns the new size, or None."""
+        forming the next generation and loading the parameters as they are, so no step is lost
+        (the inner optimizer's moments start afresh). Returns the new size, or None."""
         if not self.island.newcomers():
             return None
         before = self.island.world
+        local = self.params()  # θ_sent on the sent fragment, every other tensor as trained
         self._adopt(self.island.reform(int(self.scheduler.last_epoch)))
-        self.load(sent.sent_params)
+        self.load(local)
         return self.island.world if self.island.world != before else None
 
     def close(self) -> None:

@@ -95,17 +95,8 @@ class RunningNode:
             node.identity, self.run_id, self.manifest, node, transport, rcfg, corpus=corpus
         )
         state = bridge.run(self.runtime.start(), 900)
-        H = self.manifest.inner_steps
         learner = self._learner(corpus, state.params, state.version)
-        machine = LearnerMachine(
-            inner_steps=H,
-            chunk=max(1, H // 4) if H % 4 == 0 else H,
-            version=state.version,
-            give_up_after=self.manifest.rules.give_up_after,
-            stop_at=cfg.until_version,
-            time_budget=self.manifest.time_budget,
-            staleness=self.manifest.rules.staleness,
-        )
+        machine = LearnerMachine.for_run(self.manifest, state.version, stop_at=cfg.until_version)
         local = load_local(cfg.state_dir, self.run_id)
         same_base = local is not None and int(local.get("base_version", -1)) == state.version
         if local is not None and same_base and restore_local(learner, local):

@@ -74,6 +74,7 @@ class MemoryNetwork:
         # trainers share one process and its cores with every node's loop, and between rounds
         # they would only train on (three runtime tests: 105 CPU-s in 68 s at 1, 64 in 53).
         compute_share: float = 0.25,
+        fragments: int = 1,  # Streaming DiLoCo fragments of the manifest (sync.fragments)
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -89,6 +90,7 @@ class MemoryNetwork:
         self.slowdown = dict(slowdown or {})
         self.islands = dict(islands or {})
         self.compute_share = compute_share
+        self.fragments = fragments
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -110,6 +112,7 @@ class MemoryNetwork:
             compression=self.compression,
             genesis_committee=[i.peer_id for i in ids[: self.k]],
             inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 1000},
+            outer={"fragments": self.fragments},
             rules=self.rules,
         )
         loop = asyncio.get_running_loop()
@@ -153,11 +156,9 @@ class MemoryNetwork:
                 )
             if self.slowdown.get(index, 1.0) > 1.0:
                 _throttle(learner, self.slowdown[index])
-            machine = LearnerMachine(
-                inner_steps=self.inner_steps, chunk=1, version=state.version,
-                give_up_after=self.manifest.rules.give_up_after,
-                time_budget=self.manifest.time_budget, staleness=self.manifest.rules.staleness,
-            )  # fmt: skip
+            machine = LearnerMachine.for_run(
+                self.manifest, state.version, inner_steps=self.inner_steps, chunk=1
+            )
             node.trainer = Trainer(
                 learner, machine, state, identity=identity, run_id=self.run_id,
                 manifest=self.manifest, submit=runtime.submit, catch_up=runtime.request_version,

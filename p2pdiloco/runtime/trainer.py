@@ -32,6 +32,7 @@ from p2pdiloco.protocol.submissions import (
 )
 from p2pdiloco.sync.attacks import INFLATED_STEPS
 from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.fragments import round_fragment, round_names
 from p2pdiloco.sync.learner_machine import (
     CatchUp,
     Drop,
@@ -45,7 +46,7 @@ from p2pdiloco.sync.learner_machine import (
     round_pace,
 )
 from p2pdiloco.sync.weights import plausible_claim
-from p2pdiloco.train.learner import Learner, Outgoing
+from p2pdiloco.train.learner import Learner, Outgoing, rebase_anchor
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class Trainer:
         self._wake = threading.Event()  # set by a certificate and by ``stop``: ends a pause
         self._owed_pause = 0.0  # of the compute share, cut short and added to the next pause
         self._thread: threading.Thread | None = None
+        self._shapes = {n: tuple(t.shape) for n, t in state.params.items()}
         pace = _pace(state)
         if pace is not None:  # joining mid-run: train at the run's lr, not a fresh warmup's
             learner.seek(state.version * pace + machine.trained)
@@ -296,8 +298,7 @@ class Trainer:
         taken from, so rebasing stays exact); the broken stretch's steps are gone."""
         if self.machine.version > self.state.version:  # broken while rebasing onto it
             self.state, self._sent = self._new_state, None
-        anchor = self._sent.sent_params if self._sent is not None else self.state.params
-        size = self.learner.reform(anchor)
+        size = self.learner.reform(rebase_anchor(self.state.params, self._sent))
         self.machine.on_progress_lost()
         self._c.tokens_since_send = 0
         self._event(f"{e}; island re-formed with {size} ranks on version {self.state.version}")
@@ -360,8 +361,14 @@ class Trainer:
         tokens = c.tokens_since_send or self.learner.steps_since_send * inner.batch_size * (
             inner.seq_len
         )
+        fragments = self.manifest.outer.fragments
+        if fragments > 1:
+            # A fragment's delta holds the H steps since that fragment was last synced, plus any
+            # overtime: it is not folded, and nothing is carried into it (ADR 0032).
+            overtime = carried = 0
+        names = round_names(self._shapes, fragments, self.state.version)
         out = self.learner.outgoing(
-            self.state.version, self.state.params, tokens, loss, overtime, carried
+            self.state.version, self.state.params, tokens, loss, overtime, carried, names
         )
         if out.fold < 1.0:
             self._event(
@@ -395,7 +402,11 @@ class Trainer:
             loss=min(max(out.loss, 0.0), 1e4),
             codec=self.manifest.compression,
             fragments=[
-                FragmentRef(index=0, digest=payload_digest(out.payload), nbytes=len(out.payload))
+                FragmentRef(
+                    index=round_fragment(out.base_version, self.manifest.outer.fragments),
+                    digest=payload_digest(out.payload),
+                    nbytes=len(out.payload),
+                )
             ],
         )
         raw = seal_submission(self.identity, self.run_id, header)

@@ -28,6 +28,7 @@ from p2pdiloco.protocol.submissions import (
 from p2pdiloco.sim.config import identity
 from p2pdiloco.sync.aggregator import MergeError, MergeInput
 from p2pdiloco.sync.certified import CertifiedState, genesis_state, next_state
+from p2pdiloco.sync.fragments import round_fragment, round_shapes
 from p2pdiloco.sync.intake import Intake
 from p2pdiloco.sync.round import Aggregate, Submission
 from p2pdiloco.train.outer import OuterConfig
@@ -115,7 +116,7 @@ class TensorMerge:
         self.intake = Intake(manifest, shapes, run_id)
         self.states[self.genesis.state_hash] = self.genesis
         o = manifest.outer
-        self.outer = OuterConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+        self.outer = OuterConfig(**o.model_dump())  # lr, momentum, nesterov, P
 
     def genesis_hash(self) -> str:
         return self.genesis.state_hash
@@ -123,14 +124,16 @@ class TensorMerge:
     def seal(self, index: int, sub: Submission, serial: int, at: float) -> Submission:
         key = hashlib.sha256(f"{self.seed}/{index}/{serial}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(key[:7], "big"))
-        params = self.genesis.params
-        delta = {n: self.delta_scale * torch.randn(params[n].shape, generator=gen) for n in params}
+        shapes = round_shapes(self.intake.shapes, self.outer.fragments, sub.base_version)
+        delta = {n: self.delta_scale * torch.randn(s, generator=gen) for n, s in shapes.items()}
         codec = self.intake.codec
         payload = pack_deltas({n: codec.encode(delta[n]) for n in sorted(delta)})
+        fragment = round_fragment(sub.base_version, self.outer.fragments)
         header = SubmissionHeader(
             peer_id=sub.peer_id, base_version=sub.base_version, steps=sub.steps,
             tokens=sub.tokens, loss=3.0, codec=self.manifest.compression,
-            fragments=[FragmentRef(index=0, digest=payload_digest(payload), nbytes=len(payload))],
+            fragments=[FragmentRef(index=fragment, digest=payload_digest(payload),
+                                   nbytes=len(payload))],
         )  # fmt: skip
         # Signed at the simulated time, not the wall clock: the digest (and through the
         # certificates, every later beacon and election) is then the same for a seed.
@@ -144,7 +147,8 @@ class TensorMerge:
         base = self.states[base_hash]
         inputs = [
             MergeInput(digest=d, peer_id=subs[d].peer_id,
-                       delta=self.intake.decode(self.payloads[d]), weight=w, trusted=a)
+                       delta=self.intake.decode(self.payloads[d], base.version), weight=w,
+                       trusted=a)
             for d, w, a in zip(agg.digests, agg.weights, agg.anchors(), strict=True)
         ]  # fmt: skip
         try:

@@ -154,11 +154,9 @@ class World:
     def _start_learner(self, peer: Peer, epoch: int) -> None:
         if not (peer.up and peer.epoch == epoch):
             return
-        r = self.manifest.rules
-        machine = LearnerMachine(
-            inner_steps=self.cfg.inner_steps, chunk=self.cfg.inner_steps, version=self.version,
-            give_up_after=r.give_up_after, time_budget=self.manifest.time_budget,
-            staleness=r.staleness,
+        machine = LearnerMachine.for_run(
+            self.manifest, self.version, inner_steps=self.cfg.inner_steps,
+            chunk=self.cfg.inner_steps,
         )  # fmt: skip
         peer.learner = SimLearner(self, peer.profile.index, machine, epoch)
         peer.learner.go()

@@ -17,6 +17,7 @@ from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.fragments import round_names, round_shapes
 from p2pdiloco.sync.state import StateBlob, encode_state
 from p2pdiloco.sync.update import (
     UpdateError,
@@ -72,6 +73,10 @@ class CertifiedState:
         return cls(version, cert, params, momentum)
 
 
+def _shapes(state: CertifiedState) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in state.params.items()}
+
+
 def genesis_state(manifest: RunManifest) -> CertifiedState:
     """Version 0: the seeded initialisation every node computes identically."""
     model = build_model(manifest.model, seed=manifest.seed, device=torch.device("cpu"))
@@ -85,13 +90,19 @@ def next_state(
 ) -> tuple[MergeResult, CertifiedState]:
     """The state a syncer signs after merging ``inputs`` on ``base`` (its hash computed), with
     the update that made it (``rules.update_codec``): the one tensor path of the network syncer
-    (``sync.service``) and the simulator's tensor mode. Raises what ``merge_round`` raises."""
+    (``sync.service``) and the simulator's tensor mode. Only the round's fragment
+    (``sync.fragments``: all tensors when ``outer.fragments`` is 1) is merged and stepped; the
+    new state shares the base's other tensors. Raises what ``merge_round`` raises."""
     codec = update_codec(rules.update_codec)
+    names = round_names(_shapes(base), outer.fragments, base.version)
     result = merge_round(
-        base.params, base.momentum, inputs, rules=rules, outer=outer, update_codec=codec
-    )
+        {n: base.params[n] for n in names}, {n: base.momentum[n] for n in names}, inputs,
+        rules=rules, outer=outer, update_codec=codec,
+    )  # fmt: skip
     raw = pack_update(result.update)  # empties result.update: the pack holds it now
-    state = CertifiedState(base.version + 1, None, result.params, result.momentum, update=raw)
+    params = {n: result.params.get(n, t) for n, t in base.params.items()}
+    momentum = {n: result.momentum.get(n, t) for n, t in base.momentum.items()}
+    state = CertifiedState(base.version + 1, None, params, momentum, update=raw)
     state.blob()
     return result, state
 
@@ -117,11 +128,12 @@ def apply_update(
         raise UpdateError(Reason.NOT_FOUND, f"no update from version {base.version} certified")
     if hash_update(raw) != body.update_hash:
         raise UpdateError(Reason.DIGEST_MISMATCH, "update does not match the certified hash")
-    shapes = {n: tuple(t.shape) for n, t in base.params.items()}
+    shapes = round_shapes(_shapes(base), outer.fragments, base.version)
     g_hat = decode_update(raw, rules.update_codec, shapes)
-    params = {n: t.detach().float().clone() for n, t in base.params.items()}
-    momentum = {n: base.momentum[n].detach().float().clone() for n in params}
-    for n in sorted(params):
+    params, momentum = dict(base.params), dict(base.momentum)  # other fragments: shared
+    for n in sorted(shapes):
+        params[n] = base.params[n].detach().float().clone()
+        momentum[n] = base.momentum[n].detach().float().clone()
         outer_update_(params[n].view(-1), momentum[n].view(-1), g_hat[n].reshape(-1), outer)
     state = CertifiedState(body.version, cert, params, momentum, update=raw)
     if state.state_hash != body.state_hash:

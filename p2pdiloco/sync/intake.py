@@ -25,6 +25,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission, payload_digest
 from p2pdiloco.sync.bounded import ReplayGuard
+from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_shapes
 
 Refusal = tuple[Reason, str]
 Reject = Callable[[str, str | None, Reason, str], None]  # (peer, digest, code, text): log it
@@ -43,12 +44,20 @@ class Intake:
         self.reject: Reject = reject or (lambda peer, digest, code, text: None)
         self.shapes = dict(sorted(shapes.items()))
         self.codec = get_codec(manifest.compression)
-        # Largest payload a submission may carry: the run's codec over every tensor of the
-        # (single) fragment, plus the pack's JSON header (under 512 bytes + the name per tensor).
-        # A stream announcing more is refused before its payload is read.
-        codes = sum(self.codec.wire_bytes(max(1, math.prod(s))) for s in self.shapes.values())
-        header = 4096 + sum(512 + len(n) for n in self.shapes)
-        self.max_payload = len(MAGIC) + 4 + header + codes
+        self.fragments = manifest.outer.fragments  # P: the round on v syncs fragment v mod P
+        # Largest payload a submission of each fragment may carry: the run's codec over every
+        # tensor of the fragment, plus the pack's JSON header (under 512 bytes + the name per
+        # tensor). A stream announcing more is refused before its payload is read.
+        self.fragment_max = [
+            self._max_payload({n: self.shapes[n] for n in names})
+            for names in fragment_plan(self.shapes, self.fragments)
+        ]
+        self.max_payload = max(self.fragment_max)
+
+    def _max_payload(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
+        codes = sum(self.codec.wire_bytes(max(1, math.prod(s))) for s in shapes.values())
+        header = 4096 + sum(512 + len(n) for n in shapes)
+        return len(MAGIC) + 4 + header + codes
 
     def screen(self, op: str, peer: str, first: bytes) -> int | None:
         """Before a submission's payload is read (``sync_rpc.Screen``): its signed header must
@@ -63,26 +72,30 @@ class Intake:
             self.reject(e.signer or peer, None, Reason.INVALID_SIGNATURE, str(e))
             raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
         nbytes = sum(f.nbytes for f in sub.header.fragments)
-        if nbytes > self.max_payload:
-            text = f"payload of {nbytes} bytes is over the run's limit of {self.max_payload}"
+        index = sub.header.fragments[0].index
+        limit = self.fragment_max[index] if index < len(self.fragment_max) else self.max_payload
+        if nbytes > limit:
+            text = f"payload of {nbytes} bytes is over the run's limit of {limit}"
             self.reject(sub.envelope.signer, sub.digest, Reason.MALFORMED, text)
             raise RpcRefused(Reason.MALFORMED, text)
         return nbytes
 
-    def decode(self, payload: bytes) -> dict[str, torch.Tensor]:
-        """The delta per tensor; CodecError if the payload is malformed in any way."""
-        return {n: self.codec.decode(e) for n, e in self._unpack(payload).items()}
+    def decode(self, payload: bytes, base_version: int) -> dict[str, torch.Tensor]:
+        """The delta per tensor of the fragment the round on ``base_version`` syncs; CodecError
+        if the payload is malformed in any way."""
+        return {n: self.codec.decode(e) for n, e in self._unpack(payload, base_version).items()}
 
-    def validate(self, payload: bytes) -> None:
+    def validate(self, payload: bytes, base_version: int) -> None:
         """CodecError exactly when ``decode`` would raise one, at a fraction of its cost: on
         arrival a payload is only checked; it is decoded when its round merges."""
-        for e in self._unpack(payload).values():
+        for e in self._unpack(payload, base_version).values():
             self.codec.validate(e)
 
-    def _unpack(self, payload: bytes) -> dict[str, Encoded]:
+    def _unpack(self, payload: bytes, base_version: int) -> dict[str, Encoded]:
+        index = round_fragment(base_version, self.fragments)
         return unpack_deltas(
-            payload, expected=self.shapes, codec=self.manifest.compression,
-            max_bytes=self.max_payload,
+            payload, expected=round_shapes(self.shapes, self.fragments, base_version),
+            codec=self.manifest.compression, max_bytes=self.fragment_max[index],
         )  # fmt: skip
 
     async def check(
@@ -110,13 +123,20 @@ class Intake:
                 Reason.WRONG_CODEC,
                 f"codec {h.codec} is not the run's {self.manifest.compression}",
             )
-        if len(h.fragments) != 1 or h.fragments[0].index != 0:
-            return Reason.WRONG_FRAGMENT, "expected exactly one fragment (index 0)"
+        want = round_fragment(h.base_version, self.fragments)
+        if len(h.fragments) != 1 or h.fragments[0].index != want:
+            return (
+                Reason.WRONG_FRAGMENT,
+                f"a delta on version {h.base_version} carries exactly fragment {want} "
+                f"of {self.fragments}",
+            )
         frag = h.fragments[0]
         if frag.nbytes != len(payload) or frag.digest != payload_digest(payload):
             return Reason.DIGEST_MISMATCH, "payload does not match the digest in the signed header"
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.validate, payload)
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.validate, payload, h.base_version
+            )
         except CodecError as e:
             return Reason.MALFORMED, f"malformed payload: {e}"
         return None

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.records import RunManifest
 
 
 class LearnerPhase(enum.Enum):
@@ -126,6 +127,10 @@ class LearnerMachine:
     # delta on base b that a certificate of v did not merge may still be merged while b ≥ v − s
     # (it is then not carried: its work would count twice, ADR 0026).
     staleness: int = 0
+    # The manifest's fragments P (ADR 0032): each delta is one fragment's, holding the steps
+    # since that fragment was last synced; an unmerged one is not carried into the next delta
+    # (another fragment's): its progress stays in the parameters for its fragment's next round.
+    fragments: int = 1
     trained: int = 0  # steps since the last send
     trained_seconds: float = 0.0  # seconds spent training those steps
     seconds_per_step: float | None = None  # measured over the last chunks (budget sizing)
@@ -136,6 +141,31 @@ class LearnerMachine:
     sent: int = field(default=0)
     merged: int = field(default=0)
     lost: int = field(default=0)  # refused, dropped, given up, or missing from the certificate
+
+    @classmethod
+    def for_run(
+        cls,
+        manifest: RunManifest,
+        version: int,
+        *,
+        inner_steps: int | None = None,
+        chunk: int | None = None,
+        stop_at: int | None = None,
+    ) -> LearnerMachine:
+        """The machine of a learner of ``manifest`` from certified ``version``: a delta every
+        H/P steps (``inner_steps`` overrides H, as test networks do), in chunks of a quarter of
+        that when it divides evenly (``chunk`` overrides), the manifest's budget, staleness and
+        give-up time."""
+        fragments = manifest.outer.fragments
+        stretch = max(1, (inner_steps or manifest.inner_steps) // fragments)
+        if chunk is None:
+            chunk = max(1, stretch // 4) if stretch % 4 == 0 else stretch
+        return cls(
+            inner_steps=stretch, chunk=max(1, min(chunk, stretch)), version=version,
+            give_up_after=manifest.rules.give_up_after, stop_at=stop_at,
+            time_budget=manifest.time_budget, staleness=manifest.rules.staleness,
+            fragments=fragments,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.chunk < 1:
@@ -300,6 +330,7 @@ class LearnerMachine:
             # Only a delta no later round can merge: with staleness s, the round after
             # ``version`` still accepts base ``version − s``.
             final = fly.base_version < version - self.staleness
+            carry = carry and self.fragments == 1
             carried = fly.steps if carry and not merged and short and final else 0
             self.trained += carried  # its work goes into the next delta
             self.carried += carried

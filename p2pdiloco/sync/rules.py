@@ -28,8 +28,8 @@ def check_supported(manifest: RunManifest) -> None:
 
     Checks: the aggregation rule is in ``p2pdiloco.aggregate.RULES`` and accepts the manifest's
     parameters; the codec is in ``p2pdiloco.compress.CODECS``; the update codec is a dense one
-    (``p2pdiloco.choices.UPDATE_CODECS``, ADR 0029); the outer step syncs one
-    fragment (``outer.fragments == 1``; Streaming DiLoCo fragments exist in ``simulate`` only).
+    (``p2pdiloco.choices.UPDATE_CODECS``, ADR 0029); with Streaming DiLoCo fragments
+    (``sync.fragments``, ADR 0032), H a multiple of them and staleness 0.
     """
     rules = manifest.rules
     if rules.aggregation not in RULES:
@@ -61,11 +61,18 @@ def check_supported(manifest: RunManifest) -> None:
             f"run {manifest.name!r} certifies updates with codec {rules.update_codec!r}: {why}; "
             f"use one of {', '.join(UPDATE_CODECS)}"
         )
-    if manifest.outer.fragments != 1:
+    fragments = manifest.outer.fragments
+    if fragments > 1 and manifest.inner_steps % fragments:
         raise UnsupportedManifest(
-            f"run {manifest.name!r} syncs {manifest.outer.fragments} fragments, but this "
-            "p2pdiloco's network syncs one fragment (the whole model) per round; "
-            "use fragments=1 (fragments are simulated only: p2pdiloco simulate --fragments)"
+            f"run {manifest.name!r} syncs {fragments} fragments every {manifest.inner_steps} "
+            "inner steps; the steps must be a multiple of the fragments (a fragment is sent "
+            "every H/P steps)"
+        )
+    if fragments > 1 and rules.staleness > 0:
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} syncs {fragments} fragments with staleness "
+            f"{rules.staleness}; fragments need staleness 0 (the round on version v syncs "
+            "fragment v mod P, so a delta on an older version is another fragment's)"
         )
 
 

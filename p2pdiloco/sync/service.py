@@ -464,7 +464,9 @@ class SyncService:
         self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
     ) -> tuple[MergeResult, CertifiedState]:
         merge_inputs = [
-            MergeInput(digest=d, peer_id=p, delta=self.intake.decode(b), weight=w, trusted=a)
+            MergeInput(
+                digest=d, peer_id=p, delta=self.intake.decode(b, base.version), weight=w, trusted=a
+            )
             for d, p, b, w, a in inputs
         ]
         return next_state(base, merge_inputs, self.rules, self.outer)

@@ -14,6 +14,10 @@ certified it rebases instead of restarting:
     not sent  θ_local ← θ_{new} + (θ_local − θ_v)       a newer version arrived mid-stretch:
                                                          carry all local progress onto it
 
+With Streaming DiLoCo fragments (``sync.fragments``, ADR 0032) a delta covers only the
+round's fragment: θ_sent holds that fragment, and the rebase anchors every other tensor at the
+old base, so the progress of the fragments not sent stays in θ_local for their own rounds.
+
 The inner learning-rate schedule follows global progress (version × the run's steps per
 delta, ``round_pace`` of the certificate: H, or under a time budget what a typical learner
 trained), not this learner's own step count, so a late joiner or a slow learner trains at the
@@ -65,7 +69,7 @@ class Outgoing:
     steps: int
     tokens: int
     loss: float
-    sent_params: dict[str, torch.Tensor]  # θ_local when the delta was taken
+    sent_params: dict[str, torch.Tensor]  # θ_local when the delta was taken (its fragment)
     # The error-feedback residual before this delta was compressed (the same tensors, not
     # copies: compress replaces residuals): restored if the delta is not merged.
     residual_before: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -175,8 +179,10 @@ class Learner:
         loss: float,
         overtime: int = 0,
         carried: int = 0,
+        names: Iterable[str] | None = None,
     ) -> Outgoing:
-        """Δ = θ_base − θ_local, (transformed if this node plays an attacker), compressed.
+        """Δ = θ_base − θ_local over ``names`` (the round's fragment; None: every tensor),
+        transformed if this node plays an attacker, compressed.
 
         ``overtime``: steps of Δ trained while the previous delta was undecided; ``carried``:
         steps of an earlier delta that no certificate merged (``carry``). Δ then spans more
@@ -185,8 +191,9 @@ class Learner:
         unmeasured, to the share of its steps that were neither), so the norm screen sees every
         delta at one stretch's scale, at the learning rate of now (ADRs 0019, 0026).
         """
-        local = {n: p.detach().float().cpu() for n, p in self.params().items()}
-        names = sorted(local)
+        every = self.params()
+        names = sorted(every if names is None else names)
+        local = {n: every[n].detach().float().cpu() for n in names}
         delta = {n: base[n].float() - local[n] for n in names}
         steps = self.steps_since_send
         fold, ref = 1.0, self.stretch_norm
@@ -219,7 +226,8 @@ class Learner:
     def measure_stretch(self, sent: Outgoing) -> float:
         """The stretch after ``sent`` is done and that delta is still undecided: keep the norm
         of what was trained since it, ‖θ_sent − θ_local‖, for the fold of the next delta."""
-        moved = (sent.sent_params[n] - p.detach().float().cpu() for n, p in self.params().items())
+        now = self.params()
+        moved = (t - now[n].detach().float().cpu() for n, t in sent.sent_params.items())
         self.stretch_norm = _l2(moved)
         return self.stretch_norm
 
@@ -248,7 +256,7 @@ class Learner:
         self.steps_since_send += sent.steps
         if self.stretch_norm is None:
             self.stretch_norm = _l2(
-                old_base[n].float() - sent.sent_params[n] for n in sorted(old_base)
+                old_base[n].float() - t for n, t in sorted(sent.sent_params.items())
             )
 
     @torch.no_grad()
@@ -259,10 +267,20 @@ class Learner:
         sent: Outgoing | None,
     ) -> None:
         """Move onto a newly certified version (see the module docstring)."""
-        anchor = sent.sent_params if sent is not None else old_base
+        anchor = rebase_anchor(old_base, sent)
         for n, p in self.params().items():
             progress = p.detach().float().cpu() - anchor[n].float()
             p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))
+
+
+def rebase_anchor(
+    old_base: Mapping[str, torch.Tensor], sent: Outgoing | None
+) -> Mapping[str, torch.Tensor]:
+    """What a rebase measures local progress from: θ_sent for the tensors of the delta in
+    flight (none: nothing), the old base for every other tensor."""
+    if sent is None:
+        return old_base
+    return {**old_base, **sent.sent_params}
 
 
 def _l2(tensors: Iterable[torch.Tensor]) -> float:
