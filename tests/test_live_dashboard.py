@@ -16,6 +16,7 @@ from p2pdiloco.dashboard.live import (
     DashboardSnapshot,
     format_duration,
     json_line,
+    last_synced,
     plain_line,
     render,
     save_screenshot,
@@ -88,6 +89,19 @@ def test_paused_shows_the_reason() -> None:
         assert_fits(text, width)
         assert "paused" in text and "network lost, retrying in 8 s" in text
         assert "next sync time unknown" in text and "0 direct, 0 relayed" in text
+
+
+def test_a_learner_of_a_fragmented_run_sees_its_fragments() -> None:
+    """Version 10 of four fragments: the round on 10 syncs fragment 10 mod 4 (the third);
+    version v synced fragment (v − 1) mod 4, so the last ones were 9, 10, 7 and 8."""
+    snap = dataclasses.replace(DashboardSnapshot.example(), version=10, fragments=4, fragment=2)
+    for width in (80, 120):
+        text = text_of(snap, width)
+        assert_fits(text, width)
+        assert "syncing 3 of 4" in text and "1:v9 2:v10 3:v7 4:v8" in text
+    assert "fragment 3/4" in plain_line(snap)
+    assert "Fragments" not in text_of(DashboardSnapshot.example(), 100)  # P = 1: no row
+    assert [last_synced(2, f, 4) for f in range(4)] == [1, 2, None, None]
 
 
 def test_a_bare_snapshot_renders() -> None:

@@ -207,10 +207,14 @@ def test_killed_syncer_and_learner_do_not_stop_certification_and_a_restart_resum
 
 
 def test_late_joiner_downloads_from_several_peers_then_contributes(tmp_path: Path) -> None:
+    """On a run of two Streaming DiLoCo fragments (ADR 0032): version v syncs fragment
+    (v − 1) mod 2, each with the committee its beacon elects; the late joiner downloads the
+    whole state, then sends fragment deltas (P = 1 is every other network test's run)."""
     with LocalNetwork(tmp_path, SMALL) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(3)]
-        run_id = net.publish_run(keys)
+        outer = {"lr": SMALL.outer_lr, "momentum": SMALL.outer_momentum, "fragments": 2}
+        run_id = net.publish_run(keys, outer=outer)
         # The run goes on (up to 100 versions) until the late joiner has contributed.
         nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
         net.wait_versions(2, nodes, 300)
@@ -235,3 +239,6 @@ def test_late_joiner_downloads_from_several_peers_then_contributes(tmp_path: Pat
             if a.peer_id == late_key.peer_id
         ]
         assert receipts and all(a.tokens > 0 for a in receipts)
+        chain = certificates(late, run_id)
+        merged = {(c.body.version - 1) % 2 for c in chain if c.body.accepted}
+        assert merged == {0, 1}  # both fragments' rounds certified merged deltas
