@@ -10,6 +10,12 @@ cancels out how busy the machine is. Throughput is learner-parameters per second
 
 Every rule keeps its ops within torch's grain (ADR 0023), so ``--threads`` changes only the
 mean's last full-length ops and the input validation; on a busy host compare 1-thread figures.
+
+Peak memory: after the timings, each rule runs once more while a thread samples the process's
+RSS every 2 ms; ``peak_rows`` is what the call added above the inputs, in rows of D float32
+(a learner's delta of the fragment: issue 11 bounds a merge at M + 3 of them, so 3 added). The
+process re-executes itself with glibc's mmap threshold fixed, so freed buffers leave RSS
+(as ``bench/merge_memory.py``, which measures whole merges).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,7 +41,38 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+RESTARTED = "P2PDILOCO_AGGREGATE_CHILD"
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+
+def peak_added(fn: Callable[[], object]) -> int:
+    """Bytes of RSS ``fn`` added at its peak above the RSS before it (sampled every 2 ms)."""
+    before, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], _rss())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    out = fn()
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], _rss())
+    del out
+    return max(0, peak[0] - before)
+
+
 def main() -> int:
+    if os.environ.get(RESTARTED) != "1":
+        # Fixed mmap threshold: a freed buffer of a megabyte or more goes back to the system,
+        # so RSS is what is live (read at process start, hence the re-exec).
+        env = {**os.environ, RESTARTED: "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learners", type=int, default=8, help="M")
     ap.add_argument("--numel", type=int, default=4_000_000, help="D, parameters per delta")
@@ -74,12 +113,15 @@ def main() -> int:
         for name, job in jobs.items():
             times[name].append(seconds(job))
     med = {k: statistics.median(v) for k, v in times.items()}
+    row_bytes = d * 4
+    peaks = {name: peak_added(job) / row_bytes for name, job in jobs.items()}
     rows = [
         {
             "rule": k,
             "seconds": med[k],
             "learner_params_per_s": m * d / med[k],
             "time_vs_mean": med[k] / med["mean"],
+            "peak_rows": peaks[k],
         }
         for k in jobs
     ]
@@ -104,11 +146,11 @@ def main() -> int:
         f"torch {torch.__version__} {out['threads']} threads {out['cpu_capability']}, "
         f"load average {' '.join(f'{x:.2f}' for x in out['load_average'])}"
     )
-    print(f"{'rule':<20}{'seconds':>10}{'M·D/s':>12}{'time vs mean':>14}")
+    print(f"{'rule':<20}{'seconds':>10}{'M·D/s':>12}{'time vs mean':>14}{'peak rows':>11}")
     for r in rows:
         print(
             f"{r['rule']:<20}{r['seconds']:>10.3f}{r['learner_params_per_s'] / 1e6:>11.1f}M"
-            f"{r['time_vs_mean']:>13.2f}x"
+            f"{r['time_vs_mean']:>13.2f}x{r['peak_rows']:>11.2f}"
         )
     print(f"total {out['seconds_total']:.1f} s")
     return 0

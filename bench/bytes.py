@@ -5,14 +5,21 @@ the demo's network). Every node counts the sync protocol's frames it sends and r
 (``net.sync_rpc.TRAFFIC``: submissions, proposals, signatures, state downloads; not the DHT,
 gossip or libp2p framing) and reports them in its status file. Between the first certified
 version and ``--versions``, each node's upload and download are divided by the versions it
-applied; the table gives the mean over nodes. Every node is a learner, and the committee is
-drawn from them, so a node's bytes include its turns as a syncer.
+applied, times the fragments F (a round of H steps syncs each fragment once: F versions); the
+table gives the mean over nodes. Every node is a learner, and the committee (k of them) is
+drawn from them, so a node's total includes its turns as a syncer and serving peers. The
+learner's own part is counted apart (``learner_bytes_up``: its deltas as uploaded, once per
+delta since ADR 0028; ``learner_bytes_down``: the certified updates and states it downloaded
+to follow the run). A learner moves those only for versions whose committee it is not on (a
+member takes its own delta and makes the state itself), so ``off-comm`` divides them by those
+versions: what a volunteer who never sits on a committee moves per round.
 
 Data-parallel reference at equal tokens: a bf16 ring all-reduce of the P parameters sends and
 receives 2 × (N − 1) / N × 2 × P bytes per learner per step, H steps per round.
 
     .venv/bin/python bench/bytes.py                              # int8, H = 20, 4 nodes
     .venv/bin/python bench/bytes.py --codec int8 --codec topk2 --inner-steps 20 --json
+    .venv/bin/python bench/bytes.py --nodes 6 --committee-size 3 --fragments 4   # ADR 0032
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.demo import DemoConfig, LocalNetwork
+from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
 
 
@@ -39,7 +47,8 @@ def param_count(model: str) -> int:
 def measure(a: argparse.Namespace, codec: str, workdir: Path) -> dict[str, Any]:
     cfg = DemoConfig(
         nodes=a.nodes, inner_steps=a.inner_steps, compression=codec, batch_size=4, seq_len=64,
-        grace=30.0, agree_timeout=10.0, committee_size=min(4, a.nodes),
+        grace=30.0, agree_timeout=10.0, committee_size=min(a.committee_size, a.nodes),
+        fragments=a.fragments, update_compression=a.update_codec,
     )  # fmt: skip
     t0 = time.monotonic()
     with LocalNetwork(workdir, cfg) as net:
@@ -51,17 +60,46 @@ def measure(a: argparse.Namespace, codec: str, workdir: Path) -> dict[str, Any]:
         ]
         first = net.wait_versions(1, nodes, a.timeout)
         last = net.wait_versions(a.versions, nodes, a.timeout)
-    ups, downs = [], []
-    for s0, s1 in zip(first, last, strict=True):
-        rounds = max(1, int(s1["version"]) - int(s0["version"]))
-        ups.append((s1["bytes_up"] - s0["bytes_up"]) / rounds)
-        downs.append((s1["bytes_down"] - s0["bytes_down"]) / rounds)
-    return {
-        "codec": codec,
-        "up": statistics.mean(ups),
-        "down": statistics.mean(downs),
-        "seconds": time.monotonic() - t0,
-    }
+        committees = {
+            c.body.version: set(c.body.committee)
+            for c in (
+                parse_certificate(p.read_bytes(), run_id=net.run_id)
+                for p in (nodes[0].dir / "state" / "certs").glob("*.json")
+            )
+        }
+    per: dict[str, list[float]] = {k: [] for k in KEYS}
+    off_up: list[float] = []
+    off_down: list[float] = []
+    for node, s0, s1 in zip(nodes, first, last, strict=True):
+        v0, v1 = int(s0["version"]), int(s1["version"])
+        rounds = max(1, v1 - v0) / a.fragments
+        for key, field in KEYS.items():
+            per[key].append((s1.get(field, 0) - s0.get(field, 0)) / rounds)
+        # A learner uploads and downloads only for versions whose committee it is not on (a
+        # member takes its own delta and makes the state itself): per such version, × F.
+        off = sum(
+            node.identity.peer_id not in committees.get(v, set()) for v in range(v0 + 1, v1 + 1)
+        )
+        if off:
+            off_up.append((s1["learner_bytes_up"] - s0["learner_bytes_up"]) / off * a.fragments)
+            off_down.append(
+                (s1["learner_bytes_down"] - s0["learner_bytes_down"]) / off * a.fragments
+            )
+    return {"codec": codec, **{k: statistics.mean(v) for k, v in per.items()},
+            "off_committee_up": statistics.mean(off_up) if off_up else 0.0,
+            "off_committee_down": statistics.mean(off_down) if off_down else 0.0,
+            "off_committee_learners": len(off_up),
+            "seconds": time.monotonic() - t0}  # fmt: skip
+
+
+# Row key → status.json field (runtime.status).
+KEYS = {
+    "up": "bytes_up",
+    "down": "bytes_down",
+    "learner_up": "learner_bytes_up",
+    "learner_down": "learner_bytes_down",
+}
+RATIOS = [*KEYS, "off_committee_up", "off_committee_down"]
 
 
 def main() -> int:
@@ -71,11 +109,16 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=4, help="certified versions to reach")
     ap.add_argument("--codec", action="append", help="repeatable; default int8")
     ap.add_argument("--model", default="gemma-tiny")
+    ap.add_argument("--committee-size", type=int, default=4, help="k")
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments F")
+    ap.add_argument("--update-codec", default="int8", help="the certified update's codec")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.nodes < 2 or a.versions < 2 or a.inner_steps < 1:
         ap.error("need --nodes >= 2, --versions >= 2, --inner-steps >= 1")
+    if a.fragments < 1 or a.inner_steps % a.fragments:
+        ap.error("--inner-steps must be a multiple of --fragments")
     codecs = a.codec or ["int8"]
     p = param_count(a.model)
     n = a.nodes
@@ -85,10 +128,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="p2pdiloco-bytes-") as tmp:
             r = measure(a, codec, Path(tmp))
         r["dp_one_way"] = dp
-        r["up_vs_dp"] = dp / r["up"] if r["up"] else None
-        r["down_vs_dp"] = dp / r["down"] if r["down"] else None
-        r["up_bytes_per_param"] = r["up"] / p
-        r["down_bytes_per_param"] = r["down"] / p
+        for key in RATIOS:
+            r[f"{key}_vs_dp"] = dp / r[key] if r[key] else None
+            r[f"{key}_bytes_per_param"] = r[key] / p
         rows.append(r)
     out = {
         "command": " ".join(["bench/bytes.py", *sys.argv[1:]]),
@@ -96,22 +138,31 @@ def main() -> int:
         "params": p,
         "nodes": n,
         "inner_steps": a.inner_steps,
+        "committee_size": min(a.committee_size, n),
+        "fragments": a.fragments,
+        "update_codec": a.update_codec,
         "rows": rows,
     }
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{a.model} ({p:,} parameters), {n} nodes, H = {a.inner_steps}; per learner per round")
+    print(f"{a.model} ({p:,} parameters), {n} nodes, k = {min(a.committee_size, n)}, "
+          f"H = {a.inner_steps}, F = {a.fragments}; per node per round of H steps")  # fmt: skip
     print(f"bf16 data-parallel ring all-reduce: {dp / 1e6:.2f} MB each way")
-    print(f"{'codec':8} {'up MB':>9} {'down MB':>9} {'up B/param':>11} {'down B/param':>13} "
-          f"{'DP/up':>7} {'DP/down':>8}")  # fmt: skip
+    print(f"{'codec':8} {'':8} {'up MB':>9} {'down MB':>9} {'DP/up':>8} {'DP/down':>8}")
     for r in rows:
-        print(
-            f"{r['codec']:8} {r['up'] / 1e6:9.2f} {r['down'] / 1e6:9.2f} "
-            f"{r['up_bytes_per_param']:11.2f} {r['down_bytes_per_param']:13.2f} "
-            f"{r['up_vs_dp']:6.1f}x {r['down_vs_dp']:7.1f}x"
-        )
+        for label, (up, down) in (("off-comm", ("off_committee_up", "off_committee_down")),
+                                  ("learner", ("learner_up", "learner_down")),
+                                  ("all", ("up", "down"))):  # fmt: skip
+            print(
+                f"{r['codec']:8} {label:8} {r[up] / 1e6:9.3f} {r[down] / 1e6:9.3f} "
+                f"{_ratio(r[up + '_vs_dp']):>8} {_ratio(r[down + '_vs_dp']):>8}"
+            )
     return 0
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.0f}x" if x is not None else "-"
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ SYNC_PROTOCOL = "/p2pdiloco/sync/1"
 REQUEST_TIMEOUT = 30.0
 LINGER_S = 2.0  # how long a refused, partly read request's stream stays open for the reply
 MAX_LINGERING = 64  # refused streams held open at once; beyond, closed at once (reply may be lost)
-# Bytes of sync traffic this process sent and received (both roles), for dashboards and metrics.
-TRAFFIC = {"up": 0, "down": 0}
+# Bytes of sync traffic this process sent and received (both roles), for dashboards and metrics;
+# of those, its own learner's: its deltas as uploaded (``submit`` asking for a relay, ADR 0028)
+# and what it downloaded to follow the run (updates, certificates, state indexes and chunks).
+TRAFFIC = {"up": 0, "down": 0, "learner_up": 0, "learner_down": 0}
+_FOLLOW_OPS = frozenset({"update", "cert", "index", "chunk"})
 
 Frames = list[bytes]
 Handler = Callable[[str, str, dict[str, Any], Frames], Awaitable[tuple[dict[str, Any], Frames]]]
@@ -254,13 +257,19 @@ async def call(
         write_control(writer, {**(args or {}), "op": op, "frames": len(frames)})
         for f in frames:
             write_frame(writer, f)
-        TRAFFIC["up"] += sum(len(f) for f in frames)
+        sent = sum(len(f) for f in frames)
+        TRAFFIC["up"] += sent
+        if op == "submit" and (args or {}).get("relay") is True:
+            TRAFFIC["learner_up"] += sent
         reply = await _send_then_reply(reader, writer, timeout)
         count = reply.get("frames", 0)
         if not isinstance(count, int) or not 0 <= count <= 64:
             raise RpcError(f"{peer_id} sent a malformed reply", code=Reason.MALFORMED)
         out = [await read_frame(reader, reply_limit, timeout) for _ in range(count)]
-        TRAFFIC["down"] += sum(len(f) for f in out)
+        got = sum(len(f) for f in out)
+        TRAFFIC["down"] += got
+        if op in _FOLLOW_OPS:
+            TRAFFIC["learner_down"] += got
     except FrameError as e:
         raise RpcError(f"{op} to {peer_id}: {e}", code=Reason.MALFORMED) from None
     except (ConnectionError, OSError, TimeoutError) as e:

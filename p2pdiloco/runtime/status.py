@@ -206,6 +206,8 @@ class RuntimeView:
                 "rejections": list(self.rejections),
                 "bytes_up": int(traffic.get("up", 0)),
                 "bytes_down": int(traffic.get("down", 0)),
+                "learner_bytes_up": int(traffic.get("learner_up", 0)),
+                "learner_bytes_down": int(traffic.get("learner_down", 0)),
             }
         ).encode()
 
