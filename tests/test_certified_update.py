@@ -312,3 +312,29 @@ def test_a_node_two_versions_behind_chains_the_two_updates(
     )
     assert got.version == 2 and got.state_hash == chain[-1].body.state_hash
     assert hub.received["learner"] < sum(len(s.update or b"") for s in states) + 4096
+
+
+def test_a_restarted_node_serves_the_saved_update_and_ignores_a_tampered_one(
+    genesis: CertifiedState, tmp_path: Path
+) -> None:
+    run_id, manifest = make_run()
+    inputs = round_inputs(genesis, seed=5)
+    _, state = next_state(genesis, inputs, manifest.rules, OUTER)
+    state.cert = certify(run_id, manifest, genesis, state, inputs, state.update_hash)
+    assert state.update is not None
+    ChainStore(tmp_path, run_id).persist([state.cert], state)
+
+    restored = ChainStore(tmp_path, run_id)
+    back = restored.restore()
+    assert back is not None and back.update == bytes(state.update)
+    restored.install(back)
+    reply, out = restored.serve("update", {"version": 1, "i": 0})
+    assert reply["total_bytes"] == len(state.update) and out[0] == bytes(
+        state.update[: len(out[0])]
+    )
+
+    saved = tmp_path / "updates" / f"{1:08d}.bin"
+    saved.write_bytes(b"\x00" + saved.read_bytes()[1:])
+    again = ChainStore(tmp_path, run_id).restore()
+    assert again is not None and again.update is None  # the state stands; peers download it
+    assert again.state_hash == state.state_hash

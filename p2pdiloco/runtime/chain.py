@@ -2,9 +2,11 @@
 
 Owned by the runtime's loop. On disk, under ``state_dir``: ``certified/`` (the newest certified
 states, atomic checkpoints with their certificate), ``certs/<version>.json`` (every certificate
-applied: this node's receipts, verified again from genesis by the ledger) and
+applied: this node's receipts, verified again from genesis by the ledger),
+``updates/<version>.bin`` (the certified update of each saved state, when this node had it) and
 ``manifest.json``. A restart resumes from the newest checkpoint whose hash matches its
-certificate. The chain also answers peers' ``cert``, ``index``, ``chunk`` and ``update``
+certificate, with its update when that matches the certificate's ``update_hash``, so a
+restarted node still serves the update to peers one version behind. The chain also answers peers' ``cert``, ``index``, ``chunk`` and ``update``
 requests (the update of each of the two states held, when this node has it: ADR 0029).
 """
 
@@ -19,7 +21,7 @@ from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES
+from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update
 from p2pdiloco.train.checkpoint import CheckpointError, CheckpointStore, atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class ChainStore:
         try:
             for c in chain:
                 atomic_write_bytes(self.dir / "certs" / f"{c.body.version:08d}.json", c.raw)
+            if state.update is not None:  # before the state: a saved state finds its update
+                self._save_update(state.version, bytes(state.update))
             self.store.save(
                 tensors,
                 {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
@@ -92,6 +96,26 @@ class ChainStore:
             log.error("cannot save certified version %d: %s", state.version, e.strerror or e)
             return
         self.saved = state.version
+
+    def _save_update(self, version: int, raw: bytes) -> None:
+        updates = self.dir / "updates"
+        updates.mkdir(exist_ok=True)
+        atomic_write_bytes(updates / f"{version:08d}.bin", raw)
+        for old in updates.glob("*.bin"):  # as many as the states kept
+            if old.stem.isdigit() and int(old.stem) <= version - self.store.keep:
+                old.unlink(missing_ok=True)
+
+    def _load_update(self, cert: Certificate) -> bytes | None:
+        """The saved update of ``cert``'s version if its hash is the certified one, else None."""
+        path = self.dir / "updates" / f"{cert.body.version:08d}.bin"
+        if cert.body.update_hash is None or not path.is_file():
+            return None
+        raw = path.read_bytes()
+        if hash_update(raw) != cert.body.update_hash:
+            log.warning("ignoring the saved update of version %d: not the certified one",
+                        cert.body.version)  # fmt: skip
+            return None
+        return raw
 
     def restore(self) -> CertifiedState | None:
         """The newest saved certified state whose hash matches its certificate, or None."""
@@ -111,6 +135,10 @@ class ChainStore:
         if state.state_hash != cert.body.state_hash:
             log.warning("ignoring the saved state: it does not match its certificate")
             return None
+        try:
+            state.update = self._load_update(cert)
+        except OSError as e:  # unreadable: peers download the whole state from this node
+            log.warning("ignoring the saved update of version %d: %s", state.version, e)
         self.saved = state.version
         return state
 
