@@ -138,7 +138,7 @@ def test_unknown_model_and_bad_fragments_are_user_errors() -> None:
     ("flags", "needle"),
     [
         (["--fragments", "3"], "must be a multiple of the fragments"),
-        (["--fragments", "100"], "more than the 54 tensors of gemma-tiny"),
+        (["--fragments", "100", "--inner-steps", "500"], "more than the 54 tensors of gemma-tiny"),
         (["--aggregation", "nope"], "aggregation rule 'nope'"),
         (["--aggregation", "trimmed_mean", "--agg-param", "g=1"], "takes ['f']"),
         (["--compression", "int2"], "codec 'int2'"),

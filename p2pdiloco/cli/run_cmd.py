@@ -161,15 +161,6 @@ def create(
         from p2pdiloco.sync.rules import check_supported
 
         check_supported(draft)  # before signing: never publish a run this build cannot follow
-        if draft.outer.fragments > 1:  # each fragment holds at least one tensor (ADR 0032)
-            from p2pdiloco.train.models import build_for_loading, param_state
-
-            tensors = len(param_state(build_for_loading(draft.model, device="meta")))
-            if draft.outer.fragments > tensors:
-                raise ConfigError(
-                    f"--fragments {draft.outer.fragments} is more than the {tensors} tensors "
-                    f"of {draft.model}: a fragment holds at least one tensor"
-                )
         if draft.time_budget is not None and draft.time_budget >= draft.rules.grace:
             raise ConfigError(
                 f"--time-budget {draft.time_budget:g} s must be below --grace "

@@ -112,7 +112,7 @@ class TrainerView:
     # wait): how long the step counter ever stood still while the learner had work (the
     # pauses of a compute share below 1 excepted: those the volunteer chose).
     longest_pause_s: float = 0.0
-    stretch_s: float = 0.0  # the latest stretch's training time (H steps, or the budget)
+    stretch_s: float = 0.0  # the latest stretch's training time (H/P steps, or the budget)
     # Pause time a compute share below 1 still owes: pauses cut short (a certificate, the
     # budget's end), added to the next ones (``Trainer._pause``). Over the span of
     # ``utilization`` the share holds once these are taken.
@@ -439,7 +439,7 @@ class Trainer:
             train_seconds=c.train_seconds,
             longest_pause_s=c.longest_pause_s,
             owed_pause_s=self._owed_pause,
-            stretch_s=c.step_seconds * self.manifest.inner_steps
+            stretch_s=c.step_seconds * m.inner_steps
             if self.manifest.time_budget is None
             else float(self.manifest.time_budget),
         )

@@ -68,6 +68,15 @@ def check_supported(manifest: RunManifest) -> None:
             "inner steps; the steps must be a multiple of the fragments (a fragment is sent "
             "every H/P steps)"
         )
+    if fragments > 1:  # each fragment holds at least one tensor (ADR 0032)
+        from p2pdiloco.train.models import build_for_loading, param_state
+
+        tensors = len(param_state(build_for_loading(manifest.model, device="meta")))
+        if fragments > tensors:
+            raise UnsupportedManifest(
+                f"run {manifest.name!r} syncs {fragments} fragments, more than the {tensors} "
+                f"tensors of {manifest.model}: a fragment holds at least one tensor"
+            )
     if fragments > 1 and rules.staleness > 0:
         raise UnsupportedManifest(
             f"run {manifest.name!r} syncs {fragments} fragments with staleness "
