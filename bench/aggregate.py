@@ -24,13 +24,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 import torch
+from rss import (  # bench/ is sys.path[0] when a bench runs as a script
+    peak_added,
+    rerun_with_fixed_mmap,
+)
 
 from p2pdiloco.aggregate import clip_norms, get_rule, screen
 
@@ -41,38 +43,10 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-RESTARTED = "P2PDILOCO_AGGREGATE_CHILD"
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
-
-
-def peak_added(fn: Callable[[], object]) -> int:
-    """Bytes of RSS ``fn`` added at its peak above the RSS before it (sampled every 2 ms)."""
-    before, peak, done = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.002):
-            peak[0] = max(peak[0], _rss())
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    out = fn()
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], _rss())
-    del out
-    return max(0, peak[0] - before)
-
-
 def main() -> int:
-    if os.environ.get(RESTARTED) != "1":
-        # Fixed mmap threshold: a freed buffer of a megabyte or more goes back to the system,
-        # so RSS is what is live (read at process start, hence the re-exec).
-        env = {**os.environ, RESTARTED: "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+    code = rerun_with_fixed_mmap()  # freed buffers leave RSS: bench/rss.py
+    if code is not None:
+        return code
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learners", type=int, default=8, help="M")
     ap.add_argument("--numel", type=int, default=4_000_000, help="D, parameters per delta")
@@ -114,7 +88,7 @@ def main() -> int:
             times[name].append(seconds(job))
     med = {k: statistics.median(v) for k, v in times.items()}
     row_bytes = d * 4
-    peaks = {name: peak_added(job) / row_bytes for name, job in jobs.items()}
+    peaks = {name: peak_added(job)[1] / row_bytes for name, job in jobs.items()}
     rows = [
         {
             "rule": k,

@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import threading
 
-RESTARTED = "P2PDILOCO_MERGE_MEMORY_CHILD"
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+from rss import (  # bench/ is sys.path[0] when a bench runs as a script
+    peak_added,
+    rerun_with_fixed_mmap,
+)
 
 
 def _measure(a: argparse.Namespace) -> dict:
@@ -75,19 +70,8 @@ def _measure(a: argparse.Namespace) -> dict:
 
     merge = stacked if a.stacked else windowed
     merge(inputs)  # warm-up: first-call allocations are not the merge's (freed ones leave RSS)
-    before, peak, done = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.002):
-            peak[0] = max(peak[0], _rss())
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    kept = merge(inputs)
-    done.set()
-    sampler.join()
+    kept, extra = peak_added(lambda: merge(inputs))
     frag = a.tensors * a.numel * 4
-    extra = max(peak[0], _rss()) - before
     return {
         "command": " ".join(["bench/merge_memory.py", *sys.argv[1:]]),
         "merge": "stacked" if a.stacked else "windowed",
@@ -112,12 +96,9 @@ def main() -> int:
     ap.add_argument("--stacked", action="store_true", help="the pre-window algorithm")
     ap.add_argument("--update-codec", help="also encode and pack the certified update")
     a = ap.parse_args()
-    if os.environ.get(RESTARTED) != "1":
-        # A fixed mmap threshold: each fragment-sized tensor is its own mapping, returned to the
-        # system when freed, so RSS is what is live (glibc's sliding threshold would recycle the
-        # warm-up's memory on the heap and hide the merge's own). It is read at process start.
-        env = {**os.environ, RESTARTED: "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-        return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+    code = rerun_with_fixed_mmap()  # each fragment-sized tensor its own mapping: bench/rss.py
+    if code is not None:
+        return code
     print(json.dumps(_measure(a)))
     return 0
 

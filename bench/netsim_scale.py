@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--mtbf", type=float, default=24.0, help="hours between failures per peer")
     ap.add_argument("--payload-mb", type=float, default=1.0, help="one compressed delta")
     ap.add_argument("--linger", type=float, default=20.0)
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
@@ -42,6 +43,7 @@ def main() -> int:
             peers=n, duration=a.minutes * 60, committee_size=a.committee, churn_per_hour=a.churn,
             mtbf_hours=a.mtbf, payload_bytes=int(a.payload_mb * 1e6),
             update_bytes=int(a.payload_mb * 1e6), state_bytes=50_000_000, down_mbps=1000.0,
+            fragments=a.fragments,
             rules={"linger": a.linger}, seed=a.seed,
         )  # fmt: skip
         r, _ = simulate_run(cfg, baseline=False)

@@ -26,10 +26,12 @@ from p2pdiloco.sync.service import SyncService
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_simulated_rounds_certify_the_real_syncers_state_hashes() -> None:
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_simulated_rounds_certify_the_real_syncers_state_hashes(fragments: int) -> None:
+    """With two fragments (ADR 0032) version v merges fragment (v − 1) mod 2 only."""
     cfg = SimConfig(
         peers=4, committee_size=1, duration=900.0, inner_steps=20, step_seconds=1.0,
-        speed_sigma=0.3, seed=5, batch_size=2, seq_len=16,
+        speed_sigma=0.3, seed=5, batch_size=2, seq_len=16, fragments=fragments,
         rules={"grace": 30.0, "aggregation": "trimmed_mean", "min_quorum_fraction": 1.0,
                "linger": 0.0},
     )  # fmt: skip

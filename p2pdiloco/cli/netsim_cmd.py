@@ -28,7 +28,12 @@ def netsim(
     faulty: Annotated[
         float, typer.Option(help="Share of peers that sign a wrong state on a committee.")
     ] = 0.0,
-    payload_mb: Annotated[float, typer.Option(help="MB of one compressed delta.")] = 4.0,
+    payload_mb: Annotated[
+        float, typer.Option(help="MB of one compressed delta of the whole model.")
+    ] = 4.0,
+    fragments: Annotated[
+        int, typer.Option(min=1, help="Streaming DiLoCo fragments: a delta is 1/P of the model.")
+    ] = 1,
     seed: Annotated[int, typer.Option(help="Seed of every draw.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
@@ -47,6 +52,7 @@ def netsim(
             inner_steps=inner_steps, step_seconds=step_seconds, mtbf_hours=mtbf_hours,
             repair_seconds=repair_minutes * 60, churn_per_hour=churn, faulty_syncers=faulty,
             payload_bytes=int(payload_mb * 1e6), update_bytes=int(payload_mb * 1e6), seed=seed,
+            fragments=fragments,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -22,6 +22,10 @@ class SimConfig:
     committee_size: int = 8
     duration: float = 3600.0  # simulated seconds
     inner_steps: int = 100  # H
+    # Streaming DiLoCo fragments P (ADR 0032): a learner sends a fragment every H/P steps, so a
+    # delta, a certified update and a merge input hold 1/P of the model: the byte sizes and
+    # the merge time below are the whole model's, and are divided by P where a fragment moves.
+    fragments: int = 1
     step_seconds: float = 1.0  # median seconds per inner step
     speed_sigma: float = 0.3  # lognormal sigma of the per-peer step time
     # Seconds of training per delta (the manifest's time budget); None: H × step_seconds, so a
@@ -52,12 +56,34 @@ class SimConfig:
             raise ValueError("peers, committee_size and duration must be positive")
         if not 0 <= self.faulty_syncers < 1 or self.churn_per_hour < 0:
             raise ValueError("faulty_syncers must be in [0, 1), churn_per_hour ≥ 0")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise ValueError("inner_steps must be a multiple of fragments (at least 1)")
 
     @property
     def budget(self) -> float | None:
         if self.time_budget == 0:
             return None
-        return self.time_budget or self.inner_steps * self.step_seconds
+        return self.time_budget or self.stretch_steps * self.step_seconds
+
+    @property
+    def stretch_steps(self) -> int:
+        """Inner steps per delta: H/P."""
+        return self.inner_steps // self.fragments
+
+    @property
+    def delta_bytes(self) -> int:
+        """One delta on the wire: one fragment's share of ``payload_bytes``."""
+        return max(1, self.payload_bytes // self.fragments)
+
+    @property
+    def fragment_update_bytes(self) -> int:
+        """One certified update: one fragment's share of ``update_bytes``."""
+        return max(1, self.update_bytes // self.fragments)
+
+    @property
+    def merge_seconds(self) -> float:
+        """A syncer's merge time per input of one fragment."""
+        return self.merge_seconds_per_input / self.fragments
 
     @property
     def tokens_per_step(self) -> int:

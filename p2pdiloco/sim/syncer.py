@@ -123,7 +123,7 @@ class Member:
                 self._fetch(a)
             elif isinstance(a, Aggregate):
                 self.merging = True
-                cost = w.cfg.merge_seconds_per_input * len(a.digests)
+                cost = w.cfg.merge_seconds * len(a.digests)
                 w.clock.after(cost, self._merged, a)
             elif isinstance(a, Sign):
                 for m in w.members_of_view(self.view):
@@ -138,9 +138,9 @@ class Member:
         holder = w.member_by_id(self.view, fetch.from_peer)
         src = holder.index if holder is not None else self.index
         subs = [w.subs[d] for d in fetch.digests if d in w.subs]
-        t = w.links.transfer(src, self.index, w.cfg.payload_bytes * len(subs), w.clock.now)
-        w.fetched_bytes += w.cfg.payload_bytes * len(subs)
-        w.syncer_in += w.cfg.payload_bytes * len(subs)
+        t = w.links.transfer(src, self.index, w.cfg.delta_bytes * len(subs), w.clock.now)
+        w.fetched_bytes += w.cfg.delta_bytes * len(subs)
+        w.syncer_in += w.cfg.delta_bytes * len(subs)
         w.clock.at(t, self.fetched, subs)
 
     def _merged(self, agg: Aggregate) -> None:

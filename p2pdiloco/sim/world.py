@@ -69,13 +69,14 @@ class CertRecord:
 def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
     # A round must stay open longer than a stretch takes (else it closes before most learners
     # send): grace defaults to 1.5 budgets, as a run's creator would set it.
-    stretch = cfg.budget or cfg.inner_steps * cfg.step_seconds
+    stretch = cfg.budget or cfg.stretch_steps * cfg.step_seconds
     rules = {"grace": max(60.0, 1.5 * stretch), "linger": 3.0, **cfg.rules}
     creator = Identity.from_seed(hashlib.sha256(f"sim/{cfg.seed}/creator".encode()).digest())
     run_id, manifest, _ = create_manifest(
         creator, created_at=0.0, name="sim", model="gemma-tiny", data="embedded", seed=cfg.seed,
         inner_steps=cfg.inner_steps, committee_size=cfg.committee_size,
-        time_budget=cfg.budget, compression=cfg.codec, inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
+        time_budget=cfg.budget, compression=cfg.codec, outer={"fragments": cfg.fragments},
+        inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
         rules=rules, genesis_committee=genesis,
     )  # fmt: skip
     return run_id, manifest
@@ -214,7 +215,7 @@ class World:
             self.clock.at(self.clock.now, self._arrival, learner, sub, index)
             return
         member = self.members.get(self.view, {}).get(index)
-        size = self.cfg.payload_bytes if member is not None and member.alive else SMALL
+        size = self.cfg.delta_bytes if member is not None and member.alive else SMALL
         t = self.links.transfer(learner.index, index, size, self.clock.now)
         if size > SMALL:
             self.learner_up += size
@@ -243,9 +244,9 @@ class World:
     def _relay(self, sub: Submission, learner: int, src: int) -> None:
         for peer_id in self.committee.members:
             if (dst := self.by_id[peer_id]) != src:
-                t = self.links.transfer(src, dst, self.cfg.payload_bytes, self.clock.now)
-                self.relayed += self.cfg.payload_bytes
-                self.syncer_in += self.cfg.payload_bytes
+                t = self.links.transfer(src, dst, self.cfg.delta_bytes, self.clock.now)
+                self.relayed += self.cfg.delta_bytes
+                self.syncer_in += self.cfg.delta_bytes
                 self.clock.at(t, self._relayed, sub, learner, dst, 0)
 
     def _relayed(self, sub: Submission, learner: int, dst: int, tries: int) -> None:
@@ -265,8 +266,8 @@ class World:
             self.clock.at(t, learner.dropped, digest, code)
 
     def catch_up(self, learner: SimLearner) -> None:
-        t = self.links.download(learner.index, self.cfg.update_bytes, self.clock.now)
-        self.learner_down += self.cfg.update_bytes
+        t = self.links.download(learner.index, self.cfg.fragment_update_bytes, self.clock.now)
+        self.learner_down += self.cfg.fragment_update_bytes
         self.clock.at(t, learner.certs.append, self.version)
 
     def retry_proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None:
@@ -335,7 +336,7 @@ class World:
                        if m.round.own_hash and self.peers[m.index].epoch == m.epoch]  # fmt: skip
             src = holders[0].index if holders else index
             subs = [self.subs[d] for d in self.locked if d in self.subs]
-            t = self.links.transfer(src, index, self.cfg.payload_bytes * len(subs), self.clock.now)
+            t = self.links.transfer(src, index, self.cfg.delta_bytes * len(subs), self.clock.now)
             self.clock.at(t, self._hand_locked, member, subs, src)
 
     def _hand_locked(self, member: Member, subs: list[Submission], src: int) -> None:
@@ -400,9 +401,9 @@ class World:
         for peer in self.peers.values():
             learner = peer.learner
             if learner is not None and learner.alive:
-                t = self.links.download(learner.index, self.cfg.update_bytes,
+                t = self.links.download(learner.index, self.cfg.fragment_update_bytes,
                                         self.clock.now + peer.profile.latency)  # fmt: skip
-                self.learner_down += self.cfg.update_bytes
+                self.learner_down += self.cfg.fragment_update_bytes
                 self.clock.at(t, learner.certs.append, done.version)
         self._open_view()
 
