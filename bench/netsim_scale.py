@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--payload-mb", type=float, default=1.0, help="one compressed delta")
     ap.add_argument("--linger", type=float, default=20.0)
     ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
+    ap.add_argument("--grace", type=float, help="round grace, s (default: 1.5 stretches, ≥ 60)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
@@ -44,7 +45,7 @@ def main() -> int:
             mtbf_hours=a.mtbf, payload_bytes=int(a.payload_mb * 1e6),
             update_bytes=int(a.payload_mb * 1e6), state_bytes=50_000_000, down_mbps=1000.0,
             fragments=a.fragments,
-            rules={"linger": a.linger}, seed=a.seed,
+            rules={"linger": a.linger, **({"grace": a.grace} if a.grace else {})}, seed=a.seed,
         )  # fmt: skip
         r, _ = simulate_run(cfg, baseline=False)
         rows.append(r.to_dict())
