@@ -231,6 +231,11 @@ def test_late_joiner_downloads_from_several_peers_then_contributes(tmp_path: Pat
         assert status.get("accepted", 0) >= 1, late.log_tail()
         first = status["downloads"][0]
         assert first["version"] >= 2
+        # Its own learner's bytes, counted at the transport apart from any committee duty: its
+        # accepted delta went up (it is on no committee while on probation) and the whole
+        # state came down (params and momentum, 8 bytes per parameter).
+        assert status["learner_bytes_up"] > 0
+        assert status["bytes_down"] >= status["learner_bytes_down"] >= 8_000_000
         assert len(first["chunks_by_peer"]) >= 2  # spread over several peers
         receipts = [
             a
