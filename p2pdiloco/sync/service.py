@@ -463,12 +463,8 @@ class SyncService:
     def _merge(
         self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
     ) -> tuple[MergeResult, CertifiedState]:
-        merge_inputs = [
-            MergeInput(
-                digest=d, peer_id=p, delta=self.intake.decode(b, base.version), weight=w, trusted=a
-            )
-            for d, p, b, w, a in inputs
-        ]
+        decode = self.intake.decode
+        merge_inputs = [MergeInput(d, p, decode(b, base.version), w, a) for d, p, b, w, a in inputs]
         return next_state(base, merge_inputs, self.rules, self.outer)
 
     async def _send_signature(self, digest: str) -> None:
