@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--staleness", default="0", help="manifest staleness values (ADR 0026)")
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
     a = ap.parse_args()
     stale = [int(v) for v in a.staleness.split(",")]
     rows: list[dict[str, Any]] = []
@@ -44,6 +45,7 @@ def main() -> int:
         cfg = SimConfig(
             peers=a.peers, duration=a.hours * 3600, committee_size=a.committee, mtbf_hours=mtbf,
             repair_seconds=a.repair_minutes * 60, seed=a.seed, rules={"staleness": s},
+            fragments=a.fragments,
         )  # fmt: skip
         result, _ = simulate_run(cfg, checkpoint_seconds=a.checkpoint_minutes * 60)
         dp = result.data_parallel
