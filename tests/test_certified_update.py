@@ -197,13 +197,21 @@ def follow(
     return asyncio.run(main())
 
 
+def certified_round(
+    genesis: CertifiedState, seed: int = 0
+) -> tuple[str, RunManifest, list[MergeInput], CertifiedState, Certificate]:
+    """Version 1 on ``genesis``: the run, the round's inputs, the state and its certificate."""
+    run_id, manifest = make_run()
+    inputs = round_inputs(genesis, seed=seed)
+    _, state = next_state(genesis, inputs, manifest.rules, OUTER)
+    state.cert = cert = certify(run_id, manifest, genesis, state, inputs, state.update_hash)
+    return run_id, manifest, inputs, state, cert
+
+
 def test_a_learner_downloads_the_update_and_a_liar_is_skipped(
     genesis: CertifiedState, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run_id, manifest = make_run()
-    inputs = round_inputs(genesis)
-    _, state = next_state(genesis, inputs, manifest.rules, OUTER)
-    state.cert = cert = certify(run_id, manifest, genesis, state, inputs, state.update_hash)
+    run_id, manifest, _, state, cert = certified_round(genesis)
     hub = MemoryHub()
     liar, honest = KEYS[1].peer_id, KEYS[2].peer_id
     serving(hub, tmp_path, liar, run_id, genesis, state, corrupt=True)
@@ -221,10 +229,7 @@ def test_a_learner_downloads_the_update_and_a_liar_is_skipped(
 def test_only_liars_or_a_wrong_update_hash_fall_back_to_the_full_state(
     genesis: CertifiedState, tmp_path: Path
 ) -> None:
-    run_id, manifest = make_run()
-    inputs = round_inputs(genesis)
-    _, state = next_state(genesis, inputs, manifest.rules, OUTER)
-    state.cert = cert = certify(run_id, manifest, genesis, state, inputs, state.update_hash)
+    run_id, manifest, inputs, state, cert = certified_round(genesis)
     hub = MemoryHub()
     liar = KEYS[1].peer_id
     serving(hub, tmp_path, liar, run_id, genesis, state, corrupt=True)
@@ -317,12 +322,9 @@ def test_a_node_two_versions_behind_chains_the_two_updates(
 def test_a_restarted_node_serves_the_saved_update_and_ignores_a_tampered_one(
     genesis: CertifiedState, tmp_path: Path
 ) -> None:
-    run_id, manifest = make_run()
-    inputs = round_inputs(genesis, seed=5)
-    _, state = next_state(genesis, inputs, manifest.rules, OUTER)
-    state.cert = certify(run_id, manifest, genesis, state, inputs, state.update_hash)
+    run_id, _, _, state, cert = certified_round(genesis, seed=5)
     assert state.update is not None
-    ChainStore(tmp_path, run_id).persist([state.cert], state)
+    ChainStore(tmp_path, run_id).persist([cert], state)
 
     restored = ChainStore(tmp_path, run_id)
     back = restored.restore()
