@@ -150,7 +150,7 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cfg = DemoConfig(nodes=a.nodes, model=a.model, inner_steps=a.inner_steps, grace=a.grace,
                      agree_timeout=a.agree_timeout, batch_size=a.batch_size, seq_len=a.seq_len,
-                     committee_size=a.committee_size)  # fmt: skip
+                     committee_size=a.committee_size, fragments=a.fragments)  # fmt: skip
     seconds = a.minutes * 60
     names = [f"node{i}" for i in range(a.nodes)]
     schedule = [] if a.no_chaos else make_schedule(a.seed, seconds, names, a.every, a.down)
@@ -305,6 +305,7 @@ def analyse(
             "committee_size": manifest.committee_size,
             "quorum": manifest.quorum,
             "inner_steps": manifest.inner_steps,
+            "fragments": manifest.outer.fragments,
             "batch_size": manifest.inner.batch_size,
             "seq_len": manifest.inner.seq_len,
             "grace": rules.grace,
@@ -405,6 +406,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--committee-size", type=int, default=4)
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
     ap.add_argument("--grace", type=float, default=15.0)
     ap.add_argument("--agree-timeout", type=float, default=5.0)
     ap.add_argument("--view-timeout", type=float, default=30.0)
@@ -412,7 +414,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--commit", default="", help="what to record as the code's commit")
     a = ap.parse_args()
-    stem = f"chaos-s{a.seed}" + ("-clean" if a.no_chaos else "")
+    stem = f"chaos-s{a.seed}" + (f"-f{a.fragments}" if a.fragments > 1 else "")
+    stem += "-clean" if a.no_chaos else ""
     workdir = a.out / stem
     workdir.mkdir(parents=True, exist_ok=True)
     res = run(a, workdir)

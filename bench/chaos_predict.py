@@ -45,6 +45,7 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
         rules={"grace": man["grace"], "agree_timeout": man["agree_timeout"],
                "view_timeout": man["view_timeout"], "linger": 0.3,
                "min_quorum_fraction": man["min_quorum_fraction"]},
+        fragments=man.get("fragments", 1),
     )  # fmt: skip
     result, _ = simulate_run(cfg, baseline=False, faults=faults, step_seconds=step_seconds)
     return {
