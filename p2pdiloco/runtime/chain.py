@@ -6,8 +6,9 @@ applied: this node's receipts, verified again from genesis by the ledger),
 ``updates/<version>.bin`` (the certified update of each saved state, when this node had it) and
 ``manifest.json``. A restart resumes from the newest checkpoint whose hash matches its
 certificate, with its update when that matches the certificate's ``update_hash``, so a
-restarted node still serves the update to peers one version behind. The chain also answers peers' ``cert``, ``index``, ``chunk`` and ``update``
-requests (the update of each of the two states held, when this node has it: ADR 0029).
+restarted node still serves the update to peers one version behind. The chain also answers
+peers' ``cert``, ``index``, ``chunk`` and ``update`` requests (the update of each of the two
+states held, when this node has it: ADR 0029).
 """
 
 from __future__ import annotations
