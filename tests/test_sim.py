@@ -138,3 +138,14 @@ def test_netsim_command_prints_the_figures_and_refuses_bad_settings_in_one_line(
     assert figures["versions"] > 0 and 0 < figures["goodput"] <= 1
     bad = CliRunner().invoke(app, ["netsim", "--faulty", "1.5"])
     assert bad.exit_code == 2 and "error: faulty_syncers must be in [0, 1)" in bad.output
+
+
+def test_members_with_thin_uplinks_drop_late_relays_and_push_back() -> None:
+    """Relays queue on a member's uplink (ADR 0034): at 1 MB/s a member cannot pass 4 MB
+    deltas to 7 fellows for 48 learners within a round, so copies not begun by the close are
+    dropped (the agreed ones are fetched) and learners hear BUSY; rounds still certify."""
+    cfg = replace(SMALL, peers=48, committee_size=8, duration=1800.0, up_mbps=8.0, bw_sigma=0.0)
+    result, world = simulate_run(cfg, baseline=False)
+    assert world.relays.dropped > 0 and world.relays.busy > 0
+    assert result.versions >= 5 and result.view_changes == 0, result
+    assert result.wrong_certificates == 0 and result.conflicts == 0

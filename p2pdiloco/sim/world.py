@@ -26,6 +26,7 @@ from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
 from p2pdiloco.sim.learner import Pending, SimLearner
+from p2pdiloco.sim.relay import Relays
 from p2pdiloco.sim.syncer import TICK, Member, open_member
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.learner_machine import LearnerMachine
@@ -124,6 +125,7 @@ class World:
         self.prev_agreed: set[int] = set()  # members that computed the last certified state
         self.wrong = hashlib.sha256(b"faulty").hexdigest()
         self._sets: dict[int, frozenset[str]] = {}
+        self.relays = Relays(self)
 
     @property
     def round_key(self) -> tuple[int, int]:
@@ -226,7 +228,9 @@ class World:
         member = self.members.get(self.view, {}).get(index)
         code: Reason | None = Reason.NO_OPEN_ROUND  # up, but not in this round yet: "later"
         ok, hint = False, None
-        if member is not None and member.alive:
+        if member is not None and member.alive and self._overrun(member, sub):
+            code = Reason.BUSY  # its relays would outlast the round's collecting (sync.relay)
+        elif member is not None and member.alive:
             ok, code, hint = member.submit(sub, learner.index)
         elif index not in self.peers or not self.peers[index].up:  # unreachable: the next one
             self.clock.after(UNREACHABLE_AFTER, learner.unreachable, sub.digest, index)
@@ -241,13 +245,13 @@ class World:
             p.accepted_coming = True
         self.clock.at(t, learner.reply, sub.digest, index, ok, code, hint)
 
+    def _overrun(self, member: Member, sub: Submission) -> bool:
+        rnd = member.round
+        fresh = rnd.collecting and sub.digest not in rnd.accepted
+        return fresh and self.relays.overrun(member.index, rnd.collecting_left(self.clock.now))
+
     def _relay(self, sub: Submission, learner: int, src: int) -> None:
-        for peer_id in self.committee.members:
-            if (dst := self.by_id[peer_id]) != src:
-                t = self.links.transfer(src, dst, self.cfg.delta_bytes, self.clock.now)
-                self.relayed += self.cfg.delta_bytes
-                self.syncer_in += self.cfg.delta_bytes
-                self.clock.at(t, self._relayed, sub, learner, dst, 0)
+        self.relays.push(sub, learner, src)
 
     def _relayed(self, sub: Submission, learner: int, dst: int, tries: int) -> None:
         member = self.members.get(self.view, {}).get(dst)

@@ -7,12 +7,21 @@ the signature is the learner's, so a relaying member can neither alter a delta n
 A relayed copy is never relayed again (it does not come from its signer). Members answering
 "later" (``RETRYABLE``) are asked again while the round is open; a member that cannot be
 reached gets the delta from a fellow's proposal instead (``fetch``), as before.
+
+The copies share the member's uplink as a queue (ADR 0034): at most ``SLOTS`` are sent at
+once, in the order they were queued, and a copy not begun by the time its round stops
+collecting is dropped, since the fellows then fetch what the agreed set needs and nothing else
+(a copy sent after the close only delays those fetches). And a member refuses a learner's
+delta with BUSY, which the learner retries, while the copies it has queued would outlast the
+round's collecting time on its uplink as measured: accepting it would promise relays the round
+cannot use (the simulator's 10,000 peers certified nothing without this rule).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from p2pdiloco.net.sync_rpc import RpcError
@@ -22,30 +31,91 @@ from p2pdiloco.runtime.transport import Transport
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4
+SLOTS = 2  # copies on the uplink at once: enough to keep it busy across a round trip
+DECAY = 0.95  # weight of the past in the uplink estimate, per copy sent
 
 
-async def relay(
-    transport: Transport,
-    peers: Sequence[str],
-    raw: bytes,
-    payload: bytes,
-    still_open: Callable[[], bool],
-) -> int:
-    """Send one accepted submission to ``peers``; how many hold it afterwards."""
+class Relayer:
+    """One member's relays: a FIFO of copies on its uplink, and what they still owe it."""
 
-    async def one(peer: str) -> bool:
+    def __init__(self, transport: Transport, slots: int = SLOTS) -> None:
+        self.transport = transport
+        self._slots = asyncio.Semaphore(slots)
+        self.queued_bytes = 0  # copies waiting or in flight
+        self._sent = 0.0  # decayed bytes delivered, and seconds the uplink was busy with them
+        self._busy_s = 0.0
+        self._active = 0
+        self._since = 0.0
+
+    def rate(self) -> float | None:
+        """Bytes per second the uplink relayed at, measured while busy; None before any."""
+        return self._sent / self._busy_s if self._busy_s > 0 and self._sent > 0 else None
+
+    def backlog_s(self) -> float:
+        """Seconds the queued copies still need at the measured rate (0 while unmeasured)."""
+        rate = self.rate()
+        return self.queued_bytes / rate if rate else 0.0
+
+    def would_overrun(self, seconds_left: float) -> bool:
+        """True when more copies would not leave before the round stops collecting."""
+        return self.queued_bytes > 0 and self.backlog_s() > max(0.0, seconds_left)
+
+    def busy_reply(self, seconds_left: float) -> dict[str, str] | None:
+        """The BUSY answer to a learner's delta while :meth:`would_overrun`; else None."""
+        if not self.would_overrun(seconds_left):
+            return None
+        text = f"relays queued here need {self.backlog_s():.0f} s more of the uplink: send later"
+        return {"status": "rejected", "code": Reason.BUSY.value, "reason": text}
+
+    async def relay(
+        self, peers: Sequence[str], raw: bytes, payload: bytes, collecting: Callable[[], bool]
+    ) -> int:
+        """Send one accepted submission to ``peers``, queued behind earlier copies; how many
+        hold it afterwards. ``collecting``: whether its round still takes submissions."""
+        size = len(raw) + len(payload)
+        self.queued_bytes += size * len(peers)
+        try:
+            got = await asyncio.gather(*(self._one(p, raw, payload, collecting) for p in peers))
+        finally:
+            self.queued_bytes -= size * len(peers)
+        return sum(got)
+
+    async def _one(
+        self, peer: str, raw: bytes, payload: bytes, collecting: Callable[[], bool]
+    ) -> bool:
         for attempt in range(ATTEMPTS):
-            try:
-                reply, _ = await transport.call(peer, "submit", frames=[raw, payload], timeout=120)
-                code = Reason.parse(reply["code"]) if "code" in reply else None
-                if reply.get("status") == "accepted":
-                    return True
-            except RpcError as e:
-                code = e.code if e.refused else Reason.UNREACHABLE
-            if code not in RETRYABLE or not still_open():
+            async with self._slots:
+                if not collecting():
+                    return False  # closed before this copy began: fetched if agreed
+                self._begin()
+                moved = len(raw) + len(payload)  # counted once the fellow answered
+                try:
+                    reply, _ = await self.transport.call(
+                        peer, "submit", frames=[raw, payload], timeout=120
+                    )
+                    code = Reason.parse(reply["code"]) if "code" in reply else None
+                    if reply.get("status") == "accepted":
+                        return True
+                except RpcError as e:
+                    code = e.code if e.refused else Reason.UNREACHABLE
+                    moved = moved if e.refused else 0
+                finally:
+                    self._end(moved)
+            if code not in RETRYABLE or not collecting():
                 log.info("relay to %s: %s", peer[-8:], code)
                 return False
             await asyncio.sleep(0.5 * (attempt + 1))
         return False
 
-    return sum(await asyncio.gather(*(one(p) for p in peers)))
+    def _begin(self) -> None:
+        if self._active == 0:
+            self._since = time.monotonic()
+        self._active += 1
+
+    def _end(self, nbytes: int) -> None:
+        self._active -= 1
+        now = time.monotonic()
+        busy = now - self._since
+        self._since = now
+        self._sent = self._sent * DECAY + nbytes
+        self._busy_s = self._busy_s * DECAY + busy

@@ -309,6 +309,17 @@ class SyncerRound:
         committee = self.params.committee
         return committee[self.attempt % len(committee)]
 
+    @property
+    def collecting(self) -> bool:
+        return self.phase is Phase.COLLECTING
+
+    def collecting_left(self, now: float) -> float:
+        """Seconds until this attempt closes at the latest (its grace or ``close_after``); 0
+        once it stopped collecting."""
+        p = self.params
+        close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
+        return max(0.0, self.attempt_opened_at + close_after - now) if self.collecting else 0.0
+
     def leader_silent(self, now: float) -> bool:
         """True once no input set was proposed or adopted here ``agree_timeout`` after this
         attempt closed here and after the leader's own grace deadline (the leader may close

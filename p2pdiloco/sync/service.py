@@ -41,7 +41,7 @@ from p2pdiloco.sync.committee_msgs import (
 )
 from p2pdiloco.sync.fetch import fetch_submission
 from p2pdiloco.sync.intake import Held, Intake, Refusal
-from p2pdiloco.sync.relay import relay
+from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.roster import CommitteeInfo, roster_of
 from p2pdiloco.sync.round import (
     Action,
@@ -105,6 +105,7 @@ class SyncService:
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
         self.arrivals = ArrivalWindow(self.rules.grace, self.rules.grace_min)  # adaptive grace
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.relayer = Relayer(transport)  # copies of learners' deltas, queued on the uplink
         self.views = ViewDriver(identity, run_id, manifest, self._send, self._spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -242,26 +243,25 @@ class SyncService:
             ff = self.current.version if h.base_version < self.current.version else None
             return {"status": "rejected", "code": code.value, "reason": text,
                     "fast_forward": ff}, []  # fmt: skip
-        rnd = self.round
-        actions = rnd.on_submission(self._submission(sub), time.monotonic())
+        rnd, now = self.round, time.monotonic()
+        relaying = pass_on and stream_peer == h.peer_id and rnd.collecting  # to pass on
+        if relaying and (busy := self.relayer.busy_reply(rnd.collecting_left(now))):
+            return busy, []
+        actions = rnd.on_submission(self._submission(sub), now)
         rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
         if not rejected or rejected[0].code not in RETRYABLE:
             self.seen.add(sub.digest, h.base_version)
         if not rejected:
             self.held[sub.digest] = Held(sub, raw, rest[0])
             self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)
-            if pass_on and stream_peer == h.peer_id:  # from its learner, asked to: to the others
-                self._spawn(
-                    relay(self.transport, self._others(), raw, rest[0], lambda: self.round is rnd)
-                )
+            if relaying:
+                still = lambda: self.round is rnd and rnd.collecting  # noqa: E731
+                self._spawn(self.relayer.relay(self._others(), raw, rest[0], still))
         self._execute(actions, sub.digest)
         if rejected:
-            return {
-                "status": "rejected",
-                "code": rejected[0].code.value,
-                "reason": rejected[0].reason,
-                "fast_forward": self.fast_forward.pop(h.peer_id, None),
-            }, []
+            no = rejected[0]
+            return {"status": "rejected", "code": no.code.value, "reason": no.reason,
+                    "fast_forward": self.fast_forward.pop(h.peer_id, None)}, []  # fmt: skip
         clipped = any(isinstance(a, Clipped) for a in actions)  # counted with a smaller claim
         return {"status": "accepted", "version": self.current.version + 1, "clipped": clipped}, []
 

@@ -1,0 +1,71 @@
+"""Members' relays in the simulator, as ``sync.relay.Relayer`` sends them (ADR 0034).
+
+The copies a member passes on queue on its uplink in the order they were taken; one not begun
+when the member's round stops collecting is dropped (the fellows fetch what the agreed set
+needs). A member refuses a learner's delta with BUSY while its queued copies would outlast the
+round's collecting time. The real relayer measures its uplink; the simulator knows it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from p2pdiloco.sync.round import Submission
+
+if TYPE_CHECKING:
+    from p2pdiloco.sim.world import World
+
+
+@dataclass
+class Relays:
+    world: World
+    queues: dict[int, deque[tuple[tuple[int, int], Submission, int, int]]] = field(
+        default_factory=dict
+    )
+    pumping: set[int] = field(default_factory=set)
+    dropped: int = 0  # copies not begun before their round closed
+    busy: int = 0  # learners' deltas refused with BUSY
+
+    def push(self, sub: Submission, learner: int, src: int) -> None:
+        """Queue copies of ``sub`` (from ``learner``, taken by member ``src``) to the others."""
+        w = self.world
+        q = self.queues.setdefault(src, deque())
+        for peer_id in w.committee.members:
+            if (dst := w.by_id[peer_id]) != src:
+                q.append((w.round_key, sub, learner, dst))
+        if src not in self.pumping:
+            self.pumping.add(src)
+            self._pump(src)
+
+    def backlog_s(self, src: int) -> float:
+        """Seconds member ``src``'s uplink needs for what is queued and under way."""
+        w = self.world
+        link = w.links.by_index[src]
+        queued = len(self.queues.get(src, ())) * w.cfg.delta_bytes / link.profile.up_bps
+        return queued + max(0.0, link.up_free - w.clock.now)
+
+    def overrun(self, src: int, left: float) -> bool:
+        """Member ``src`` answers BUSY: its copies would outlast the ``left`` collecting time."""
+        busy = self.backlog_s(src) > left
+        self.busy += busy
+        return busy
+
+    def _pump(self, src: int) -> None:
+        w, q = self.world, self.queues[src]
+        while q:
+            key, sub, learner, dst = q.popleft()
+            member = w.members.get(w.view, {}).get(src)
+            if key != w.round_key or member is None or not member.alive:
+                continue
+            if not member.round.collecting:
+                self.dropped += 1  # closed before this copy began: fetched if agreed
+                continue
+            t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
+            w.relayed += w.cfg.delta_bytes
+            w.syncer_in += w.cfg.delta_bytes
+            w.clock.at(t, w._relayed, sub, learner, dst, 0)
+            w.clock.at(w.links.by_index[src].up_free, self._pump, src)
+            return
+        self.pumping.discard(src)

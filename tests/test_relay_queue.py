@@ -1,0 +1,111 @@
+"""A member's relays share its uplink as a queue (``sync.relay.Relayer``, ADR 0034): in order,
+``SLOTS`` at a time; a copy not begun when its round stops collecting is dropped; BUSY while
+the queued copies would outlast the round's collecting time. Over a fake link of fixed rate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sync.relay import SLOTS, Relayer
+
+PAYLOAD = b"x" * 10_000
+
+
+class Link:
+    """Answers each submit after len(frames) / rate seconds (copies at once do not share the
+    rate); ``later`` peers say "later" once."""
+
+    def __init__(self, rate: float, later: Sequence[str] = ()) -> None:
+        self.rate = rate
+        self.later = set(later)
+        self.started: list[str] = []
+        self.done: list[str] = []
+        self.at_once = 0
+        self.most_at_once = 0
+
+    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
+                   **_: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+        assert op == "submit"
+        tag = f"{peer}/{frames[0].decode()}"
+        self.started.append(tag)
+        self.at_once += 1
+        self.most_at_once = max(self.most_at_once, self.at_once)
+        try:
+            await asyncio.sleep(sum(len(f) for f in frames) / self.rate)
+        finally:
+            self.at_once -= 1
+        if peer in self.later:
+            self.later.discard(peer)
+            return {"status": "rejected", "code": Reason.NO_OPEN_ROUND.value}, []
+        self.done.append(tag)
+        return {"status": "accepted"}, []
+
+
+def test_copies_leave_in_order_a_few_at_a_time_and_the_uplink_is_measured() -> None:
+    async def go() -> None:
+        link = Link(rate=1e6)  # 10 ms a copy
+        relayer = Relayer(link)  # type: ignore[arg-type]
+        assert relayer.rate() is None and relayer.backlog_s() == 0.0
+        tasks = [asyncio.create_task(relayer.relay(["B", "C"], f"d{i}".encode(), PAYLOAD,
+                                                   lambda: True)) for i in range(4)]  # fmt: skip
+        await asyncio.sleep(0.015)
+        assert relayer.queued_bytes > 0
+        assert await asyncio.gather(*tasks) == [2, 2, 2, 2]
+        assert link.most_at_once == SLOTS
+        assert link.started == [f"{p}/d{i}" for i in range(4) for p in ("B", "C")]
+        assert relayer.queued_bytes == 0
+        rate = relayer.rate()
+        assert rate is not None and 1.0e6 < rate < 2.2e6  # SLOTS copies at 1 MB/s each
+
+    asyncio.run(go())
+
+
+def test_copies_not_begun_when_the_round_closes_are_dropped() -> None:
+    async def go() -> None:
+        link = Link(rate=1e6)
+        relayer = Relayer(link)  # type: ignore[arg-type]
+        open_ = [True]
+        tasks = [asyncio.create_task(relayer.relay(["B", "C", "D"], f"d{i}".encode(), PAYLOAD,
+                                                   lambda: open_[0])) for i in range(5)]  # fmt: skip
+        await asyncio.sleep(0.025)  # a few copies under way
+        open_[0] = False
+        held = sum(await asyncio.gather(*tasks))
+        assert 2 <= held < 15 and len(link.started) == len(link.done) == held
+        assert relayer.queued_bytes == 0
+
+    asyncio.run(go())
+
+
+def test_a_later_answer_is_retried_while_the_round_collects() -> None:
+    async def go() -> None:
+        link = Link(rate=1e7, later=["C"])
+        relayer = Relayer(link)  # type: ignore[arg-type]
+        assert await relayer.relay(["B", "C"], b"d0", PAYLOAD, lambda: True) == 2
+        assert link.started.count("C/d0") == 2
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("queued_s", "left_s", "busy"), [(0.0, 0.0, False), (0.5, 2.0, False),
+                                                         (3.0, 2.0, True), (0.5, 0.0, True)])  # fmt: skip
+def test_busy_while_the_queued_copies_would_outlast_the_collecting_time(
+    queued_s: float, left_s: float, busy: bool
+) -> None:
+    relayer = Relayer(Link(rate=1e6))  # type: ignore[arg-type]
+    relayer._sent, relayer._busy_s = 1e6, 1.0  # measured: 1 MB/s
+    relayer.queued_bytes = int(queued_s * 1e6)
+    reply = relayer.busy_reply(left_s)
+    assert (reply is not None) is busy
+    if reply is not None:
+        assert reply["code"] == Reason.BUSY.value and "send later" in reply["reason"]
+
+
+def test_nothing_is_refused_before_the_uplink_was_measured() -> None:
+    relayer = Relayer(Link(rate=1e6))  # type: ignore[arg-type]
+    relayer.queued_bytes = 10**9
+    assert relayer.busy_reply(0.0) is None
