@@ -6,6 +6,9 @@ peers and the same faults, side by side. Goodput = tokens in certified versions 
 peers could have trained while up (``sim.run``); data-parallel is modelled generously
 (``sim.dp``). Target: ≥ 95 % goodput where data-parallel is ≤ 30 %.
 
+One failure schedule moves a point by a point or two either way (a committee member lost early,
+say), so each point is the mean over ``--seeds`` schedules (seed, seed + 1, …), the range beside.
+
     .venv/bin/python bench/goodput.py                       # 64 peers, 2 simulated hours
     .venv/bin/python bench/goodput.py --peers 32 --hours 1 --mtbf 8,4,2 --json
     .venv/bin/python bench/goodput.py --staleness 0,2      # the manifest's staleness, side by side
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ def main() -> int:
     ap.add_argument("--repair-minutes", type=float, default=10.0)
     ap.add_argument("--checkpoint-minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=4, help="failure schedules per point (mean)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--staleness", default="0", help="manifest staleness values (ADR 0026)")
@@ -42,27 +47,22 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for m, s in ((m, s) for m in a.mtbf.split(",") for s in stale):
         mtbf = None if m == "none" else float(m)
-        cfg = SimConfig(
-            peers=a.peers, duration=a.hours * 3600, committee_size=a.committee, mtbf_hours=mtbf,
-            repair_seconds=a.repair_minutes * 60, seed=a.seed, rules={"staleness": s},
-            fragments=a.fragments,
-        )  # fmt: skip
-        result, _ = simulate_run(cfg, checkpoint_seconds=a.checkpoint_minutes * 60)
-        dp = result.data_parallel
-        assert dp is not None
-        rows.append({
-            "mtbf_hours": mtbf, "failures": result.faults, "diloco": result.goodput,
-            "data_parallel": dp.goodput, "versions": result.versions,
-            "view_changes": result.view_changes, "dp_stalled_s": dp.stalled_seconds,
-            "latency_p50": result.latency_p50, "latency_p99": result.latency_p99,
-            "wall_s": result.wall_seconds, "staleness": s,
-        })  # fmt: skip
+        runs = []
+        for seed in range(a.seed, a.seed + a.seeds):
+            cfg = SimConfig(
+                peers=a.peers, duration=a.hours * 3600, committee_size=a.committee,
+                mtbf_hours=mtbf, repair_seconds=a.repair_minutes * 60, seed=seed,
+                rules={"staleness": s}, fragments=a.fragments,
+            )  # fmt: skip
+            runs.append(simulate_run(cfg, checkpoint_seconds=a.checkpoint_minutes * 60)[0])
+        rows.append(_row(runs, mtbf, s))
         r = rows[-1]
         met = "met" if r["data_parallel"] > 0.30 or r["diloco"] >= 0.95 else "MISSED"
         dp_g = float(r["data_parallel"])
         ratio = f"{float(r['diloco']) / dp_g:7.2f}x" if dp_g > 1e-3 else "    inf"
         print(
-            f"mtbf {m:>5} h  staleness {s}  failures {r['failures']:4d}  DiLoCo {r['diloco']:6.1%}  "
+            f"mtbf {m:>5} h  staleness {s}  failures {r['failures']:4d}  DiLoCo {r['diloco']:6.1%} "
+            f"({r['diloco_min']:.1%}–{r['diloco_max']:.1%})  "
             f"data-parallel {r['data_parallel']:6.1%}  ratio {ratio}  "
             f"views {r['view_changes']:3d}  p99 {r['latency_p99']:5.0f} s  [{met}]",
             flush=True,
@@ -70,12 +70,30 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"peers": a.peers, "hours": a.hours, "committee": a.committee,
             "repair_minutes": a.repair_minutes, "checkpoint_minutes": a.checkpoint_minutes,
-            "seed": a.seed, "staleness": stale}  # fmt: skip
+            "seed": a.seed, "seeds": a.seeds, "staleness": stale}  # fmt: skip
     (a.out / "goodput.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
     _plot(rows, meta, a.out)
     if a.json:
         json.dump({"config": meta, "rows": rows}, sys.stdout, indent=2)
     return 0
+
+
+def _row(runs: list[Any], mtbf: float | None, staleness: int) -> dict[str, Any]:
+    """One point: the mean over its failure schedules (failures and view changes summed)."""
+    dps = [r.data_parallel for r in runs]
+    assert all(dp is not None for dp in dps)
+    good = [r.goodput for r in runs]
+    return {
+        "mtbf_hours": mtbf, "seeds": len(runs), "failures": sum(r.faults for r in runs),
+        "diloco": statistics.fmean(good), "diloco_min": min(good), "diloco_max": max(good),
+        "data_parallel": statistics.fmean(dp.goodput for dp in dps),
+        "versions": statistics.fmean(r.versions for r in runs),
+        "view_changes": sum(r.view_changes for r in runs),
+        "dp_stalled_s": statistics.fmean(dp.stalled_seconds for dp in dps),
+        "latency_p50": statistics.fmean(r.latency_p50 for r in runs),
+        "latency_p99": max(r.latency_p99 for r in runs),
+        "wall_s": sum(r.wall_seconds for r in runs), "staleness": staleness,
+    }  # fmt: skip
 
 
 def _plot(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
@@ -88,7 +106,10 @@ def _plot(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
     pts = [r for r in rows if r["mtbf_hours"] is not None and r["staleness"] == first]
     rate = [1 / float(r["mtbf_hours"]) for r in pts]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(rate, [float(r["diloco"]) for r in pts], "o-", label="p2pdiloco (simulated)")
+    ax.plot(rate, [float(r["diloco"]) for r in pts], "o-", label="p2pdiloco (simulated, mean)")
+    if all("diloco_min" in r for r in pts):
+        lo, hi = [float(r["diloco_min"]) for r in pts], [float(r["diloco_max"]) for r in pts]
+        ax.fill_between(rate, lo, hi, alpha=0.2, label="range over failure schedules")
     ax.plot(
         rate, [float(r["data_parallel"]) for r in pts], "s--", label="synchronous data-parallel"
     )
