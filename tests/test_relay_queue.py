@@ -1,5 +1,5 @@
 """A member's relays share its uplink as a queue (``sync.relay.Relayer``, ADR 0034): in order,
-``SLOTS`` at a time; a copy not begun when its round stops collecting is dropped; BUSY while
+``SLOTS`` at a time; a copy not begun when its round has an input set is dropped; BUSY while
 the queued copies would outlast the round's collecting time. Over a fake link of fixed rate."""
 
 from __future__ import annotations

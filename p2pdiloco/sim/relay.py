@@ -1,8 +1,8 @@
 """Members' relays in the simulator, as ``sync.relay.Relayer`` sends them (ADR 0034).
 
 The copies a member passes on queue on its uplink in the order they were taken; one not begun
-when the member's round stops collecting is dropped (the fellows fetch what the agreed set
-needs). A member refuses a learner's delta with BUSY while its queued copies would outlast the
+when the member has adopted its round's input set is dropped (the fellows fetch what the
+agreed set needs). A member refuses a learner's delta with BUSY while its queued copies would outlast the
 round's collecting time. The real relayer measures its uplink; the simulator knows it.
 """
 
@@ -25,7 +25,7 @@ class Relays:
         default_factory=dict
     )
     pumping: set[int] = field(default_factory=set)
-    dropped: int = 0  # copies not begun before their round closed
+    dropped: int = 0  # copies not begun before their round's input set was adopted
     busy: int = 0  # learners' deltas refused with BUSY
 
     def push(self, sub: Submission, learner: int, src: int) -> None:
@@ -59,8 +59,8 @@ class Relays:
             member = w.members.get(w.view, {}).get(src)
             if key != w.round_key or member is None or not member.alive:
                 continue
-            if not member.round.collecting:
-                self.dropped += 1  # closed before this copy began: fetched if agreed
+            if not member.round.undecided:
+                self.dropped += 1  # agreed before this copy began: fetched if in the set
                 continue
             t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
             w.relayed += w.cfg.delta_bytes

@@ -247,7 +247,7 @@ class World:
 
     def _overrun(self, member: Member, sub: Submission) -> bool:
         rnd = member.round
-        fresh = rnd.collecting and sub.digest not in rnd.accepted
+        fresh = rnd.undecided and sub.digest not in rnd.accepted
         return fresh and self.relays.overrun(member.index, rnd.collecting_left(self.clock.now))
 
     def _relay(self, sub: Submission, learner: int, src: int) -> None:

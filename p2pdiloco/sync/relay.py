@@ -9,12 +9,13 @@ A relayed copy is never relayed again (it does not come from its signer). Member
 reached gets the delta from a fellow's proposal instead (``fetch``), as before.
 
 The copies share the member's uplink as a queue (ADR 0034): at most ``SLOTS`` are sent at
-once, in the order they were queued, and a copy not begun by the time its round stops
-collecting is dropped, since the fellows then fetch what the agreed set needs and nothing else
-(a copy sent after the close only delays those fetches). And a member refuses a learner's
-delta with BUSY, which the learner retries, while the copies it has queued would outlast the
-round's collecting time on its uplink as measured: accepting it would promise relays the round
-cannot use (the simulator's 10,000 peers certified nothing without this rule).
+once, in the order they were queued, and a copy not begun by the time the member has adopted
+its round's input set is dropped, since the fellows then fetch what the agreed set needs and
+nothing else (a copy sent after that only delays those fetches). And a member refuses a
+learner's delta with BUSY, which the learner retries, while the copies it has queued would
+outlast the round's collecting time (its grace) on its uplink as measured: accepting it would
+promise relays the round cannot use (the simulator's 10,000 peers certified nothing without
+this rule).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Relayer:
         return self.queued_bytes / rate if rate else 0.0
 
     def would_overrun(self, seconds_left: float) -> bool:
-        """True when more copies would not leave before the round stops collecting."""
+        """True when more copies would not leave within ``seconds_left`` of collecting."""
         return self.queued_bytes > 0 and self.backlog_s() > max(0.0, seconds_left)
 
     def busy_reply(self, seconds_left: float) -> dict[str, str] | None:
@@ -71,7 +72,7 @@ class Relayer:
         self, peers: Sequence[str], raw: bytes, payload: bytes, collecting: Callable[[], bool]
     ) -> int:
         """Send one accepted submission to ``peers``, queued behind earlier copies; how many
-        hold it afterwards. ``collecting``: whether its round still takes submissions."""
+        hold it afterwards. ``collecting``: whether its round has no input set yet."""
         size = len(raw) + len(payload)
         self.queued_bytes += size * len(peers)
         try:
@@ -86,7 +87,7 @@ class Relayer:
         for attempt in range(ATTEMPTS):
             async with self._slots:
                 if not collecting():
-                    return False  # closed before this copy began: fetched if agreed
+                    return False  # agreed before this copy began: fetched if in the set
                 self._begin()
                 moved = len(raw) + len(payload)  # counted once the fellow answered
                 try:

@@ -310,15 +310,17 @@ class SyncerRound:
         return committee[self.attempt % len(committee)]
 
     @property
-    def collecting(self) -> bool:
-        return self.phase is Phase.COLLECTING
+    def undecided(self) -> bool:
+        """No input set adopted here yet: a submission may still make this attempt (the leader
+        may close later than this member did)."""
+        return self.input_set is None and self.phase in (Phase.COLLECTING, Phase.AGREEING)
 
     def collecting_left(self, now: float) -> float:
         """Seconds until this attempt closes at the latest (its grace or ``close_after``); 0
-        once it stopped collecting."""
+        once it is past that or has an input set."""
         p = self.params
         close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
-        return max(0.0, self.attempt_opened_at + close_after - now) if self.collecting else 0.0
+        return max(0.0, self.attempt_opened_at + close_after - now) if self.undecided else 0.0
 
     def leader_silent(self, now: float) -> bool:
         """True once no input set was proposed or adopted here ``agree_timeout`` after this

@@ -244,7 +244,7 @@ class SyncService:
             return {"status": "rejected", "code": code.value, "reason": text,
                     "fast_forward": ff}, []  # fmt: skip
         rnd, now = self.round, time.monotonic()
-        relaying = pass_on and stream_peer == h.peer_id and rnd.collecting  # to pass on
+        relaying = pass_on and stream_peer == h.peer_id and rnd.undecided  # to pass on
         if relaying and (busy := self.relayer.busy_reply(rnd.collecting_left(now))):
             return busy, []
         actions = rnd.on_submission(self._submission(sub), now)
@@ -255,7 +255,7 @@ class SyncService:
             self.held[sub.digest] = Held(sub, raw, rest[0])
             self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)
             if relaying:
-                still = lambda: self.round is rnd and rnd.collecting  # noqa: E731
+                still = lambda: self.round is rnd and rnd.undecided  # noqa: E731
                 self._spawn(self.relayer.relay(self._others(), raw, rest[0], still))
         self._execute(actions, sub.digest)
         if rejected:
