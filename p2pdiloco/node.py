@@ -417,10 +417,12 @@ class Node:
             if v.peer_id != self.identity.peer_id and v.heartbeat.version >= version
         ]
 
-    def active_learners(self) -> int:
+    def live_learners(self) -> list[str]:
         live = self.members.live(time.time()) if self.members else []
-        others = [v for v in live if v.peer_id != self.me and "learner" in v.heartbeat.roles]
-        return len(others) + 1
+        others = [
+            v.peer_id for v in live if v.peer_id != self.me and "learner" in v.heartbeat.roles
+        ]
+        return [self.me, *others]
 
     def snapshot(self) -> dict[str, object]:
         """The newest plain-data view (safe from any thread: replaced, never mutated)."""

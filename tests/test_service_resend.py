@@ -51,7 +51,7 @@ def test_a_resent_submission_is_accepted_again_and_merged_once() -> None:
         done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         service = SyncService(
             syncer, run_id, manifest, {n: tuple(t.shape) for n, t in base.params.items()},
-            MemoryHub().transport(syncer.peer_id), active_learners=lambda: 3,
+            MemoryHub().transport(syncer.peer_id), live_learners=lambda: ["l0", "l1", "l2"],
             on_certified=lambda raw, st: done.set_result(raw),
         )  # fmt: skip
         await service.install(base)

@@ -15,6 +15,7 @@ import pytest
 
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.submissions import open_submission
 from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.backend import TensorMerge
@@ -22,6 +23,7 @@ from p2pdiloco.sim.config import identity
 from p2pdiloco.sim.world import World
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.service import SyncService
+from p2pdiloco.sync.trust import trusted_count, trusted_peers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,9 +56,13 @@ def test_simulated_rounds_certify_the_real_syncers_state_hashes(fragments: int) 
             # The member the simulation elected: the real service must find itself elected too.
             syncer = identity(cfg.seed, world.by_id[cert.committee[0]])
             done: asyncio.Future[CertifiedState] = asyncio.get_running_loop().create_future()
-            service = _service(syncer, world, base, hub, len(cert.merged), done)
+            sender = {d: open_submission(merge.sealed[d], run_id=world.run_id).header.peer_id
+                      for d in cert.merged}  # fmt: skip
+            service = _service(syncer, world, base, hub, list(sender.values()), done)
             await service.install(base)
-            for d in cert.merged:
+            # The round closes once every trusted sender is in: probationary ones go first.
+            trusted = trusted_peers(world.manifest, base.cert)
+            for d in sorted(cert.merged, key=lambda d: trusted_count(trusted, [sender[d]])):
                 frames = [merge.sealed[d], merge.payloads[d]]
                 reply, _ = await service.handle("submit", "x", {}, frames)
                 assert reply["status"] == "accepted", reply
@@ -77,7 +83,7 @@ def _service(
     world: World,
     base: CertifiedState,
     hub: MemoryHub,
-    learners: int,
+    learners: list[str],
     done: asyncio.Future[CertifiedState],
 ) -> SyncService:
     def certified(raw: bytes, state: CertifiedState | None) -> None:
@@ -86,7 +92,7 @@ def _service(
 
     return SyncService(
         syncer, world.run_id, world.manifest, {n: tuple(t.shape) for n, t in base.params.items()},
-        hub.transport(syncer.peer_id), active_learners=lambda: learners, on_certified=certified,
+        hub.transport(syncer.peer_id), live_learners=lambda: learners, on_certified=certified,
     )  # fmt: skip
 
 

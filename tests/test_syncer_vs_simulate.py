@@ -60,7 +60,7 @@ def test_network_syncer_and_simulate_merge_bit_identically(rule: str) -> None:
         done: asyncio.Future[CertifiedState] = asyncio.get_running_loop().create_future()
         service = SyncService(
             syncer, run_id, manifest, {n: tuple(t.shape) for n, t in base.params.items()},
-            MemoryHub().transport(syncer.peer_id), active_learners=lambda: 3,
+            MemoryHub().transport(syncer.peer_id), live_learners=lambda: ["l0", "l1", "l2"],
             on_certified=lambda raw, st: done.set_result(st),  # type: ignore[arg-type]
         )  # fmt: skip
         await service.install(base)

@@ -16,7 +16,13 @@ from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.round import Aggregate, Phase, Propose, Reject, RoundParams, SyncerRound
-from p2pdiloco.sync.trust import cap_probation, probation_room, trusted_peers
+from p2pdiloco.sync.trust import (
+    cap_probation,
+    learners_awaited,
+    probation_room,
+    trusted_count,
+    trusted_peers,
+)
 from p2pdiloco.train.outer import OuterConfig
 from tests.test_roster import PEERS, RUN, certificate, entry, manifest
 from tests.test_round import sub
@@ -117,6 +123,19 @@ def test_trust_is_earned_on_the_certified_roster() -> None:
     few = [entry(p, 0, 2, 1000, 8) for p in PEERS[4:8]]  # 2 accepted: not earned yet
     assert trusted_peers(m, certificate(few + fresh, version=8)) is None  # young run
     assert trusted_peers(m, None) is None
+
+
+def test_a_round_waits_for_trusted_learners_only() -> None:
+    """A flood of fresh live identities does not raise the count a round waits for (they
+    never close it, so counting them kept every round open to its grace)."""
+    m = manifest(genesis_committee=PEERS[:4], committee_size=4)
+    vets = [entry(p, 0, 3, 1000, 8) for p in PEERS[4:8]]
+    cert = certificate(vets, version=8)
+    flood = [f"sybil{i}" for i in range(500)]
+    assert learners_awaited(m, cert, [*PEERS[4:7], *flood]) == 4  # the roster's 4 earned
+    assert learners_awaited(m, cert, [*PEERS[:8], *flood]) == 8  # + the genesis members
+    assert trusted_count(None, flood) == 500  # a young run waits for everyone
+    assert learners_awaited(m, None, flood) == 500
 
 
 def test_fresh_identities_sit_only_after_every_eligible_one() -> None:

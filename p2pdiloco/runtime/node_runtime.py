@@ -132,7 +132,7 @@ class NodeRuntime:
             self.manifest,
             {n: tuple(t.shape) for n, t in state.params.items()},
             self.transport,
-            active_learners=self.plane.active_learners,
+            live_learners=self.plane.live_learners,
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
         )
         limits = request_limits(self.service.max_payload)

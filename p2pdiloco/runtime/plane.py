@@ -32,7 +32,7 @@ class Plane(Protocol):
         """Live members (not this node) that announce ``version`` or newer."""
         ...
 
-    def active_learners(self) -> int:
+    def live_learners(self) -> list[str]:
         """Live learners of the run, this node included."""
         ...
 
@@ -70,9 +70,9 @@ class MemoryPlane:
     def peers_holding(self, version: int) -> list[str]:
         return sorted(p for p, v in self._live().items() if p != self.me and v.version >= version)
 
-    def active_learners(self) -> int:
-        live = self._live()
-        return max(1, sum(1 for v in live.values() if "learner" in v.roles) + (self.me not in live))
+    def live_learners(self) -> list[str]:
+        others = [p for p, v in self._live().items() if p != self.me and "learner" in v.roles]
+        return [self.me, *others]
 
     async def tick(self, presence: Presence) -> list[bytes]:
         if self.me in self.dir.down:

@@ -33,7 +33,7 @@ from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
-from p2pdiloco.sync.trust import trusted_peers
+from p2pdiloco.sync.trust import trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
 
 UNREACHABLE_AFTER = 1.0  # seconds before a learner gives up dialling a member that is down
@@ -315,7 +315,9 @@ class World:
         old = self.members.setdefault(self.view, {}).get(index)
         if old is not None and old.alive:
             return
-        active = sum(1 for p in self.peers.values() if p.up)
+        active = trusted_count(
+            self.trusted, (p.profile.peer_id for p in self.peers.values() if p.up)
+        )
         params = params_of(
             self.run_id, self.manifest, self.version, self.trusted, self.committee, active,
             self.clock.now, locked=self.locked,

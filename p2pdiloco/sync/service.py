@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from p2pdiloco import failpoints
@@ -42,7 +42,7 @@ from p2pdiloco.sync.committee_msgs import (
 from p2pdiloco.sync.fetch import fetch_submission
 from p2pdiloco.sync.intake import Held, Intake, Refusal
 from p2pdiloco.sync.relay import Relayer
-from p2pdiloco.sync.roster import CommitteeInfo, roster_of
+from p2pdiloco.sync.roster import CommitteeInfo
 from p2pdiloco.sync.round import (
     Action,
     Aggregate,
@@ -59,6 +59,7 @@ from p2pdiloco.sync.round import (
 )
 from p2pdiloco.sync.rules import round_params
 from p2pdiloco.sync.signatures import RoundSignatures
+from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
 
@@ -78,7 +79,7 @@ class SyncService:
         shapes: Mapping[str, tuple[int, ...]],
         transport: Transport,
         *,
-        active_learners: Callable[[], int],
+        live_learners: Callable[[], Collection[str]],
         on_certified: Callable[[bytes, CertifiedState | None], None],
     ) -> None:
         self.identity = identity
@@ -90,7 +91,7 @@ class SyncService:
         self.max_payload = self.intake.max_payload
         self.screen = self.intake.screen  # a submission's header, before its payload is read
         self.transport = transport
-        self.active_learners = active_learners
+        self.live_learners = live_learners
         self.on_certified = on_certified
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
@@ -145,7 +146,7 @@ class SyncService:
             log.error("view %d of version %d is locked on %s, whose inputs this node has not "
                       "heard: it waits for them", st.view, st.version, st.lock[:12])  # fmt: skip
             return
-        active = max(self.active_learners(), len(roster_of(self.manifest, self.current.cert)))
+        active = learners_awaited(self.manifest, self.current.cert, self.live_learners())
         params = round_params(self.run_id, self.manifest, self.current, self.committee,
                               active, time.monotonic(), locked,
                               self.arrivals.next_round())  # fmt: skip

@@ -55,6 +55,21 @@ def trusted_of_roster(
     return frozenset(earned | set(manifest.genesis_committee))
 
 
+def trusted_count(trusted: frozenset[str] | None, peers: Iterable[str]) -> int:
+    """How many of ``peers`` are trusted (all of them in a young run): the learners a round
+    waits for. Probationary ones never close a round, so counting them would only keep it
+    open to its grace: a flood of fresh identities would slow every round that way."""
+    return sum(1 for p in peers if trusted is None or p in trusted)
+
+
+def learners_awaited(manifest: RunManifest, cert: Certificate | None, live: Iterable[str]) -> int:
+    """The trusted learners the round after ``cert`` waits for: the live ones (heartbeats), or
+    the certified roster's when more (live heartbeats lag at start-up)."""
+    trusted = trusted_peers(manifest, cert)
+    roster = (e.peer_id for e in roster_of(manifest, cert))
+    return max(trusted_count(trusted, live), trusted_count(trusted, roster))
+
+
 def probation_room(trusted: int, share: float) -> int:
     """Probationary submissions an input set may hold next to ``trusted`` trusted ones: the
     most p with p ≤ share × (trusted + p)."""
