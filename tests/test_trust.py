@@ -132,10 +132,27 @@ def test_a_round_waits_for_trusted_learners_only() -> None:
     vets = [entry(p, 0, 3, 1000, 8) for p in PEERS[4:8]]
     cert = certificate(vets, version=8)
     flood = [f"sybil{i}" for i in range(500)]
-    assert learners_awaited(m, cert, [*PEERS[4:7], *flood]) == 4  # the roster's 4 earned
-    assert learners_awaited(m, cert, [*PEERS[:8], *flood]) == 8  # + the genesis members
+    assert learners_awaited(m, cert, [*PEERS[4:7], *flood]) == (503, 4)  # the roster's earned
+    assert learners_awaited(m, cert, [*PEERS[:8], *flood]) == (508, 8)  # + the genesis members
     assert trusted_count(None, flood) == 500  # a young run waits for everyone
-    assert learners_awaited(m, None, flood) == 500
+    assert learners_awaited(m, None, flood) == (500, 500)
+
+
+def test_the_learner_quorum_is_a_share_of_the_trusted_learners() -> None:
+    p = params(active_learners=8, trusted_learners=3, linger=30.0)  # 5 live ones are fresh
+    r = SyncerRound(p, "s1")
+    r.on_submission(sub(0), 1.0)
+    r.on_submission(sub(1), 2.0)  # 2 of 3 trusted: ceil(0.6 × 3)
+    assert r.phase is Phase.COLLECTING and r.on_tick(31.0) == [] and r.phase is Phase.COLLECTING
+    r.on_tick(32.0)  # a linger later, far before the grace (60 s)
+    assert r.phase is Phase.AGREEING
+    # Every trusted learner in while a fresh one still trains: not at once, a linger later.
+    r = SyncerRound(p, "s1")
+    for i in range(3):
+        r.on_submission(sub(i), 1.0)
+    assert r.phase is Phase.COLLECTING
+    r.on_tick(31.0)
+    assert r.phase is Phase.AGREEING
 
 
 def test_fresh_identities_sit_only_after_every_eligible_one() -> None:

@@ -315,12 +315,10 @@ class World:
         old = self.members.setdefault(self.view, {}).get(index)
         if old is not None and old.alive:
             return
-        active = trusted_count(
-            self.trusted, (p.profile.peer_id for p in self.peers.values() if p.up)
-        )
+        live = [p.profile.peer_id for p in self.peers.values() if p.up]
         params = params_of(
-            self.run_id, self.manifest, self.version, self.trusted, self.committee, active,
-            self.clock.now, locked=self.locked,
+            self.run_id, self.manifest, self.version, self.trusted, self.committee, len(live),
+            self.clock.now, locked=self.locked, trusted_learners=trusted_count(self.trusted, live),
         )  # fmt: skip
         if self.cfg.max_inputs is not None:
             params = replace(params, max_inputs=self.cfg.max_inputs)

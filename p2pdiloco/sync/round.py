@@ -436,7 +436,9 @@ class SyncerRound:
         enough = n >= p.min_learners
         if enough and self.enough_at is None:
             self.enough_at = now
-        everyone = n >= p.active_learners
+        # At once when every trusted learner is in and as many inputs as live learners (a
+        # probationary one still training is waited for, by the linger at most).
+        everyone = n >= p.trusted_live and len(self.accepted) >= p.active_learners
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
         close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
         deadline = now >= self.attempt_opened_at + close_after

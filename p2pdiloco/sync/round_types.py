@@ -60,14 +60,22 @@ class RoundParams:
     # screening; None (a young run) trusts everyone. The rest share ``probation_share``.
     trusted: frozenset[str] | None = None
     probation_share: float = 0.25
+    # Trusted learners alive (``sync.trust.trusted_count``); None: ``active_learners``. The
+    # learner quorum is a share of these: probationary ones never close a round, so a flood of
+    # them counted in would keep every round open to its grace.
+    trusted_learners: int | None = None
 
     def is_trusted(self, peer_id: str) -> bool:
         return self.trusted is None or peer_id in self.trusted
 
     @property
+    def trusted_live(self) -> int:
+        return self.active_learners if self.trusted_learners is None else self.trusted_learners
+
+    @property
     def min_learners(self) -> int:
-        """Accepted submissions that close the round early (never more than fit in it)."""
-        wanted = max(1, math.ceil(self.min_fraction * self.active_learners))
+        """Trusted submissions that close the round ``linger`` later (never more than fit)."""
+        wanted = max(1, math.ceil(self.min_fraction * self.trusted_live))
         return min(wanted, self.max_inputs)
 
 

@@ -94,15 +94,17 @@ def round_params(
     now: float,
     locked: tuple[str, ...] | None = None,
     close_after: float | None = None,
+    trusted_learners: int | None = None,
 ) -> RoundParams:
     """Every parameter of the round on the certified ``base``: the consensus ones from the
     signed manifest (its ``rules``, the token bound and H) and the base's certificate (who is
     trusted, ``sync.trust``), the committee of the view, the learners alive (heartbeats, or
-    the roster: live heartbeats lag at start-up; at least 1)."""
+    the roster: live heartbeats lag at start-up; at least 1) and how many of them are trusted
+    (``sync.trust.learners_awaited``; None: all)."""
     trusted = trusted_peers(manifest, base.cert)
     return params_of(
         run_id, manifest, base.version, trusted, committee, active_learners, now, locked,
-        close_after,
+        close_after, trusted_learners,
     )  # fmt: skip
 
 
@@ -116,6 +118,7 @@ def params_of(
     now: float,
     locked: tuple[str, ...] | None = None,
     close_after: float | None = None,
+    trusted_learners: int | None = None,
 ) -> RoundParams:
     """:func:`round_params` on its inputs (the base version and who is trusted after it), for
     drivers that keep no certificate bodies (the simulator, ``p2pdiloco.sim``)."""
@@ -139,4 +142,5 @@ def params_of(
         close_after=close_after,
         trusted=trusted,
         probation_share=r.probation_share,
+        trusted_learners=None if trusted_learners is None else max(1, trusted_learners),
     )

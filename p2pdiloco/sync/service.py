@@ -146,10 +146,9 @@ class SyncService:
             log.error("view %d of version %d is locked on %s, whose inputs this node has not "
                       "heard: it waits for them", st.view, st.version, st.lock[:12])  # fmt: skip
             return
-        active = learners_awaited(self.manifest, self.current.cert, self.live_learners())
-        params = round_params(self.run_id, self.manifest, self.current, self.committee,
-                              active, time.monotonic(), locked,
-                              self.arrivals.next_round())  # fmt: skip
+        active, trusted = learners_awaited(self.manifest, self.current.cert, self.live_learners())
+        params = round_params(self.run_id, self.manifest, self.current, self.committee, active,
+                              time.monotonic(), locked, self.arrivals.next_round(), trusted)  # fmt: skip
         self.round = rnd = SyncerRound(params, self.me)
         self.held.clear()
         log.info(

@@ -26,7 +26,7 @@ agrees.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
@@ -62,12 +62,15 @@ def trusted_count(trusted: frozenset[str] | None, peers: Iterable[str]) -> int:
     return sum(1 for p in peers if trusted is None or p in trusted)
 
 
-def learners_awaited(manifest: RunManifest, cert: Certificate | None, live: Iterable[str]) -> int:
-    """The trusted learners the round after ``cert`` waits for: the live ones (heartbeats), or
-    the certified roster's when more (live heartbeats lag at start-up)."""
+def learners_awaited(
+    manifest: RunManifest, cert: Certificate | None, live: Collection[str]
+) -> tuple[int, int]:
+    """The learners the round after ``cert`` waits for, and how many of them are trusted: the
+    live ones (heartbeats), or the certified roster's when more (heartbeats lag at start-up)."""
     trusted = trusted_peers(manifest, cert)
-    roster = (e.peer_id for e in roster_of(manifest, cert))
-    return max(trusted_count(trusted, live), trusted_count(trusted, roster))
+    roster = [e.peer_id for e in roster_of(manifest, cert)]
+    count = max(len(live), len(roster))
+    return count, max(trusted_count(trusted, live), trusted_count(trusted, roster))
 
 
 def probation_room(trusted: int, share: float) -> int:
