@@ -5,9 +5,10 @@ Certification follows the real rules: the round of version v + 1 is driven by th
 ``SyncerRound``; a ``Done`` certifies, and the certificate body is the one real syncers build
 (``body_of``: receipts, roster by ``next_roster``), so elections, trust (``trusted_peers``)
 and beacons are exactly the network's. Signatures are counted by the round, not made. A view
-whose members time out (or whose leader is silent) is left once a quorum of its members voted,
-as ``ViewState`` does with a timeout certificate; the next view's committee is
-``committee_for(view=j)``, locked to the input set a voter signed.
+whose members time out (or whose leader is silent) is left once their votes (unsigned) are a
+timeout certificate by the network's rule (``timeout_lock``: more than k − q votes, so dead
+members do not hold a view), as ``ViewState`` does; the next view's committee is
+``committee_for(view=j)``, locked to the input set of the state the certificate locks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from p2pdiloco.protocol.certificates import Certificate, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.view_change import MAX_VIEWS
+from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, ViewVote, timeout_lock
 from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, Clock, Links
@@ -349,17 +350,23 @@ class World:
                 member.submit(sub, src)
 
     def vote(self, member: Member, signed: str | None) -> None:
-        """A member votes to leave its view; a quorum of the view's votes moves everyone on."""
+        """A member votes to leave its view. The votes move everyone on once they are a timeout
+        certificate by the real rule (``timeout_lock``: the silent members alone could not
+        certify, and at most one signed state could have), which is locked on that state."""
         if member.view != self.view:
             return
         votes = self.votes.setdefault(self.view, {})
         votes[member.peer_id] = signed
-        if len(votes) < self.committee.quorum or self.view + 1 >= MAX_VIEWS:
+        if self.view + 1 >= MAX_VIEWS:
             return
-        signed_hashes = [h for h in votes.values() if h is not None]
-        locked = None
-        if signed_hashes and self.outcomes.get(max(signed_hashes, key=signed_hashes.count)):
-            out = self.outcomes[max(signed_hashes, key=signed_hashes.count)]
+        version = self.version + 1
+        tc = TimeoutCert(self.view, tuple(ViewVote(self.run_id, version, self.view, s, v, "")
+                                          for v, s in sorted(votes.items())))  # fmt: skip
+        proved, lock = timeout_lock(tc, self.committee.members, self.committee.quorum)
+        if not proved:
+            return
+        locked = None  # a lock on a state no honest syncer computed binds nobody here
+        if lock is not None and (out := self.outcomes.get(lock)) is not None:
             locked = tuple(sorted((*out.merged, *out.screened_out)))
         self.view_changes += 1
         self.view += 1
