@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sync.relay import SLOTS, Relayer
 
@@ -91,21 +92,54 @@ def test_a_later_answer_is_retried_while_the_round_collects() -> None:
     asyncio.run(go())
 
 
+class Round:
+    """What the relayer asks of a round: has it an input set, and how long it may collect."""
+
+    def __init__(self, left: float, undecided: bool = True) -> None:
+        self.left, self.undecided = left, undecided
+
+    def collecting_left(self, now: float) -> float:
+        return self.left
+
+
+def measured(queued_s: float) -> Relayer:
+    relayer = Relayer(Link(rate=1e6))  # type: ignore[arg-type]
+    relayer._sent, relayer._busy_s = 1e6, 1.0  # measured: 1 MB/s
+    relayer.queued_bytes = int(queued_s * 1e6)
+    return relayer
+
+
 @pytest.mark.parametrize(("queued_s", "left_s", "busy"), [(0.0, 0.0, False), (0.5, 2.0, False),
                                                          (3.0, 2.0, True), (0.5, 0.0, True)])  # fmt: skip
 def test_busy_while_the_queued_copies_would_outlast_the_collecting_time(
     queued_s: float, left_s: float, busy: bool
 ) -> None:
-    relayer = Relayer(Link(rate=1e6))  # type: ignore[arg-type]
-    relayer._sent, relayer._busy_s = 1e6, 1.0  # measured: 1 MB/s
-    relayer.queued_bytes = int(queued_s * 1e6)
-    reply = relayer.busy_reply(left_s)
-    assert (reply is not None) is busy
-    if reply is not None:
-        assert reply["code"] == Reason.BUSY.value and "send later" in reply["reason"]
+    why = measured(queued_s).busy(Round(left_s), 0.0)  # type: ignore[arg-type]
+    assert (why is not None) is busy
+    assert why is None or "send later" in why
 
 
-def test_nothing_is_refused_before_the_uplink_was_measured() -> None:
+def test_nothing_is_refused_before_the_uplink_was_measured_or_once_the_set_is_agreed() -> None:
     relayer = Relayer(Link(rate=1e6))  # type: ignore[arg-type]
     relayer.queued_bytes = 10**9
-    assert relayer.busy_reply(0.0) is None
+    assert relayer.busy(Round(0.0), 0.0) is None  # type: ignore[arg-type]
+    assert measured(3.0).busy(Round(0.0, undecided=False), 0.0) is None  # type: ignore[arg-type]
+    assert measured(3.0).busy(None, 0.0) is None
+
+
+class Intake:
+    def screen_header(self, op: str, peer: str, first: bytes) -> tuple[int, str] | None:
+        return (1234, first.decode()) if op == "submit" else None
+
+
+def test_a_learners_own_upload_is_refused_busy_from_its_header() -> None:
+    """The screen runs before the payload is read: a learner told BUSY there uploads nothing
+    more; a fellow member's relayed copy (its stream peer is not the signer) is never BUSY."""
+    screen = measured(3.0).screening(Intake(), lambda: Round(1.0))  # type: ignore[arg-type,return-value]
+    with pytest.raises(RpcRefused) as e:
+        screen("submit", "learner", b"learner")
+    assert e.value.code is Reason.BUSY
+    assert screen("submit", "member", b"learner") == 1234  # a relayed copy
+    assert screen("fetch", "learner", b"x") is None
+    idle = measured(0.0).screening(Intake(), lambda: Round(1.0))  # type: ignore[arg-type,return-value]
+    assert idle("submit", "learner", b"learner") == 1234

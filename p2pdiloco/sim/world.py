@@ -210,26 +210,30 @@ class World:
 
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
         """The signed header goes first; the payload follows only if the syncer has the round
-        open (else it answers "later" from the header alone, as ``Intake.screen`` does). A
-        learner on the committee hands its delta to its own syncer: no transfer."""
+        open (else it answers "later" from the header alone, as ``Intake.screen`` does) and its
+        relays would not outlast the round's collecting (else BUSY from the header alone,
+        ``Relayer.screening``). A learner on the committee hands its delta to its own syncer:
+        no transfer."""
         if not learner.alive:
             return
-        if index == learner.index:
-            self.clock.at(self.clock.now, self._arrival, learner, sub, index)
-            return
         member = self.members.get(self.view, {}).get(index)
-        size = self.cfg.delta_bytes if member is not None and member.alive else SMALL
+        alive = member is not None and member.alive
+        busy = member is not None and member.alive and self._overrun(member, sub)
+        if index == learner.index:
+            self.clock.at(self.clock.now, self._arrival, learner, sub, index, busy)
+            return
+        size = self.cfg.delta_bytes if alive and not busy else SMALL
         t = self.links.transfer(learner.index, index, size, self.clock.now)
         if size > SMALL:
             self.learner_up += size
             self.syncer_in += size
-        self.clock.at(t, self._arrival, learner, sub, index)
+        self.clock.at(t, self._arrival, learner, sub, index, busy)
 
-    def _arrival(self, learner: SimLearner, sub: Submission, index: int) -> None:
+    def _arrival(self, learner: SimLearner, sub: Submission, index: int, busy: bool) -> None:
         member = self.members.get(self.view, {}).get(index)
         code: Reason | None = Reason.NO_OPEN_ROUND  # up, but not in this round yet: "later"
         ok, hint = False, None
-        if member is not None and member.alive and self._overrun(member, sub):
+        if member is not None and member.alive and busy:
             code = Reason.BUSY  # its relays would outlast the round's collecting (sync.relay)
         elif member is not None and member.alive:
             ok, code, hint = member.submit(sub, learner.index)

@@ -64,6 +64,11 @@ class Intake:
         verify and announce at most ``max_payload`` bytes, which is then the exact size the
         payload frame must have. Raises RpcRefused, after ``self.reject`` logs it against the
         signer (or the stream's peer when the signature fails)."""
+        got = self.screen_header(op, peer, first)
+        return None if got is None else got[0]
+
+    def screen_header(self, op: str, peer: str, first: bytes) -> tuple[int, str] | None:
+        """:meth:`screen`, with the header's signer: (payload bytes, signer)."""
         if op != "submit":
             return None
         try:
@@ -78,7 +83,7 @@ class Intake:
             text = f"payload of {nbytes} bytes is over the run's limit of {limit}"
             self.reject(sub.envelope.signer, sub.digest, Reason.MALFORMED, text)
             raise RpcRefused(Reason.MALFORMED, text)
-        return nbytes
+        return nbytes, sub.envelope.signer
 
     def decode(self, payload: bytes, base_version: int) -> dict[str, torch.Tensor]:
         """The delta per tensor of the fragment the round on ``base_version`` syncs; CodecError

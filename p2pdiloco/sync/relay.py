@@ -24,10 +24,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.net.sync_rpc import RpcError, RpcRefused, Screen
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.runtime.transport import Transport
+
+if TYPE_CHECKING:
+    from p2pdiloco.sync.intake import Intake
+    from p2pdiloco.sync.round import SyncerRound
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +66,26 @@ class Relayer:
         """True when more copies would not leave within ``seconds_left`` of collecting."""
         return self.queued_bytes > 0 and self.backlog_s() > max(0.0, seconds_left)
 
-    def busy_reply(self, seconds_left: float) -> dict[str, str] | None:
-        """The BUSY answer to a learner's delta while :meth:`would_overrun`; else None."""
-        if not self.would_overrun(seconds_left):
+    def busy(self, rnd: SyncerRound | None, now: float) -> str | None:
+        """Why a learner's own delta is refused BUSY now (:meth:`would_overrun` on what is left
+        of ``rnd``'s grace); None: take it."""
+        if rnd is None or not rnd.undecided or not self.would_overrun(rnd.collecting_left(now)):
             return None
-        text = f"relays queued here need {self.backlog_s():.0f} s more of the uplink: send later"
-        return {"status": "rejected", "code": Reason.BUSY.value, "reason": text}
+        return f"relays queued here need {self.backlog_s():.0f} s more of the uplink: send later"
+
+    def screening(self, intake: Intake, current: Callable[[], SyncerRound | None]) -> Screen:
+        """``intake.screen``, and BUSY from the header alone for a learner's own upload (the
+        stream's peer signed it) while :meth:`busy`: its payload is then not read at all."""
+
+        def screen(op: str, peer: str, first: bytes) -> int | None:
+            got = intake.screen_header(op, peer, first)
+            if got is None:
+                return None
+            if got[1] == peer and (why := self.busy(current(), time.monotonic())):
+                raise RpcRefused(Reason.BUSY, why)
+            return got[0]
+
+        return screen
 
     async def relay(
         self, peers: Sequence[str], raw: bytes, payload: bytes, collecting: Callable[[], bool]

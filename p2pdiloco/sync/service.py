@@ -89,7 +89,8 @@ class SyncService:
         self.rules = manifest.rules
         self.intake = Intake(manifest, shapes, run_id, self._reject)
         self.max_payload = self.intake.max_payload
-        self.screen = self.intake.screen  # a submission's header, before its payload is read
+        self.relayer = Relayer(transport)  # copies of learners' deltas, queued on the uplink
+        self.screen = self.relayer.screening(self.intake, lambda: self.round)  # header only
         self.transport = transport
         self.live_learners = live_learners
         self.on_certified = on_certified
@@ -106,7 +107,6 @@ class SyncService:
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
         self.arrivals = ArrivalWindow(self.rules.grace, self.rules.grace_min)  # adaptive grace
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.relayer = Relayer(transport)  # copies of learners' deltas, queued on the uplink
         self.views = ViewDriver(identity, run_id, manifest, self._send, self._spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ class SyncService:
                     "fast_forward": ff}, []  # fmt: skip
         rnd, now = self.round, time.monotonic()
         relaying = pass_on and stream_peer == h.peer_id and rnd.undecided  # to pass on
-        if relaying and (busy := self.relayer.busy_reply(rnd.collecting_left(now))):
-            return busy, []
+        if relaying and (busy := self.relayer.busy(rnd, now)):  # its own learner's: no screen
+            return {"status": "rejected", "code": Reason.BUSY.value, "reason": busy}, []
         actions = rnd.on_submission(self._submission(sub), now)
         rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
         if not rejected or rejected[0].code not in RETRYABLE:
