@@ -2,8 +2,9 @@
 
 The copies a member passes on queue on its uplink in the order they were taken; one not begun
 when the member has adopted its round's input set is dropped (the fellows fetch what the
-agreed set needs). A member refuses a learner's delta with BUSY while its queued copies would outlast the
-round's collecting time. The real relayer measures its uplink; the simulator knows it.
+agreed set needs). A member refuses a learner's delta with BUSY while its queued copies would
+outlast the round's collecting time. The real relayer measures its uplink; the simulator knows
+it.
 """
 
 from __future__ import annotations
