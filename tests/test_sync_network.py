@@ -192,7 +192,13 @@ def test_killed_syncer_and_learner_do_not_stop_certification_and_a_restart_resum
         assert later, "no version certified after the kill"
         dead = keys[3].peer_id
         assert dead in later[0].body.committee  # it was elected, yet the round closed
-        assert all(dead not in c.signers and len(c.signers) >= c.body.quorum for c in later)
+        assert all(len(c.signers) >= c.body.quorum for c in later)
+        # Its status lags its round: it may have merged and signed the round open at its death
+        # (learners train on through undecided rounds, so that round can close at once). It
+        # signed nothing it had not merged before the kill, and the others certified on without it.
+        merged = {int(v) for v in re.findall(r"merged version (\d+):", victim.text())}
+        assert all(dead not in c.signers or c.body.version in merged for c in later)
+        assert any(dead not in c.signers for c in later)
 
         restarted = net.start_node("node3", keys[3], until_version=4)
         net.wait_versions(4, [*survivors, restarted], 300)
