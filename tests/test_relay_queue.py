@@ -54,7 +54,8 @@ def test_copies_leave_in_order_a_few_at_a_time_and_the_uplink_is_measured() -> N
         assert relayer.rate() is None and relayer.backlog_s() == 0.0
         tasks = [asyncio.create_task(relayer.relay(["B", "C"], f"d{i}".encode(), PAYLOAD,
                                                    lambda: True)) for i in range(4)]  # fmt: skip
-        await asyncio.sleep(0.015)
+        while not link.started:  # the first copies are under way
+            await asyncio.sleep(0)
         assert relayer.queued_bytes > 0
         assert await asyncio.gather(*tasks) == [2, 2, 2, 2]
         assert link.most_at_once == SLOTS
@@ -73,10 +74,11 @@ def test_copies_not_begun_when_the_round_closes_are_dropped() -> None:
         open_ = [True]
         tasks = [asyncio.create_task(relayer.relay(["B", "C", "D"], f"d{i}".encode(), PAYLOAD,
                                                    lambda: open_[0])) for i in range(5)]  # fmt: skip
-        await asyncio.sleep(0.025)  # a few copies under way
-        open_[0] = False
+        while len(link.started) < SLOTS:  # the first copies are under way
+            await asyncio.sleep(0)
+        open_[0] = False  # the round agreed: those finish, the 13 others are dropped
         held = sum(await asyncio.gather(*tasks))
-        assert 2 <= held < 15 and len(link.started) == len(link.done) == held
+        assert held == SLOTS and len(link.started) == len(link.done) == held
         assert relayer.queued_bytes == 0
 
     asyncio.run(go())
