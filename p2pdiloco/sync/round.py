@@ -315,12 +315,16 @@ class SyncerRound:
         may close later than this member did)."""
         return self.input_set is None and self.phase in (Phase.COLLECTING, Phase.AGREEING)
 
-    def collecting_left(self, now: float) -> float:
-        """Seconds until this attempt closes at the latest (its grace or ``close_after``); 0
-        once it is past that or has an input set."""
+    @property
+    def close_deadline(self) -> float:
+        """When this attempt closes at the latest: its grace, or ``close_after`` if sooner."""
         p = self.params
         close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
-        return max(0.0, self.attempt_opened_at + close_after - now) if self.undecided else 0.0
+        return self.attempt_opened_at + close_after
+
+    def collecting_left(self, now: float) -> float:
+        """Seconds until :attr:`close_deadline`; 0 once past it or with an input set."""
+        return max(0.0, self.close_deadline - now) if self.undecided else 0.0
 
     def leader_silent(self, now: float) -> bool:
         """True once no input set was proposed or adopted here ``agree_timeout`` after this
@@ -440,8 +444,7 @@ class SyncerRound:
         # probationary one still training is waited for, by the linger at most).
         everyone = n >= p.trusted_live and len(self.accepted) >= p.active_learners
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
-        close_after = p.grace if p.close_after is None else min(p.grace, p.close_after)
-        deadline = now >= self.attempt_opened_at + close_after
+        deadline = now >= self.close_deadline
         if self.phase is not Phase.COLLECTING or n == 0 or not (everyone or lingered or deadline):
             return []
         self.phase = Phase.AGREEING
