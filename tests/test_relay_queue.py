@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sync.relay import SLOTS, Relayer
 
@@ -80,6 +80,25 @@ def test_copies_not_begun_when_the_round_closes_are_dropped() -> None:
         held = sum(await asyncio.gather(*tasks))
         assert held == SLOTS and len(link.started) == len(link.done) == held
         assert relayer.queued_bytes == 0
+
+    asyncio.run(go())
+
+
+def test_an_unreachable_fellow_does_not_make_the_uplink_look_slow() -> None:
+    class Dead(Link):
+        dial = 0.05  # seconds a dial to a dead peer takes to fail
+
+        async def call(self, peer: str, op: str, **kw: Any) -> tuple[dict[str, Any], list[bytes]]:
+            if peer == "dead":
+                await asyncio.sleep(self.dial)  # a dial that times out: no byte leaves
+                raise RpcError("cannot open a stream to dead: unreachable")
+            return await super().call(peer, op, **kw)
+
+    async def go() -> None:
+        relayer = Relayer(Dead(rate=1e6))  # type: ignore[arg-type]
+        assert await relayer.relay(["B", "dead"], b"d0", PAYLOAD, lambda: True) == 1
+        rate = relayer.rate()
+        assert rate is not None and rate > 0.5e6  # the 10 ms copy to B, not the 50 ms dial
 
     asyncio.run(go())
 

@@ -137,5 +137,7 @@ class Relayer:
         now = time.monotonic()
         busy = now - self._since
         self._since = now
+        if nbytes == 0:
+            return  # a fellow that could not be reached: the uplink carried nothing meanwhile
         self._sent = self._sent * DECAY + nbytes
         self._busy_s = self._busy_s * DECAY + busy
