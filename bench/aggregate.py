@@ -11,6 +11,9 @@ cancels out how busy the machine is. Throughput is learner-parameters per second
 Every rule keeps its ops within torch's grain (ADR 0023), so ``--threads`` changes only the
 mean's last full-length ops and the input validation; on a busy host compare 1-thread figures.
 
+``fold_clones`` is clone folding's pass (ADR 0036), which a merge adds to its rule when the
+manifest sets ``rules.clone_factor``: M(M − 1)/2 squared distances, so it grows as M².
+
 Peak memory: after the timings, each rule runs once more while a thread samples the process's
 RSS every 2 ms; ``peak_rows`` is what the call added above the inputs, in rows of D float32
 (a learner's delta of the fragment: issue 11 bounds a merge at M + 3 of them, so 3 added). The
@@ -35,6 +38,8 @@ from rss import (  # bench/ is sys.path[0] when a bench runs as a script
 )
 
 from p2pdiloco.aggregate import clip_norms, get_rule, screen
+from p2pdiloco.aggregate.rows import RowSet
+from p2pdiloco.sync.clones import fold_clones
 
 
 def seconds(fn: Callable[[], object]) -> float:
@@ -80,6 +85,8 @@ def main() -> int:
     }
     jobs["screen"] = lambda: screen(delta_MD, expected_numel=d)
     jobs["clip_norms"] = lambda: clip_norms(delta_MD, 1.0)
+    every = list(range(m))  # clone folding's distances (ADR 0036), as a merge runs them
+    jobs["fold_clones"] = lambda: fold_clones(RowSet([[r] for r in delta_MD]), every, every, 0.25)
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for job in jobs.values():  # warm-up: allocator, first-call dispatch
         job()

@@ -19,6 +19,8 @@ first ratio and sit at 1.000 on the second.
 
 A rule is NAME or NAME:KEY=VALUE[,KEY=VALUE] (``trimmed_mean:f=3``); bare names take the
 parameters in ``RULE_PARAMS`` (trimmed_mean f=1 is what ``run create`` and ``demo`` sign).
+``--clone-factor`` sets the manifest's ``clone_factor`` (clone folding, ADR 0036) in every cell
+but the two references; ``--clone-factor none,0.25`` runs every cell under each value.
 Writes ``byzantine.json`` (after every cell, so a cut run keeps what it measured),
 ``byzantine-heatmap.png/.svg`` (loss ratio per attack × fraction, one panel per rule) and
 ``byzantine-curves.png/.svg`` (eval loss per round, one panel per attack) into ``--out``.
@@ -80,14 +82,16 @@ def rule_label(name: str, params: dict[str, Any]) -> str:
 
 
 def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: str | None,
-             attackers: int) -> dict[str, Any]:  # fmt: skip
+             attackers: int, clone: float | None = None,
+             jitter: float = 0.0) -> dict[str, Any]:  # fmt: skip
     name, params = rule
     m = a.learners
     cfg = SimulateConfig(
         learners=m, inner_steps=a.inner_steps, rounds=a.rounds, data=a.data,
         seed=a.seed, baseline=False, eval_batches=a.eval_batches, compression=a.compression,
-        rules=SyncRules(aggregation=name, aggregation_params=params),
+        rules=SyncRules(aggregation=name, aggregation_params=params, clone_factor=clone),
         adversaries=attackers, attack=attack or "sign-flip",
+        attack_jitter=jitter,
         inner=InnerConfig(lr=a.lr, warmup_steps=2, batch_size=a.batch_size, seq_len=a.seq_len),
         outer=OuterConfig(lr=0.7, momentum=0.5),  # short-run momentum: docs/adr/0006
     )  # fmt: skip
@@ -97,7 +101,11 @@ def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: st
     merges = a.rounds  # one fragment: one merge per round
     honest = [i for i in range(m) if i not in bad]
     return {
-        "rule": rule_label(name, params),
+        "rule": rule_label(name, params)
+        + ("" if clone is None else f" clones≤{clone:g}")
+        + (f" jitter {jitter:g}" if jitter else ""),
+        "jitter": jitter,
+        "clone_factor": clone,
         "aggregation": name,
         "params": params,
         "attack": attack or "clean",
@@ -110,6 +118,10 @@ def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: st
         "honest_accepted": sum(res.accepted_deltas[i] for i in honest) / (len(honest) * merges),
         "attacker_accepted": (
             sum(res.accepted_deltas[i] for i in bad) / (len(bad) * merges) if bad else None
+        ),
+        "honest_folded": sum(res.folded_deltas[i] for i in honest) / (len(honest) * merges),
+        "attacker_folded": (
+            sum(res.folded_deltas[i] for i in bad) / (len(bad) * merges) if bad else None
         ),
         "seconds": time.perf_counter() - t0,
     }
@@ -253,6 +265,9 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--compression", default="none")
+    ap.add_argument("--clone-factor", default="none", help="comma list: none or a number")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="each attacker adds noise of this × the honest std (clone evasion)")  # fmt: skip
     ap.add_argument("--data", default="embedded")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -289,11 +304,12 @@ def main() -> int:
         alone[b] = only["loss"]
         report.setdefault("honest_only", []).append(only)
         print(f"honest only ({a.learners - b} of 8): loss {only['loss']:.4f}", file=sys.stderr)
-    for rule in rules:
-        cells = [(None, 0)] if rule[0] != "mean" else []
+    clones = [None if c == "none" else float(c) for c in a.clone_factor.split(",")]
+    for rule, clone in [(r, c) for r in rules for c in clones]:
+        cells = [(None, 0)] if rule[0] != "mean" or clone is not None else []
         cells += [(attack, b) for b in counts for attack in attacks]
         for attack, b in cells:
-            row = run_cell(a, rule, attack, b)
+            row = run_cell(a, rule, attack, b, clone, a.jitter if attack else 0.0)
             judge(row, clean["loss"], alone[b])
             report["rows"].append(row)
             save()

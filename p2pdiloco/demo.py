@@ -45,6 +45,7 @@ class DemoConfig:
     inner_steps: int = 20  # H
     adversary: str | None = None  # the last node attacks with this kind
     aggregation: str = "trimmed_mean"
+    clone_factor: float | None = 0.25  # clone folding (ADR 0036), as `run create` signs
     compression: str = "int8"
     update_compression: str = "int8"  # the certified update's codec (ADR 0029), as `run create`
     committee_size: int = 4
@@ -240,6 +241,7 @@ class LocalNetwork:
         )
         rules: dict[str, Any] = dict(
             aggregation=cfg.aggregation,
+            clone_factor=cfg.clone_factor,
             grace=cfg.grace,
             agree_timeout=cfg.agree_timeout,
             update_codec=cfg.update_compression,

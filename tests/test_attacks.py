@@ -88,3 +88,26 @@ def test_new_attacks_keep_names_shapes_and_dtype(kind: str) -> None:
     sent = Attacker(AttackConfig(kind), num_learners=4).transform(own, [_delta(gen)], 0, [own])
     assert sorted(sent) == sorted(own)
     assert all(sent[n].shape == own[n].shape and sent[n].dtype == torch.float32 for n in SHAPES)
+
+
+def test_jitter_gives_each_colluder_its_own_noise_at_the_honest_spread() -> None:
+    """``jitter`` (ADR 0036): copies of one vector stop being copies, each by its own noise of
+    jitter × the honest per-coordinate std; the same member and round draw the same noise."""
+    gen = torch.Generator().manual_seed(3)
+    honest = [_delta(gen, shift=1.0) for _ in range(5)]
+    coalition = [_delta(gen, shift=1.0) for _ in range(3)]
+    plain = Attacker(AttackConfig("collude"), num_learners=8, num_attackers=3)
+    cfg = AttackConfig("collude", jitter=0.5)
+    members = [Attacker(cfg, num_learners=8, num_attackers=3, member=i) for i in range(3)]
+    base = _flat(plain.transform(coalition[0], honest, 0, coalition))
+    sent = [
+        _flat(a.transform(own, honest, 0, coalition))
+        for a, own in zip(members, coalition, strict=True)
+    ]
+    sigma = torch.stack([_flat(h) for h in honest]).std(0, unbiased=False)
+    for i, s in enumerate(sent):
+        noise = (s - base) / sigma
+        assert 0.25 < noise.std().item() < 1.0  # 0.5 in expectation, 17 values
+        assert not torch.equal(s, sent[(i + 1) % 3])
+    again = Attacker(cfg, num_learners=8, num_attackers=3, member=1)
+    assert torch.equal(_flat(again.transform(coalition[1], honest, 0, coalition)), sent[1])

@@ -26,6 +26,9 @@ SAFE_COMPRESSION = "int8"
 # what fp32 would take, and the loss measured stayed within noise (docs/benchmarks.md).
 SAFE_UPDATE_COMPRESSION = "int8"
 SAFE_AGGREGATION = "trimmed_mean"
+# Clone folding (ADR 0036): copies of one delta sent under several identities count once; 0.25
+# × the honest spread leaves honest deltas apart unless one has ~1/16 of the others' steps.
+SAFE_CLONE_FACTOR = 0.25
 
 
 @app.command("create", short_help="Sign and publish a run manifest.")
@@ -70,6 +73,16 @@ def create(
         list[str] | None,
         typer.Option(help="Rule parameter KEY=VALUE (repeatable); trimmed_mean defaults to f=1."),
     ] = None,
+    clone_factor: Annotated[
+        float,
+        typer.Option(
+            help="Merge screened deltas closer to one another than this × the honest spread as "
+            "one (ADR 0036; 0: exact copies only)."
+        ),
+    ] = SAFE_CLONE_FACTOR,
+    clone_folding: Annotated[
+        bool, typer.Option(help="Fold copies of one delta into one vote in the merge.")
+    ] = True,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _r.screen_norm_factor or 0.0,
@@ -127,6 +140,7 @@ def create(
         aggregation=aggregation,
         aggregation_params=params,
         screen_norm_factor=screen_norm_factor or None,
+        clone_factor=clone_factor if clone_folding else None,
         weight_cap=weight_cap,
         staleness=staleness,
         grace=grace,

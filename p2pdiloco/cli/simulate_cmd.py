@@ -92,6 +92,14 @@ def simulate(
     agg_param: Annotated[
         list[str] | None, typer.Option(help="Rule parameter KEY=VALUE, e.g. f=1 (repeatable).")
     ] = None,
+    clone_factor: Annotated[
+        float | None,
+        typer.Option(
+            metavar="FACTOR",
+            help="Fold screened deltas closer than this × the honest spread into one vote "
+            "(ADR 0036) [default: off].",
+        ),
+    ] = _d.rules.clone_factor,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _d.rules.screen_norm_factor or 0.0,
@@ -137,6 +145,7 @@ def simulate(
             aggregation=aggregation,
             aggregation_params=parse_agg_params(agg_param or []),
             screen_norm_factor=screen_norm_factor or None,
+            clone_factor=clone_factor,
             weight_cap=weight_cap,
             update_codec=update_compression,
         ),

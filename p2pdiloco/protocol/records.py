@@ -176,6 +176,9 @@ class SyncRules(_Strict):
     )
     # Screening drops a delta whose L2 norm exceeds this × the median norm; None disables it.
     screen_norm_factor: float | None = Field(default=3.0, ge=1, le=1e6)
+    # Clone folding (sync.clones, ADR 0036): screened deltas closer to one another than this ×
+    # the median distance between trusted deltas are merged as one row. None: no folding.
+    clone_factor: float | None = Field(default=None, ge=0, le=1)
     # Largest share of the total merge weight one submission may hold (water-filling cap).
     weight_cap: float = Field(default=0.25, gt=0, le=1)
     # Oldest base version a round accepts: certified version − staleness.

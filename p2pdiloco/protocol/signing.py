@@ -38,7 +38,8 @@ from p2pdiloco.protocol.identity import (
 # ADR 0027): a round's verdicts, and so its certified bytes, differ from protocol 5's.
 # 7: certified updates (ADR 0029): ``rules.update_codec``, the outer step applies the decoded
 # update, and certificate bodies carry ``update_hash``; the ``update`` op serves it.
-PROTOCOL_VERSION = 7
+# 8: clone folding (ADR 0036): ``rules.clone_factor``; near-identical deltas merge as one row.
+PROTOCOL_VERSION = 8
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -22,6 +22,7 @@ from p2pdiloco.aggregate.clipping import judge_norms
 from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.sync.clones import fold_clones
 from p2pdiloco.train.outer import OuterConfig, outer_update_
 
 
@@ -47,6 +48,9 @@ class MergeResult:
     accepted: list[str]  # digests merged, in input order
     rejected: dict[str, str] = field(default_factory=dict)  # digest → screening reason
     rule: str = ""  # the rule actually applied (a fallback is named here)
+    # Accepted digests merged as another one's copy (``sync.clones``, ADR 0036): digest → the
+    # digest of its group's row that the rule saw. They are in ``accepted`` too.
+    folded: dict[str, str] = field(default_factory=dict)
     # The merged pseudo-gradient g encoded per tensor (sorted names) with the update codec, when
     # one was given: the outer step applied decode(encode(g)), which is what learners repeat.
     update: dict[str, Encoded] = field(default_factory=dict)
@@ -79,7 +83,9 @@ def merge_round(
     must hold every such name; a missing tensor or a wrong shape rejects that input, like
     screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × the median norm of the
     trusted inputs, so probationary ones cannot move it, and a probationary delta must not point
-    away from the trusted inputs' mean: ``sync.trust``). The rule
+    away from the trusted inputs' mean: ``sync.trust``). With ``rules.clone_factor`` set, copies
+    of one vector (``sync.clones``) count as one row: the first of each group, with its weight;
+    the others stay accepted and are named in ``MergeResult.folded``. The rule
     ``rules.aggregation`` merges the rest with the inputs' weights. If fewer remain than the
     rule needs, the coordinate median is used instead (named in ``MergeResult.rule``), so a
     round that closed with few learners still produces a state. A name without a momentum
@@ -123,10 +129,14 @@ def merge_round(
     rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
     if not kept:
         raise MergeError("screening rejected every delta of the round", rejected)
+    into: dict[int, int] = {}
+    if rules.clone_factor is not None:
+        into = fold_clones(deltas, kept, [j for j in kept if trusted[j]], rules.clone_factor)
+    voters = [j for j in kept if j not in into]  # one row per group of clones
     applied = rules.aggregation
-    if len(kept) < chosen.min_learners:
+    if len(voters) < chosen.min_learners:
         chosen, applied = get_rule("median"), f"median (fallback from {rules.aggregation})"
-    weights = [inputs[rows[j]].weight for j in kept]
+    weights = [inputs[rows[j]].weight for j in voters]
 
     new_params = {n: params[n].detach().float().clone() for n in names}
     new_momentum = {
@@ -137,13 +147,13 @@ def merge_round(
     flat_m = [new_momentum[n].view(-1) for n in names]
     # The rule's own checks once (the rows are screened: finite float32), then its arithmetic
     # per window: re-validating each window would scan it again, in ops above GRAIN.
-    checked = check_weights(weights, len(kept))
-    rows_in, rule, w_in = kept, chosen, checked
+    checked = check_weights(weights, len(voters))
+    rows_in, rule, w_in = voters, chosen, checked
     if not chosen.coordinatewise:
         # Krum and multi-Krum choose rows in a pass over the windows, then merge them by a
         # coordinate-wise rule; the others (centered clipping, geometric median) see all
         # columns at once: one window of width D, a stack of the kept rows.
-        picked = chosen.select(deltas, kept, checked)
+        picked = chosen.select(deltas, voters, checked)
         if picked is not None:
             rows_in, rule, w_in = picked
     # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
@@ -179,6 +189,7 @@ def merge_round(
         accepted=[inputs[rows[j]].digest for j in kept],
         rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
+        folded={inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items()},
         update={n: update[n] for n in names if n in update},
     )
 

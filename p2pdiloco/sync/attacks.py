@@ -20,6 +20,10 @@ round, ``coalition_BD`` the colluding attackers' own (unpoisoned) deltas.
 | collude   | one vector all attackers share: −c · median norm · unit(mean)          | adaptive, screening-aware |
 | inflate   | its honest delta, with a signed claim of 10⁶ steps (tokens to match)   | clipped to H (`plausible_claim`) |
 
+``jitter`` (any attack, default 0): each attacker adds its own Gaussian noise of ``jitter`` ×
+the honest deltas' per-coordinate std, so copies of one vector stop being copies: the evasion
+of clone folding (``sync.clones``, ADR 0036) whose cost the Byzantine bench measures.
+
 ``mimic`` over-weights one honest learner's data (Karimireddy, He and Jaggi 2022, "Byzantine-robust
 learning on heterogeneous datasets via bucketing"): every attacker copies the same honest
 delta, the one farthest from the honest mean in the first round it sees, and follows that
@@ -54,6 +58,7 @@ class AttackConfig:
     noise: float = 10.0  # ν: noise std relative to the delta's rms
     ipm_epsilon: float = 0.5  # ε of inner-product manipulation
     collude_norm: float = 2.9  # c: the shared vector's norm / the pool's median norm
+    jitter: float = 0.0  # each attacker's own noise, × the honest per-coordinate std
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -155,12 +160,15 @@ class Attacker:
     ``honest``/``coalition`` deltas without the attacker's tensors.
     """
 
-    def __init__(self, cfg: AttackConfig, *, num_learners: int, num_attackers: int = 1) -> None:
+    def __init__(
+        self, cfg: AttackConfig, *, num_learners: int, num_attackers: int = 1, member: int = 0
+    ) -> None:
         if not 1 <= num_attackers <= num_learners:
             raise ValueError("an attack needs 1 ≤ num_attackers ≤ num_learners")
         self.cfg = cfg
         self.num_learners = num_learners
         self.num_attackers = num_attackers
+        self.member = member  # seeds this attacker's jitter apart from the coalition's others
         self._previous: dict[tuple[str, ...], torch.Tensor] = {}
         self._mimic: int | None = None  # position in ``honest`` of the learner mimicked
 
@@ -198,6 +206,11 @@ class Attacker:
             coalition_BD=_flat(coalition, names) if coalition else None,
             mimic_row=self._mimic or 0,
         )
+        if self.cfg.jitter and len(honest_MD) > 1:
+            gen = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + round_index) * 4099
+                                                + self.member)  # fmt: skip
+            sigma_D = honest_MD.float().std(0, unbiased=False)
+            bad_D = bad_D + self.cfg.jitter * sigma_D * torch.randn(bad_D.shape, generator=gen)
         self._previous[names] = own_D
         return _unflat(bad_D, own, names)
 

@@ -60,6 +60,9 @@ class SimulateConfig:
     rules: SyncRules = field(default_factory=SyncRules)
     adversaries: int = 0  # the last N learners poison their deltas
     attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
+    # Each attacker adds its own noise of this × the honest per-coordinate std (AttackConfig
+    # .jitter): copies that stay apart from one another, to measure clone folding's limit.
+    attack_jitter: float = 0.0
     compression: str = "none"  # delta codec (p2pdiloco.compress.CODECS), with error feedback
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)

@@ -95,6 +95,8 @@ class SimulationResult:
     attack: str | None = None
     accepted_deltas: list[int] = field(default_factory=list)  # per learner, over the run
     rejected_deltas: list[int] = field(default_factory=list)  # per learner (screening)
+    # per learner: accepted deltas merged as another's copy (clone folding, ADR 0036)
+    folded_deltas: list[int] = field(default_factory=list)
 
     @property
     def loss_ratio(self) -> float | None:
@@ -182,7 +184,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     n_params = sum(p.numel() for p in param_state(initial).values())
 
     attackers = build_attackers(cfg)  # before any training: a bad rule or attack fails fast
-    counts = _Verdicts(accepted=[0] * cfg.learners, rejected=[0] * cfg.learners)
+    counts = _Verdicts(*([0] * cfg.learners for _ in range(3)))
     diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick, attackers, counts)
     baseline = (
         _run_data_parallel(cfg, inner, corpus, evals, initial, tick) if cfg.baseline else None
@@ -214,6 +216,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         attack=cfg.attack if cfg.adversaries else None,
         accepted_deltas=counts.accepted,
         rejected_deltas=counts.rejected,
+        folded_deltas=counts.folded,
     )
 
 
@@ -221,6 +224,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
 class _Verdicts:
     accepted: list[int]  # per learner: deltas merged
     rejected: list[int]  # per learner: deltas screened out
+    folded: list[int]  # per learner: accepted deltas merged as another's copy
 
 
 def build_attackers(cfg: SimulateConfig) -> dict[int, Attacker]:
@@ -234,12 +238,12 @@ def build_attackers(cfg: SimulateConfig) -> dict[int, Attacker]:
         get_rule(cfg.rules.aggregation, **cfg.rules.aggregation_params)
         if not cfg.adversaries:
             return {}
-        attack = AttackConfig(cfg.attack, seed=cfg.seed)
+        attack = AttackConfig(cfg.attack, seed=cfg.seed, jitter=cfg.attack_jitter)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     first = cfg.learners - cfg.adversaries
     return {
-        i: Attacker(attack, num_learners=cfg.learners, num_attackers=cfg.adversaries)
+        i: Attacker(attack, num_learners=cfg.learners, num_attackers=cfg.adversaries, member=i)
         for i in range(first, cfg.learners)
     }
 
@@ -366,11 +370,13 @@ def _run_diloco(
                     theta, momentum, deltas, sent_tokens, names, rules=cfg.rules, outer=cfg.outer
                 )
                 verdict_accepted, verdict_rejected = result.accepted, result.rejected
+                folded = result.folded
             except MergeError as e:
-                verdict_accepted, verdict_rejected = [], e.rejected
+                verdict_accepted, verdict_rejected, folded = [], e.rejected, {}
             for i in range(cfg.learners):
                 counts.accepted[i] += learner_id(i) in verdict_accepted
                 counts.rejected[i] += learner_id(i) in verdict_rejected
+                counts.folded[i] += learner_id(i) in folded
             for model, _, _ in learners:
                 local = param_state(model)
                 with torch.no_grad():
