@@ -12,6 +12,7 @@ import pytest
 
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sync import relay
 from p2pdiloco.sync.relay import SLOTS, Relayer
 
 PAYLOAD = b"x" * 10_000
@@ -19,11 +20,11 @@ PAYLOAD = b"x" * 10_000
 
 class Link:
     """Answers each submit after len(frames) / rate seconds (copies at once do not share the
-    rate); ``later`` peers say "later" once."""
+    rate); ``later`` peers say "later" once (or ``times`` times)."""
 
-    def __init__(self, rate: float, later: Sequence[str] = ()) -> None:
+    def __init__(self, rate: float, later: Sequence[str] = (), times: int = 1) -> None:
         self.rate = rate
-        self.later = set(later)
+        self.later = {p: times for p in later}
         self.started: list[str] = []
         self.done: list[str] = []
         self.at_once = 0
@@ -40,8 +41,8 @@ class Link:
             await asyncio.sleep(sum(len(f) for f in frames) / self.rate)
         finally:
             self.at_once -= 1
-        if peer in self.later:
-            self.later.discard(peer)
+        if self.later.get(peer):
+            self.later[peer] -= 1
             return {"status": "rejected", "code": Reason.NO_OPEN_ROUND.value}, []
         self.done.append(tag)
         return {"status": "accepted"}, []
@@ -103,12 +104,24 @@ def test_an_unreachable_fellow_does_not_make_the_uplink_look_slow() -> None:
     asyncio.run(go())
 
 
-def test_a_later_answer_is_retried_while_the_round_collects() -> None:
+def test_a_later_answer_is_retried_while_the_round_collects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fellow not in the round yet (loading the view's state, restarted) answers "later" for
+    as long as that takes: more than ``ATTEMPTS`` times here, and it still gets the copy (ADR
+    0037). Once the round stops collecting, the relayer gives up."""
+    monkeypatch.setattr(relay, "LATER_EVERY", 0.001)
+
     async def go() -> None:
-        link = Link(rate=1e7, later=["C"])
+        link = Link(rate=1e7, later=["C"], times=3 * relay.ATTEMPTS)
         relayer = Relayer(link)  # type: ignore[arg-type]
         assert await relayer.relay(["B", "C"], b"d0", PAYLOAD, lambda: True) == 2
-        assert link.started.count("C/d0") == 2
+        assert link.started.count("C/d0") == 3 * relay.ATTEMPTS + 1
+        link = Link(rate=1e7, later=["C"], times=100)
+        asks = iter(range(100))
+        collecting = lambda: next(asks) < 10  # noqa: E731
+        assert await Relayer(link).relay(["C"], b"d1", PAYLOAD, collecting) == 0  # type: ignore[arg-type]
+        assert 2 <= link.started.count("C/d1") <= 10
 
     asyncio.run(go())
 

@@ -3,12 +3,13 @@ guarantees held on simulated time (quorum certificates, view changes, faulty syn
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
 from p2pdiloco.sim import SimConfig, simulate_run
-from p2pdiloco.sim.config import fault_schedule, profiles
+from p2pdiloco.sim.config import Fault, fault_schedule, profiles
 from p2pdiloco.sim.dp import data_parallel, up_seconds
 
 SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
@@ -149,3 +150,27 @@ def test_members_with_thin_uplinks_drop_late_relays_and_push_back() -> None:
     assert world.relays.dropped > 0 and world.relays.busy > 0
     assert result.versions >= 5, result  # live: rounds certify (a view may time out)
     assert result.wrong_certificates == 0 and result.conflicts == 0
+
+
+def test_members_that_restart_mid_round_still_get_the_proposal_and_sign() -> None:
+    """Two of version v's four members restart just after v − 1 is certified, so they open v's
+    round only once their state is loaded (``restart_seconds``), after the leader proposed. The
+    leader sends the proposal again while they answer "later" (``sync.sending``, ADR 0037):
+    they merge and sign, and v is certified in its first view. Before, the proposal reached
+    only the two members open at the time, short of the quorum of 3, and the view changed."""
+    cfg = replace(SMALL, duration=900.0, restart_seconds=60.0)
+    _, clean = simulate_run(cfg, baseline=False)
+    v = 4
+    before, due = clean.certs[v - 2], clean.certs[v - 1]
+    assert due.version == v and due.view == 0
+    leader = due.committee[0]  # attempt 0 leads
+    late = [m for m in due.committee if m != leader][:2]
+    index = {p.peer_id: p.index for p in profiles(cfg, cfg.peers, random.Random(cfg.seed))}
+    at = before.certified_at + 0.5
+    faults = [Fault(at, index[m], kind) for m in late for kind in ("down",)]
+    faults += [Fault(at + 1.0, index[m], "up") for m in late]
+    result, world = simulate_run(cfg, baseline=False, faults=faults)
+    cert = world.certs[v - 1]
+    assert cert.version == v and cert.view == 0, cert
+    assert set(late) & set(cert.signers), cert.signers
+    assert result.view_changes == 0 and result.conflicts == 0

@@ -45,6 +45,18 @@ def intake_order(digest: str, members: Sequence[str], me: str) -> list[str]:
     return [me, *others] if me in members else others
 
 
+def fetch_order(digest: str, members: Sequence[str], me: str, proposer: str) -> list[str]:
+    """Whom a member asks for agreed input ``digest`` it lacks (ADR 0037): first the fellow its
+    learner most likely uploaded it to (the first of :func:`intake_order` for a learner off the
+    committee, ``me`` left out: it lacks the input), which relayed it and so holds it, then the
+    proposer, which holds every
+    input it proposed, then the others as learners try them. The fetches of a round so spread
+    over the members' uplinks instead of all queueing on the proposer's."""
+    ranked = [m for m in intake_order(digest, members, "") if m != me]
+    first = ranked[:1] if ranked and ranked[0] != proposer else []
+    return [*first, proposer, *(m for m in ranked if m not in first and m != proposer)]
+
+
 def next_targets(
     order: Sequence[str], statuses: Mapping[str, str], retry: Sequence[str]
 ) -> list[str]:

@@ -66,7 +66,7 @@ class Relays:
             t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
             w.relayed += w.cfg.delta_bytes
             w.syncer_in += w.cfg.delta_bytes
-            w.clock.at(t, w._relayed, sub, learner, dst, 0)
+            w.clock.at(t, w._relayed, sub, learner, src, dst, 0)
             w.clock.at(w.links.by_index[src].up_free, self._pump, src)
             return
         self.pumping.discard(src)

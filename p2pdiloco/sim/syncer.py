@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.runtime.delivery import fetch_order
 from p2pdiloco.sim.backend import MergeFailed
 from p2pdiloco.sim.clock import SMALL
 from p2pdiloco.sync.round import (
@@ -44,6 +45,7 @@ class Member:
     votes_cast: bool = False
     merging: bool = False
     senders: dict[str, int] = field(default_factory=dict)  # digest → peer index that sent it
+    proposed_to: set[str] = field(default_factory=set)  # fellows its last proposal reached
 
     @property
     def peer_id(self) -> str:
@@ -115,10 +117,8 @@ class Member:
                 ):  # fmt: skip
                     w.dropped(a.peer_id, a.code, self.index)
             elif isinstance(a, Propose):
-                for m in w.members_of_view(self.view):
-                    if m.index != self.index:
-                        t = w.links.transfer(self.index, m.index, SMALL, w.clock.now)
-                        w.clock.at(t, m.proposal, self.peer_id, a.digests, a.attempt)
+                self.proposed_to = set()
+                w.propose(self, a.digests, a.attempt)
             elif isinstance(a, Fetch):
                 self._fetch(a)
             elif isinstance(a, Aggregate):
@@ -134,14 +134,25 @@ class Member:
                 w.certify(self, a)
 
     def _fetch(self, fetch: Fetch) -> None:
+        """Each input from the first member of ``fetch_order`` that holds it (as the service
+        asks them in turn), one transfer per holder."""
         w = self.world
-        holder = w.member_by_id(self.view, fetch.from_peer)
-        src = holder.index if holder is not None else self.index
-        subs = [w.subs[d] for d in fetch.digests if d in w.subs]
-        t = w.links.transfer(src, self.index, w.cfg.delta_bytes * len(subs), w.clock.now)
-        w.fetched_bytes += w.cfg.delta_bytes * len(subs)
-        w.syncer_in += w.cfg.delta_bytes * len(subs)
-        w.clock.at(t, self.fetched, subs)
+        by_src: dict[int, list[Submission]] = {}
+        for d in fetch.digests:
+            if d not in w.subs:
+                continue
+            src = self.index
+            for peer_id in fetch_order(d, w.committee.members, self.peer_id, fetch.from_peer):
+                holder = w.member_by_id(self.view, peer_id)
+                if holder is not None and holder.alive and d in holder.round.accepted:
+                    src = holder.index
+                    break
+            by_src.setdefault(src, []).append(w.subs[d])
+        for src, subs in by_src.items():
+            t = w.links.transfer(src, self.index, w.cfg.delta_bytes * len(subs), w.clock.now)
+            w.fetched_bytes += w.cfg.delta_bytes * len(subs)
+            w.syncer_in += w.cfg.delta_bytes * len(subs)
+            w.clock.at(t, self.fetched, subs)
 
     def _merged(self, agg: Aggregate) -> None:
         self.merging = False

@@ -34,6 +34,7 @@ from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
+from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 from p2pdiloco.sync.trust import trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
 
@@ -258,13 +259,59 @@ class World:
     def _relay(self, sub: Submission, learner: int, src: int) -> None:
         self.relays.push(sub, learner, src)
 
-    def _relayed(self, sub: Submission, learner: int, dst: int, tries: int) -> None:
+    def _relayed(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
         member = self.members.get(self.view, {}).get(dst)
         if member is None or not member.alive:
-            return  # gone, or not in this view: it fetches the delta if a proposal names it
+            # Up but not in this round yet ("later", sync.relay): asked again while the relaying
+            # member collects; down: it fetches the delta if a proposal names it.
+            if self._later(dst, tries) and (relaying := self._member(src)) is not None \
+                    and relaying.round.undecided:  # fmt: skip
+                self.clock.after(LATER_EVERY, self._relay_again, sub, learner, src, dst, tries + 1)
+            return
         ok, code, _ = member.submit(sub, learner)
         if not ok and code in RETRYABLE and tries < RELAY_TRIES:
-            self.clock.after(0.5 * (tries + 1), self._relayed, sub, learner, dst, tries + 1)
+            self.clock.after(0.5 * (tries + 1), self._relayed, sub, learner, src, dst, tries + 1)
+
+    def _relay_again(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
+        """The payload goes again once the fellow is in the round (the header alone before)."""
+        if self._member(dst) is None:  # still "later": the header alone went
+            self._relayed(sub, learner, src, dst, tries)
+            return
+        t = self.links.transfer(src, dst, self.cfg.delta_bytes, self.clock.now)
+        self.relayed += self.cfg.delta_bytes
+        self.syncer_in += self.cfg.delta_bytes
+        self.clock.at(t, self._relayed, sub, learner, src, dst, tries)
+
+    def _later(self, dst: int, tries: int) -> bool:
+        """Member ``dst`` would answer "later": it is up, and not in this view's round yet."""
+        peer = self.peers.get(dst)
+        return peer is not None and peer.up and tries < LATER_TRIES
+
+    def _member(self, index: int) -> Member | None:
+        m = self.members.get(self.view, {}).get(index)
+        return m if m is not None and m.alive else None
+
+    def propose(
+        self, leader: Member, digests: tuple[str, ...], attempt: int, tries: int = 0
+    ) -> None:
+        """The leader's proposal to each fellow; one not in the round yet (still loading the
+        view's state, or restarted) gets it again every ``LATER_EVERY`` s while the leader's
+        attempt lasts (``sync.sending``, ADR 0037)."""
+        if not leader.alive or leader.round.attempt != attempt or tries >= LATER_TRIES:
+            return
+        for peer_id in self.committee.members:
+            dst = self.by_id[peer_id]
+            if dst == leader.index:
+                continue
+            m = self._member(dst)
+            if m is not None and not (tries and peer_id in leader.proposed_to):
+                leader.proposed_to.add(peer_id)
+                t = self.links.transfer(leader.index, dst, SMALL, self.clock.now)
+                self.clock.at(t, m.proposal, leader.peer_id, digests, attempt)
+        waiting = [p for p in self.committee.members if p not in leader.proposed_to
+                   and p != leader.peer_id and self._later(self.by_id[p], tries)]  # fmt: skip
+        if waiting:
+            self.clock.after(LATER_EVERY, self.propose, leader, digests, attempt, tries + 1)
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:
         peer = self.peers.get(self.by_id[peer_id])
@@ -311,12 +358,16 @@ class World:
             if not held:
                 ready = self.links.download(index, self.cfg.state_bytes, ready)
                 self.syncer_in += self.cfg.state_bytes
-            self.clock.at(ready, self._open_member, index, self.round_key)
+            self.clock.at(ready, self._open_member, index, self.round_key, peer.epoch)
 
-    def _open_member(self, index: int, key: tuple[int, int] | None = None) -> None:
+    def _open_member(
+        self, index: int, key: tuple[int, int] | None = None, epoch: int | None = None
+    ) -> None:
         peer = self.peers[index]
         if (key is not None and key != self.round_key) or not peer.up:
             return
+        if epoch is not None and epoch != peer.epoch:
+            return  # it crashed while loading the state: its restart opens the round
         old = self.members.setdefault(self.view, {}).get(index)
         if old is not None and old.alive:
             return

@@ -4,9 +4,11 @@ A learner sends each delta to one member and asks it to relay (``runtime.deliver
 member that accepts a submission straight from its signer, so asked, sends the same signed
 bytes to every other member of the committee, each of which checks it like any submission:
 the signature is the learner's, so a relaying member can neither alter a delta nor make one up.
-A relayed copy is never relayed again (it does not come from its signer). Members answering
-"later" (``RETRYABLE``) are asked again while the round is open; a member that cannot be
-reached gets the delta from a fellow's proposal instead (``fetch``), as before.
+A relayed copy is never relayed again (it does not come from its signer). A fellow answering
+"later" because it is not in the round yet (NO_OPEN_ROUND: still loading the view's state, or
+restarted) is asked again every ``sending.LATER_EVERY`` seconds while this member collects
+(ADR 0037); other retryable answers get ``ATTEMPTS`` tries; a member that cannot be reached
+gets the delta from a fellow's proposal instead (``fetch``), as before.
 
 The copies share the member's uplink as a queue (ADR 0034): at most ``SLOTS`` are sent at
 once, in the order they were queued, and a copy not begun by the time the member has adopted
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused, Screen
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.runtime.transport import Transport
+from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 if TYPE_CHECKING:
     from p2pdiloco.sync.intake import Intake
@@ -103,7 +106,8 @@ class Relayer:
     async def _one(
         self, peer: str, raw: bytes, payload: bytes, collecting: Callable[[], bool]
     ) -> bool:
-        for attempt in range(ATTEMPTS):
+        attempt = later = 0
+        while attempt < ATTEMPTS and later < LATER_TRIES:
             async with self._slots:
                 if not collecting():
                     return False  # agreed before this copy began: fetched if in the set
@@ -124,7 +128,12 @@ class Relayer:
             if code not in RETRYABLE or not collecting():
                 log.info("relay to %s: %s", peer[-8:], code)
                 return False
-            await asyncio.sleep(0.5 * (attempt + 1))
+            if code is Reason.NO_OPEN_ROUND:  # the fellow is not in the round yet
+                later += 1
+                await asyncio.sleep(LATER_EVERY)
+            else:
+                attempt += 1
+                await asyncio.sleep(0.5 * attempt)
         return False
 
     def _begin(self) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from typing import Any
 
 from p2pdiloco import failpoints
@@ -27,6 +28,7 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
+from p2pdiloco.runtime.delivery import fetch_order
 from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
 from p2pdiloco.sync.arrivals import ArrivalWindow
@@ -58,6 +60,7 @@ from p2pdiloco.sync.round import (
     SyncerRound,
 )
 from p2pdiloco.sync.rules import round_params
+from p2pdiloco.sync.sending import send_to, still_proposing
 from p2pdiloco.sync.signatures import RoundSignatures
 from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
@@ -166,7 +169,8 @@ class SyncService:
             self._execute(actions, held.sub.digest)
         missing = tuple(d for d in locked or () if d not in rnd.accepted)
         if missing:
-            self._spawn(self._fetch(missing, [h for h in st.holders() if h != self.me]))
+            holders = [h for h in st.holders() if h != self.me]  # the voters that signed the lock
+            self._spawn(self._fetch(missing, lambda d: holders))
 
     def _enter_view(self) -> None:
         """The node moved to a later view of the same version (its votes proved the timeout)."""
@@ -350,8 +354,9 @@ class SyncService:
             elif isinstance(a, Propose):
                 self._spawn(self._propose(a.digests, a.attempt))
             elif isinstance(a, Fetch):
-                others = [m for m in self._others() if m != a.from_peer]
-                self._spawn(self._fetch(a.digests, [a.from_peer, *others]))
+                members = self.committee.members if self.committee else ()
+                order = partial(fetch_order, members=members, me=self.me, proposer=a.from_peer)
+                self._spawn(self._fetch(a.digests, order))
             elif isinstance(a, Aggregate):
                 self._spawn(self._aggregate(a))
             elif isinstance(a, Sign):
@@ -376,34 +381,28 @@ class SyncService:
         assert self.committee is not None
         return [m for m in self.committee.members if m != self.me]
 
-    async def _send(self, peer: str, op: str, frame: bytes, attempts: int = 4) -> None:
-        for attempt in range(attempts):
-            try:
-                await self.transport.call(peer, op, frames=[frame])
-                return
-            except RpcError as e:
-                log.info("%s to %s failed (attempt %d): %s", op, peer, attempt + 1, e)
-                if e.refused and e.code not in RETRYABLE:
-                    return
-                await asyncio.sleep(1.0 + attempt)
+    async def _send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
+        await send_to(lambda p, o, f: self.transport.call(p, o, frames=f), peer, op, frame, **how)
 
     async def _propose(self, digests: tuple[str, ...], attempt: int) -> None:
-        assert self.current is not None
-        version = self.current.version + 1
+        assert self.current is not None and self.round is not None
+        rnd, version = self.round, self.current.version + 1
         view = self.views.state.view if self.views.state is not None else 0
         raw = seal_proposal(self.identity, self.run_id, version, attempt, digests, view)
         log.info("proposing %d submissions for version %d (attempt %d)", len(digests), version,
                  attempt)  # fmt: skip
-        await asyncio.gather(*(self._send(p, "propose", raw) for p in self._others()))
+        live = partial(still_proposing, lambda: self.round, rnd, attempt)  # fellows not in it yet
+        await asyncio.gather(*(self._send(p, "propose", raw, later_while=live)
+                               for p in self._others()))  # fmt: skip
 
-    async def _fetch(self, digests: tuple[str, ...], holders: list[str]) -> None:
-        """Fetch agreed inputs this syncer lacks from ``holders`` (proposer first), retried."""
+    async def _fetch(self, digests: tuple[str, ...], holders: Callable[[str], list[str]]) -> None:
+        """Fetch agreed inputs this syncer lacks, each from its ``holders`` in turn, retried."""
         rnd = self.round
         for d in digests:
             if rnd is None or d in rnd.accepted:
                 continue
             try:
-                frames = await fetch_submission(self.transport, d, holders, self.max_payload)
+                frames = await fetch_submission(self.transport, d, holders(d), self.max_payload)
                 version = self.current.version if self.current is not None else None
                 sub = await self.intake.open_fetched(d, frames, version, self.seen)
             except (RpcError, InvalidRecord) as e:

@@ -1,0 +1,73 @@
+"""How a committee member sends its fellows a message: retries, and how long "later" is waited.
+
+A fellow that is not in the round yet (it is still loading the state it needs for the view, or
+it restarted) answers NO_OPEN_ROUND, "later". A proposal it never gets leaves it silent: it
+never merges or signs, and once enough fellows are in that state the view changes, though the
+leader and the input set were fine (the simulator found this costing view changes in committees
+that had to download the state: ADR 0037). So a message whose sender is still waiting on it
+(``later_while``) is sent again on "later", every few seconds, for as long as that holds;
+the other retryable answers (BUSY, unreachable) get ``attempts`` tries, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.sync.round import Phase, SyncerRound
+
+log = logging.getLogger(__name__)
+
+LATER_EVERY = 2.0  # seconds between sends to a fellow that answered "later"
+LATER_TRIES = 300  # at most this many of them (10 minutes: past any view's timeout)
+
+Call = Callable[[str, str, list[bytes]], Awaitable[object]]
+
+
+async def send_to(
+    call: Call,
+    peer: str,
+    op: str,
+    frame: bytes,
+    *,
+    attempts: int = 4,
+    later_while: Callable[[], bool] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> bool:
+    """Send ``frame`` as ``op`` to ``peer`` until it is taken: True, or False once refused for
+    good, out of tries, or no longer wanted (``later_while`` false)."""
+    tries = later = 0
+    while True:
+        try:
+            await call(peer, op, [frame])
+            return True
+        except RpcError as e:
+            if e.refused and e.code not in RETRYABLE:
+                log.info("%s to %s refused: %s", op, peer[-8:], e)
+                return False
+            waiting = later_while is not None and e.refused and e.code is Reason.NO_OPEN_ROUND
+            if waiting:
+                later += 1
+                if later >= LATER_TRIES or not later_while():  # type: ignore[misc]
+                    return False
+                delay = LATER_EVERY
+            else:
+                tries += 1
+                log.info("%s to %s failed (attempt %d): %s", op, peer[-8:], tries, e)
+                if tries >= attempts:
+                    return False
+                delay = float(tries)
+        await sleep(delay)
+        if later_while is not None and not later_while():
+            return False
+
+
+def still_proposing(
+    current: Callable[[], SyncerRound | None], rnd: SyncerRound, attempt: int
+) -> bool:
+    """A leader still wants its proposal for ``attempt`` of ``rnd`` taken: ``rnd`` is still the
+    member's round (``current``), in that attempt, and not certified."""
+    return current() is rnd and rnd.attempt == attempt and rnd.phase is not Phase.CERTIFIED

@@ -1,0 +1,89 @@
+"""How a member sends its fellows a message (``sync.sending``, ADR 0037): a fellow that is not
+in the round yet ("later") is asked again for as long as the sender still wants it taken; other
+retryable failures get a few tries; a refusal for good ends it at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.runtime.delivery import fetch_order, intake_order
+from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES, send_to
+
+
+class Fellow:
+    """Answers with the codes in ``answers`` in turn (None: unreachable), then takes it."""
+
+    def __init__(self, *answers: Reason | None) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def call(self, peer: str, op: str, frames: list[bytes]) -> object:
+        self.calls += 1
+        if self.answers:
+            code = self.answers.pop(0)
+            if code is None:
+                raise RpcError("connection refused")
+            raise RpcError(f"refused: {code.value}", refused=True, code=code)
+        return {}
+
+
+def _send(fellow: Fellow, **how: object) -> tuple[bool, list[float]]:
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    ok = asyncio.run(send_to(fellow.call, "peer", "propose", b"frame", sleep=sleep, **how))  # type: ignore[arg-type]
+    return ok, slept
+
+
+def test_a_fellow_not_in_the_round_yet_gets_it_once_it_is() -> None:
+    fellow = Fellow(*[Reason.NO_OPEN_ROUND] * 20)
+    ok, slept = _send(fellow, later_while=lambda: True)
+    assert ok and fellow.calls == 21 and slept == [LATER_EVERY] * 20
+
+
+def test_without_a_wait_condition_later_gets_the_usual_four_tries() -> None:
+    fellow = Fellow(*[Reason.NO_OPEN_ROUND] * 20)
+    ok, slept = _send(fellow)
+    assert not ok and fellow.calls == 4 and slept == [1.0, 2.0, 3.0]
+
+
+def test_the_wait_ends_when_the_sender_no_longer_wants_it_or_after_the_cap() -> None:
+    wanted = iter([True, True, False])
+    fellow = Fellow(*[Reason.NO_OPEN_ROUND] * 20)
+    ok, _ = _send(fellow, later_while=lambda: next(wanted))
+    assert not ok and fellow.calls == 2
+    fellow = Fellow(*[Reason.NO_OPEN_ROUND] * (LATER_TRIES + 5))
+    ok, _ = _send(fellow, later_while=lambda: True)
+    assert not ok and fellow.calls == LATER_TRIES
+
+
+def test_unreachable_and_refusals_are_not_waited_on() -> None:
+    fellow = Fellow(None, None, None, None, None)
+    ok, _ = _send(fellow, later_while=lambda: True)
+    assert not ok and fellow.calls == 4  # a fellow that is down: four tries, as before
+    fellow = Fellow(Reason.NOT_ON_COMMITTEE)
+    ok, slept = _send(fellow, later_while=lambda: True)
+    assert not ok and fellow.calls == 1 and slept == []
+
+
+def test_fetches_go_first_to_the_member_a_learner_uploaded_to_then_the_proposer() -> None:
+    """``fetch_order`` (ADR 0037): a member lacking an agreed input asks the fellow its learner
+    uploaded it to (the first of ``intake_order`` for a learner off the committee, but for the
+    asking member itself, which lacks it), then the
+    proposer, then the rest; so a round's fetches spread over every member's uplink."""
+    members = [f"m{i}" for i in range(8)]
+    firsts = []
+    for k in range(200):
+        d = f"{k:064x}"
+        order = fetch_order(d, members, "m3", "m0")
+        # the member the learner got to: this one lacks it, so the next in the learner's order
+        intake = [m for m in intake_order(d, members, "learner") if m != "m3"][0]
+        assert "m3" not in order and sorted(order) == sorted(set(members) - {"m3"})
+        assert order[:2] == ([intake, "m0"] if intake != "m0" else ["m0", order[1]])
+        firsts.append(order[0])
+    # the first asked is spread over the members, not always the proposer
+    assert max(firsts.count(m) for m in members) < 0.3 * len(firsts)
