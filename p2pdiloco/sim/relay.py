@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from p2pdiloco.sim.clock import SMALL
 from p2pdiloco.sync.round import Submission
 
 if TYPE_CHECKING:
@@ -63,10 +64,14 @@ class Relays:
             if not member.round.undecided:
                 self.dropped += 1  # agreed before this copy began: fetched if in the set
                 continue
-            t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
-            w.relayed += w.cfg.delta_bytes
-            w.syncer_in += w.cfg.delta_bytes
-            w.clock.at(t, w._relayed, sub, learner, src, dst, 0)
+            # A fellow down, or not in the round yet, takes no payload: the dial fails, or it
+            # answers "later" from the header (sync.relay); the payload goes once it is in.
+            size = w.cfg.delta_bytes if w.member_open(dst) else SMALL
+            t = w.links.transfer(src, dst, size, w.clock.now)
+            if size > SMALL:
+                w.relayed += size
+                w.syncer_in += size
+            w.clock.at(t, w._relayed, sub, learner, src, dst, 0, size > SMALL)
             w.clock.at(w.links.by_index[src].up_free, self._pump, src)
             return
         self.pumping.discard(src)

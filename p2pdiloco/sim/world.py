@@ -259,8 +259,13 @@ class World:
     def _relay(self, sub: Submission, learner: int, src: int) -> None:
         self.relays.push(sub, learner, src)
 
-    def _relayed(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
+    def _relayed(
+        self, sub: Submission, learner: int, src: int, dst: int, tries: int, payload: bool = True
+    ) -> None:
         member = self.members.get(self.view, {}).get(dst)
+        if member is not None and member.alive and not payload:  # in since the header left
+            self._relay_again(sub, learner, src, dst, tries)
+            return
         if member is None or not member.alive:
             # Up but not in this round yet ("later", sync.relay): asked again while the relaying
             # member collects; down: it fetches the delta if a proposal names it.
@@ -290,6 +295,10 @@ class World:
     def _member(self, index: int) -> Member | None:
         m = self.members.get(self.view, {}).get(index)
         return m if m is not None and m.alive else None
+
+    def member_open(self, index: int) -> bool:
+        """Peer ``index`` is up and in this view's round (it would take a payload)."""
+        return self._member(index) is not None
 
     def propose(
         self, leader: Member, digests: tuple[str, ...], attempt: int, tries: int = 0
