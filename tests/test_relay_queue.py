@@ -177,3 +177,34 @@ def test_a_learners_own_upload_is_refused_busy_from_its_header() -> None:
     assert screen("fetch", "learner", b"x") is None
     idle = measured(0.0).screening(Intake(), lambda: Round(1.0))  # type: ignore[arg-type,return-value]
     assert idle("submit", "learner", b"learner") == 1234
+
+
+class HeaderLater(Link):
+    """Refuses ``times`` copies from the header with NO_OPEN_ROUND at once (no payload)."""
+
+    def __init__(self, rate: float, times: int) -> None:
+        super().__init__(rate)
+        self.refusals = times
+
+    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
+                   **kw: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+        if self.refusals:
+            self.refusals -= 1
+            await asyncio.sleep(0)
+            raise RpcError("not in the round yet", refused=True, code=Reason.NO_OPEN_ROUND)
+        return await super().call(peer, op, frames=frames, **kw)
+
+
+def test_later_from_the_header_is_no_sample_of_the_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dozens of "later" answers from the header, each an instant with no payload, leave the
+    uplink estimate to the copies that moved (ADR 0037)."""
+    monkeypatch.setattr(relay, "LATER_EVERY", 0.0)
+
+    async def go() -> None:
+        link = HeaderLater(rate=1e6, times=40)  # then 10 ms a copy
+        relayer = Relayer(link)  # type: ignore[arg-type]
+        assert await relayer.relay(["C"], b"d0", PAYLOAD, lambda: True) == 1
+        rate = relayer.rate()
+        assert rate is not None and 0.3e6 < rate < 1.5e6, rate
+
+    asyncio.run(go())

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4
+HEADER_REFUSALS = frozenset({Reason.NO_OPEN_ROUND, Reason.BUSY})  # answered before the payload
 SLOTS = 2  # copies on the uplink at once: enough to keep it busy across a round trip
 DECAY = 0.95  # weight of the past in the uplink estimate, per copy sent
 
@@ -122,7 +123,9 @@ class Relayer:
                         return True
                 except RpcError as e:
                     code = e.code if e.refused else Reason.UNREACHABLE
-                    moved = moved if e.refused else 0
+                    # Unreachable, or "later"/BUSY from the header (the payload unread): no
+                    # sample of the uplink (hundreds of "later" would skew it, ADR 0037).
+                    moved = 0 if not e.refused or code in HEADER_REFUSALS else moved
                 finally:
                     self._end(moved)
             if code not in RETRYABLE or not collecting():
