@@ -208,3 +208,33 @@ def test_later_from_the_header_is_no_sample_of_the_uplink(monkeypatch: pytest.Mo
         assert rate is not None and 0.3e6 < rate < 1.5e6, rate
 
     asyncio.run(go())
+
+
+class Down(Link):
+    """``C`` cannot be reached: every dial fails."""
+
+    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
+                   **kw: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+        if peer == "C":
+            raise RpcError("connect failed")
+        return await super().call(peer, op, frames=frames, **kw)
+
+
+def test_a_fellow_that_cannot_be_reached_is_reported_to_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The round hears which fellows' dials failed (``SyncerRound.on_unreachable``, ADR 0038):
+    an unreachable leader need not be waited for until its grace deadline."""
+    monkeypatch.setattr(relay, "ATTEMPTS", 2)
+    heard: list[str] = []
+
+    class Heard:
+        def on_unreachable(self, peer: str, now: float) -> None:
+            heard.append(peer)
+
+    async def go() -> None:
+        relayer = Relayer(Down(rate=1e7), current=lambda: Heard())  # type: ignore[arg-type, return-value]
+        assert await relayer.relay(["B", "C"], b"d0", PAYLOAD, lambda: True) == 1
+
+    asyncio.run(go())
+    assert heard == ["C", "C"]

@@ -230,6 +230,31 @@ def test_a_silent_leader_is_reported_and_nobody_else_proposes() -> None:
     assert all(c.rounds[s].leader_silent(72.0) for s in ("s1", "s2", "s3"))
 
 
+def test_an_unreachable_leader_is_reported_without_waiting_for_its_grace() -> None:
+    """A member whose relay to the leader failed to connect (``on_unreachable``, ADR 0038)
+    stops waiting for the leader's grace deadline: silent ``agree_timeout`` after the later of
+    its own close and the failure. Only the attempt's leader counts, and never a proposal
+    that arrived."""
+    c = Committee(params(agree_timeout=10.0), down=frozenset({"s0"}))
+    for i in range(3):
+        c.submit(sub(i), 1.0)
+    r1, r2 = c.rounds["s1"], c.rounds["s2"]
+    closed = r1.closed_at
+    assert closed is not None and r1.phase is Phase.AGREEING
+    r1.on_unreachable("s0", 2.0)
+    r1.on_unreachable("s0", 30.0)  # the first failure counts
+    r2.on_unreachable("s3", 2.0)  # not the leader: nothing changes
+    assert not r1.leader_silent(max(closed, 2.0) + 9.0)
+    assert r1.leader_silent(max(closed, 2.0) + 10.0)
+    assert not r2.leader_silent(65.0) and r2.leader_silent(70.0)
+    # an input set adopted: never silent, whatever the driver reports
+    r3 = SyncerRound(params(agree_timeout=10.0), "s3")
+    r3.on_submission(sub(0), 1.0)
+    r3.on_proposal("s0", ("d00",), 1.5)
+    r3.on_unreachable("s0", 2.0)
+    assert r3.input_set == ("d00",) and not r3.leader_silent(100.0)
+
+
 def test_proposals_and_signatures_from_the_wrong_syncers_are_refused() -> None:
     r = SyncerRound(params(), "s1")
     r.on_submission(sub(0), 1.0)

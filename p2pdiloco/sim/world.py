@@ -269,9 +269,11 @@ class World:
         if member is None or not member.alive:
             # Up but not in this round yet ("later", sync.relay): asked again while the relaying
             # member collects; down: it fetches the delta if a proposal names it.
-            if self._later(dst, tries) and (relaying := self._member(src)) is not None \
-                    and relaying.round.undecided:  # fmt: skip
+            relaying = self._member(src)
+            if self._later(dst, tries) and relaying is not None and relaying.round.undecided:
                 self.clock.after(LATER_EVERY, self._relay_again, sub, learner, src, dst, tries + 1)
+            elif relaying is not None and not self.peers[dst].up:  # the dial failed
+                relaying.round.on_unreachable(self.peers[dst].profile.peer_id, self.clock.now)
             return
         ok, code, _ = member.submit(sub, learner)
         if not ok and code in RETRYABLE and tries < RELAY_TRIES:

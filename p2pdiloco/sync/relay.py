@@ -48,8 +48,14 @@ DECAY = 0.95  # weight of the past in the uplink estimate, per copy sent
 class Relayer:
     """One member's relays: a FIFO of copies on its uplink, and what they still owe it."""
 
-    def __init__(self, transport: Transport, slots: int = SLOTS) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        slots: int = SLOTS,
+        current: Callable[[], SyncerRound | None] | None = None,
+    ) -> None:
         self.transport = transport
+        self.current = current  # the member's round: told when a fellow cannot be reached
         self._slots = asyncio.Semaphore(slots)
         self.queued_bytes = 0  # copies waiting or in flight
         self._sent = 0.0  # decayed bytes delivered, and seconds the uplink was busy with them
@@ -128,6 +134,9 @@ class Relayer:
                     moved = 0 if not e.refused or code in HEADER_REFUSALS else moved
                 finally:
                     self._end(moved)
+            rnd = self.current() if self.current is not None else None
+            if code is Reason.UNREACHABLE and rnd is not None:
+                rnd.on_unreachable(peer, time.monotonic())  # its leader? (ADR 0038)
             if code not in RETRYABLE or not collecting():
                 log.info("relay to %s: %s", peer[-8:], code)
                 return False

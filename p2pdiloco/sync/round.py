@@ -111,6 +111,7 @@ class SyncerRound:
     dropped: dict[str, Reason] = field(default_factory=dict)  # digest → code, ≤ max_dropped
     closed_at: float | None = None  # when this attempt stopped collecting
     enough_at: float | None = None  # when this attempt first reached the learner quorum
+    leader_gone_at: float | None = None  # when the driver first failed to reach the leader
     input_set: tuple[str, ...] | None = None
     own_hash: str | None = None  # the state this syncer signed; set once per version
     last_hash: str | None = None  # the state of this syncer's latest successful merge
@@ -271,6 +272,7 @@ class SyncerRound:
         self.attempt_opened_at = now
         self.phase = Phase.COLLECTING
         self.closed_at = self.enough_at = self.input_set = self.last_hash = None
+        self.leader_gone_at = None
         return actions + self._maybe_close(now)
 
     def on_signature(self, syncer: str, state_hash: str) -> list[Action]:
@@ -329,13 +331,22 @@ class SyncerRound:
     def leader_silent(self, now: float) -> bool:
         """True once no input set was proposed or adopted here ``agree_timeout`` after this
         attempt closed here and after the leader's own grace deadline (the leader may close
-        later than this syncer, at the latest ``grace`` after the attempt opened): the driver
-        votes to leave the view early."""
+        later than this syncer, at the latest ``grace`` after the attempt opened), or after the
+        driver found the leader unreachable (``on_unreachable``, ADR 0038): the driver votes to
+        leave the view early."""
         if self.phase is not Phase.AGREEING or self.input_set is not None:
             return False
         closed = self.closed_at if self.closed_at is not None else now
-        deadline = max(closed, self.attempt_opened_at + self.params.grace)
-        return now >= deadline + self.params.agree_timeout
+        gone = self.leader_gone_at
+        waits = self.attempt_opened_at + self.params.grace if gone is None else gone
+        return now >= max(closed, waits) + self.params.agree_timeout
+
+    def on_unreachable(self, peer_id: str, now: float) -> None:
+        """The driver could not reach ``peer_id`` (a relay or message failed to connect). If it
+        leads this attempt, nothing is proposed here yet and it is not this syncer, the members
+        stop waiting for its grace deadline: it holds no round that could close (ADR 0038)."""
+        if peer_id == self.leader(now) != self.me and self.input_set is None:
+            self.leader_gone_at = now if self.leader_gone_at is None else self.leader_gone_at
 
     def weights(self, digests: tuple[str, ...]) -> tuple[float, ...]:
         """Merge weights of accepted ``digests``, in their order (``merge_weights``: tokens

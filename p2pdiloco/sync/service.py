@@ -92,7 +92,7 @@ class SyncService:
         self.rules = manifest.rules
         self.intake = Intake(manifest, shapes, run_id, self._reject)
         self.max_payload = self.intake.max_payload
-        self.relayer = Relayer(transport)  # copies of learners' deltas, queued on the uplink
+        self.relayer = Relayer(transport, current=lambda: self.round)  # queued on the uplink
         self.screen = self.relayer.screening(self.intake, lambda: self.round)  # header only
         self.transport = transport
         self.live_learners = live_learners
