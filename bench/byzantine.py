@@ -18,9 +18,10 @@ first ratio and sit at 1.000 on the second.
     .venv/bin/python bench/byzantine.py --rules trimmed_mean:f=3,multi_krum:f=3 --json
 
 A rule is NAME or NAME:KEY=VALUE[,KEY=VALUE] (``trimmed_mean:f=3``); bare names take the
-parameters in ``RULE_PARAMS`` (trimmed_mean f=1 is what ``run create`` and ``demo`` sign).
-``--clone-factor`` sets the manifest's ``clone_factor`` (clone folding, ADR 0036) in every cell
-but the two references; ``--clone-factor none,0.25`` runs every cell under each value.
+parameters in ``RULE_PARAMS``. What ``run create`` and ``demo`` sign is the default here: the
+coordinate median (ADR 0039) with ``--clone-factor 0.25``, the manifest's ``clone_factor``
+(clone folding, ADR 0036), set in every cell but the two references; ``--clone-factor
+none,0.25`` runs every cell under each value.
 Writes ``byzantine.json`` (after every cell, so a cut run keeps what it measured),
 ``byzantine-heatmap.png/.svg`` (loss ratio per attack × fraction, one panel per rule) and
 ``byzantine-curves.png/.svg`` (eval loss per round, one panel per attack) into ``--out``.
@@ -45,7 +46,7 @@ from p2pdiloco.train.simulate import run_simulation
 
 # inflate lies in the signed header, which the simulator does not have: bench/demo_attacks.py.
 ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "mimic", "collude")
-DEFAULT_RULE = "trimmed_mean"  # what `run create` and `demo` sign (with f=1)
+DEFAULT_RULE = "median"  # what `run create` and `demo` sign (ADR 0039), with clone folding 0.25
 RULE_PARAMS: dict[str, dict[str, Any]] = {
     "mean": {},
     "median": {},
@@ -265,7 +266,7 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--compression", default="none")
-    ap.add_argument("--clone-factor", default="none", help="comma list: none or a number")
+    ap.add_argument("--clone-factor", default="0.25", help="comma list: none or a number")
     ap.add_argument("--jitter", type=float, default=0.0,
                     help="each attacker adds noise of this × the honest std (clone evasion)")  # fmt: skip
     ap.add_argument("--data", default="embedded")

@@ -44,7 +44,7 @@ class DemoConfig:
     model: str = "gemma-tiny"
     inner_steps: int = 20  # H
     adversary: str | None = None  # the last node attacks with this kind
-    aggregation: str = "trimmed_mean"
+    aggregation: str = "median"  # as `run create` signs (ADR 0039)
     clone_factor: float | None = 0.25  # clone folding (ADR 0036), as `run create` signs
     compression: str = "int8"
     update_compression: str = "int8"  # the certified update's codec (ADR 0029), as `run create`

@@ -185,8 +185,9 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
     assert doc["published"] is False and len(doc["run_id"]) == 64
     assert manifest["compression"] == "int8"
     assert manifest["rules"]["update_codec"] == "int8"
-    assert manifest["rules"]["aggregation"] == "trimmed_mean"
-    assert manifest["rules"]["aggregation_params"] == {"f": 1.0}
+    assert manifest["rules"]["aggregation"] == "median"  # ADR 0039
+    assert manifest["rules"]["aggregation_params"] == {}
+    assert manifest["rules"]["clone_factor"] == 0.25  # ADR 0036
     assert manifest["rules"]["screen_norm_factor"] == 3.0
     assert manifest["time_budget"] is None  # H steps per delta unless the creator sets a budget
     text = run_cli("run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run")
@@ -194,7 +195,7 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
     # The whole signed manifest is printed, not only its id.
     for key_name in (
         '"compression": "int8"',
-        '"aggregation": "trimmed_mean"',
+        '"aggregation": "median"',
         '"creator"',
         "not published",
     ):
@@ -204,7 +205,7 @@ def test_run_create_defaults_to_safe_rules_and_prints_what_it_signed(tmp_path: P
 def test_run_create_refuses_a_sparse_codec_with_a_coordinate_wise_rule(tmp_path: Path) -> None:
     key = ["--identity", str(tmp_path / "key")]
     base = ["run", "create", "--name", "x", "--model", "gemma-tiny", *key, "--dry-run", "--json"]
-    out = run_cli(*base, "--compression", "topk2")  # the default rule is the trimmed mean
+    out = run_cli(*base, "--compression", "topk2")  # the default rule is the median
     assert out.returncode == 2
     assert "coordinate-wise rule" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     ok = run_cli(*base, "--compression", "topk2", "--aggregation", "multi_krum")
