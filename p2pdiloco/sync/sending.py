@@ -48,10 +48,9 @@ async def send_to(
             if e.refused and e.code not in RETRYABLE:
                 log.info("%s to %s refused: %s", op, peer[-8:], e)
                 return False
-            waiting = later_while is not None and e.refused and e.code is Reason.NO_OPEN_ROUND
-            if waiting:
+            if later_while is not None and e.refused and e.code is Reason.NO_OPEN_ROUND:
                 later += 1
-                if later >= LATER_TRIES or not later_while():  # type: ignore[misc]
+                if later >= LATER_TRIES or not later_while():
                     return False
                 delay = LATER_EVERY
             else:
