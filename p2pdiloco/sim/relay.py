@@ -13,11 +13,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from p2pdiloco.protocol.reasons import RETRYABLE
 from p2pdiloco.sim.clock import SMALL
 from p2pdiloco.sync.round import Submission
+from p2pdiloco.sync.sending import LATER_EVERY
 
 if TYPE_CHECKING:
     from p2pdiloco.sim.world import World
+
+RELAY_TRIES = 4  # a relayed copy answered with another retryable code is sent again this often
 
 
 @dataclass
@@ -71,7 +75,41 @@ class Relays:
             if size > SMALL:
                 w.relayed += size
                 w.syncer_in += size
-            w.clock.at(t, w._relayed, sub, learner, src, dst, 0, size > SMALL)
+            w.clock.at(t, self.arrived, sub, learner, src, dst, 0, size > SMALL)
             w.clock.at(w.links.by_index[src].up_free, self._pump, src)
             return
         self.pumping.discard(src)
+
+    def arrived(
+        self, sub: Submission, learner: int, src: int, dst: int, tries: int, payload: bool = True
+    ) -> None:
+        """A copy from member ``src`` reached fellow ``dst`` (its header alone unless
+        ``payload``). One not in the round yet answers "later": asked again while ``src``
+        collects (``sync.relay``, ADR 0037). One down fails the dial, which ``src``'s round
+        hears (ADR 0038); it fetches the delta if a proposal names it."""
+        w = self.world
+        member = w.live_member(dst)
+        if member is not None and not payload:  # in since the header left
+            self.again(sub, learner, src, dst, tries)
+            return
+        if member is None:
+            relaying = w.live_member(src)
+            if w.later(dst, tries) and relaying is not None and relaying.round.undecided:
+                w.clock.after(LATER_EVERY, self.again, sub, learner, src, dst, tries + 1)
+            elif relaying is not None and not w.peers[dst].up:  # the dial failed
+                relaying.round.on_unreachable(w.peers[dst].profile.peer_id, w.clock.now)
+            return
+        ok, code, _ = member.submit(sub, learner)
+        if not ok and code in RETRYABLE and tries < RELAY_TRIES:
+            w.clock.after(0.5 * (tries + 1), self.arrived, sub, learner, src, dst, tries + 1)
+
+    def again(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
+        """The payload goes once the fellow is in the round (the header alone before)."""
+        w = self.world
+        if not w.member_open(dst):  # still "later": the header alone went
+            self.arrived(sub, learner, src, dst, tries)
+            return
+        t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
+        w.relayed += w.cfg.delta_bytes
+        w.syncer_in += w.cfg.delta_bytes
+        w.clock.at(t, self.arrived, sub, learner, src, dst, tries)

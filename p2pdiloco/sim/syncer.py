@@ -24,6 +24,7 @@ from p2pdiloco.sync.round import (
     Submission,
     SyncerRound,
 )
+from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 if TYPE_CHECKING:
     from p2pdiloco.sim.world import World
@@ -118,7 +119,7 @@ class Member:
                     w.dropped(a.peer_id, a.code, self.index)
             elif isinstance(a, Propose):
                 self.proposed_to = set()
-                w.propose(self, a.digests, a.attempt)
+                self.propose(a.digests, a.attempt)
             elif isinstance(a, Fetch):
                 self._fetch(a)
             elif isinstance(a, Aggregate):
@@ -132,6 +133,25 @@ class Member:
                         w.clock.at(t, m.signature, self.peer_id, a.state_hash)
             elif isinstance(a, Done):
                 w.certify(self, a)
+
+    def propose(self, digests: tuple[str, ...], attempt: int, tries: int = 0) -> None:
+        """This leader's proposal to each fellow; one not in the round yet (still loading the
+        view's state, or restarted) gets it again every ``LATER_EVERY`` s while this attempt
+        lasts (``sync.sending``, ADR 0037)."""
+        w = self.world
+        if not self.alive or self.round.attempt != attempt or tries >= LATER_TRIES:
+            return
+        for peer_id in w.committee.members:
+            dst = w.by_id[peer_id]
+            m = w.live_member(dst) if dst != self.index else None
+            if m is not None and not (tries and peer_id in self.proposed_to):
+                self.proposed_to.add(peer_id)
+                t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
+                w.clock.at(t, m.proposal, self.peer_id, digests, attempt)
+        waiting = [p for p in w.committee.members if p not in self.proposed_to
+                   and p != self.peer_id and w.later(w.by_id[p], tries)]  # fmt: skip
+        if waiting:
+            w.clock.after(LATER_EVERY, self.propose, digests, attempt, tries + 1)
 
     def _fetch(self, fetch: Fetch) -> None:
         """Each input from the first member of ``fetch_order`` that holds it (as the service

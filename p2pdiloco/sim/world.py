@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, content_digest
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, ViewVote, timeout_lock
 from p2pdiloco.runtime.delivery import intake_order, next_targets
@@ -34,12 +34,11 @@ from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
-from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
+from p2pdiloco.sync.sending import LATER_TRIES
 from p2pdiloco.sync.trust import trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
 
 UNREACHABLE_AFTER = 1.0  # seconds before a learner gives up dialling a member that is down
-RELAY_TRIES = 4  # a relayed copy answered "later" is sent again this often (sync.relay)
 
 
 @dataclass
@@ -259,70 +258,19 @@ class World:
     def _relay(self, sub: Submission, learner: int, src: int) -> None:
         self.relays.push(sub, learner, src)
 
-    def _relayed(
-        self, sub: Submission, learner: int, src: int, dst: int, tries: int, payload: bool = True
-    ) -> None:
-        member = self.members.get(self.view, {}).get(dst)
-        if member is not None and member.alive and not payload:  # in since the header left
-            self._relay_again(sub, learner, src, dst, tries)
-            return
-        if member is None or not member.alive:
-            # Up but not in this round yet ("later", sync.relay): asked again while the relaying
-            # member collects; down: it fetches the delta if a proposal names it.
-            relaying = self._member(src)
-            if self._later(dst, tries) and relaying is not None and relaying.round.undecided:
-                self.clock.after(LATER_EVERY, self._relay_again, sub, learner, src, dst, tries + 1)
-            elif relaying is not None and not self.peers[dst].up:  # the dial failed
-                relaying.round.on_unreachable(self.peers[dst].profile.peer_id, self.clock.now)
-            return
-        ok, code, _ = member.submit(sub, learner)
-        if not ok and code in RETRYABLE and tries < RELAY_TRIES:
-            self.clock.after(0.5 * (tries + 1), self._relayed, sub, learner, src, dst, tries + 1)
-
-    def _relay_again(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
-        """The payload goes again once the fellow is in the round (the header alone before)."""
-        if self._member(dst) is None:  # still "later": the header alone went
-            self._relayed(sub, learner, src, dst, tries)
-            return
-        t = self.links.transfer(src, dst, self.cfg.delta_bytes, self.clock.now)
-        self.relayed += self.cfg.delta_bytes
-        self.syncer_in += self.cfg.delta_bytes
-        self.clock.at(t, self._relayed, sub, learner, src, dst, tries)
-
-    def _later(self, dst: int, tries: int) -> bool:
+    def later(self, dst: int, tries: int) -> bool:
         """Member ``dst`` would answer "later": it is up, and not in this view's round yet."""
         peer = self.peers.get(dst)
         return peer is not None and peer.up and tries < LATER_TRIES
 
-    def _member(self, index: int) -> Member | None:
+    def live_member(self, index: int) -> Member | None:
+        """Peer ``index``'s member of this view's round, if it is up and in it."""
         m = self.members.get(self.view, {}).get(index)
         return m if m is not None and m.alive else None
 
     def member_open(self, index: int) -> bool:
         """Peer ``index`` is up and in this view's round (it would take a payload)."""
-        return self._member(index) is not None
-
-    def propose(
-        self, leader: Member, digests: tuple[str, ...], attempt: int, tries: int = 0
-    ) -> None:
-        """The leader's proposal to each fellow; one not in the round yet (still loading the
-        view's state, or restarted) gets it again every ``LATER_EVERY`` s while the leader's
-        attempt lasts (``sync.sending``, ADR 0037)."""
-        if not leader.alive or leader.round.attempt != attempt or tries >= LATER_TRIES:
-            return
-        for peer_id in self.committee.members:
-            dst = self.by_id[peer_id]
-            if dst == leader.index:
-                continue
-            m = self._member(dst)
-            if m is not None and not (tries and peer_id in leader.proposed_to):
-                leader.proposed_to.add(peer_id)
-                t = self.links.transfer(leader.index, dst, SMALL, self.clock.now)
-                self.clock.at(t, m.proposal, leader.peer_id, digests, attempt)
-        waiting = [p for p in self.committee.members if p not in leader.proposed_to
-                   and p != leader.peer_id and self._later(self.by_id[p], tries)]  # fmt: skip
-        if waiting:
-            self.clock.after(LATER_EVERY, self.propose, leader, digests, attempt, tries + 1)
+        return self.live_member(index) is not None
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:
         peer = self.peers.get(self.by_id[peer_id])
