@@ -41,7 +41,7 @@ def fold_clones(
         return {}
     pairs = [(a, b) for a in range(len(rows) - 1) for b in range(a + 1, len(rows))]
     dist2: list[float] = []
-    for c in range(0, len(pairs), PAIRS_PER_PASS):  # partials held: ≤ one row's worth
+    for c in range(0, len(pairs), PAIRS_PER_PASS):  # partials held: ≤ a quarter of a row
         sums = SqSums(pairs[c : c + PAIRS_PER_PASS], deltas.d, deltas.device)
         for s, e in deltas.windows():
             sums.add(deltas.window(rows, s, e), s)
