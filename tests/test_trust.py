@@ -84,6 +84,21 @@ def test_the_leader_proposes_every_trusted_input_and_the_earliest_fresh_that_fit
     assert share <= 0.25 + 1e-12
 
 
+def test_the_room_goes_to_the_identities_closest_to_trust_first() -> None:
+    """ADR 0040: with the roster's accepted counts (``progress``), the leader fills the
+    probation room with the identity that needs the fewest more, arrival order between equals;
+    so trust, and the room with it, grows fastest after a young run."""
+    progress = {"learner3": 0, "learner4": 1, "learner5": 2, "learner6": 2}
+    r = SyncerRound(params(active_learners=3, progress=progress), "s0")
+    for i in (3, 4, 5, 6, 7):
+        r.on_submission(sub(i), 1.0)
+    actions: list = []
+    for i in range(3):
+        actions = r.on_submission(sub(i), 2.0)
+    propose = next(a for a in actions if isinstance(a, Propose))
+    assert propose.digests == ("d00", "d01", "d02", "d05")  # learner5: 2 credits, came first
+
+
 def test_a_follower_refuses_a_set_with_too_many_fresh_inputs_and_the_leader_goes_silent() -> None:
     r = SyncerRound(params(active_learners=3), "s1")
     for i in (3, 4, 5, 0, 1, 2):

@@ -35,7 +35,7 @@ from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
-from p2pdiloco.sync.trust import trusted_count, trusted_peers
+from p2pdiloco.sync.trust import trust_progress, trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
 
 UNREACHABLE_AFTER = 1.0  # seconds before a learner gives up dialling a member that is down
@@ -122,6 +122,7 @@ class World:
         self.members: dict[int, dict[int, Member]] = {}  # view → peer index → member
         self.votes: dict[int, dict[str, str | None]] = {}  # view → voter → state it signed
         self.trusted: frozenset[str] | None = None
+        self.progress: dict[str, int] | None = None  # roster credits (RoundParams.progress)
         self.committee = self._committee(0)
         self.prev_agreed: set[int] = set()  # members that computed the last certified state
         self.wrong = hashlib.sha256(b"faulty").hexdigest()
@@ -334,6 +335,7 @@ class World:
         params = params_of(
             self.run_id, self.manifest, self.version, self.trusted, self.committee, len(live),
             self.clock.now, locked=self.locked, trusted_learners=trusted_count(self.trusted, live),
+            progress=self.progress,
         )  # fmt: skip
         if self.cfg.max_inputs is not None:
             params = replace(params, max_inputs=self.cfg.max_inputs)
@@ -412,6 +414,7 @@ class World:
         )  # fmt: skip
         self.cert = Certificate(body, done.signers, b"")
         self.trusted = trusted_peers(self.manifest, self.cert)
+        self.progress = None if self.trusted is None else trust_progress(self.manifest, self.cert)
         self.certs.append(CertRecord(
             done.version, done.state_hash, self.view, self.round_opened, self.clock.now, merged,
             sum(self.subs[d].tokens for d in merged), sum(t for _, t in counted), out is None,

@@ -468,6 +468,8 @@ class SyncerRound:
         p = self.params
         trusted = [d for d, s in self.accepted.items() if p.is_trusted(s.peer_id)]
         others = [d for d, s in self.accepted.items() if not p.is_trusted(s.peer_id)]
+        if credits := p.progress:  # closest to trust first: trust, and the room, grow fastest
+            others.sort(key=lambda d: -credits.get(self.accepted[d].peer_id, 0))
         digests = tuple(sorted(trusted + others[: probation_room(len(trusted), p.probation_share)]))
         self.input_set = digests
         return [Propose(digests, self.attempt), self._aggregate()]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from p2pdiloco.protocol.reasons import Reason
 
@@ -64,6 +65,11 @@ class RoundParams:
     # learner quorum is a share of these: probationary ones never close a round, so a flood of
     # them counted in would keep every round open to its grace.
     trusted_learners: int | None = None
+    # Accepted deltas each identity has on the certified roster (``sync.trust.trust_progress``):
+    # the leader fills the probation room with the submissions of the identities closest to
+    # trust first, arrival order between equals (ADR 0040). None: arrival order. Not consensus:
+    # which probationary inputs a leader proposes is its choice, within ``probation_room``.
+    progress: Mapping[str, int] | None = field(default=None, compare=False)
 
     def is_trusted(self, peer_id: str) -> bool:
         return self.trusted is None or peer_id in self.trusted

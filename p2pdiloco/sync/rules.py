@@ -7,6 +7,8 @@ never get a signature to match, so it must refuse the run up front with one clea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.choices import SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
@@ -15,7 +17,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo
 from p2pdiloco.sync.round_types import RoundParams
-from p2pdiloco.sync.trust import trusted_peers
+from p2pdiloco.sync.trust import trust_progress, trusted_peers
 
 
 class UnsupportedManifest(UserError):
@@ -104,7 +106,7 @@ def round_params(
     trusted = trusted_peers(manifest, base.cert)
     return params_of(
         run_id, manifest, base.version, trusted, committee, active_learners, now, locked,
-        close_after, trusted_learners,
+        close_after, trusted_learners, None if trusted is None else trust_progress(manifest, base.cert),
     )  # fmt: skip
 
 
@@ -119,6 +121,7 @@ def params_of(
     locked: tuple[str, ...] | None = None,
     close_after: float | None = None,
     trusted_learners: int | None = None,
+    progress: Mapping[str, int] | None = None,
 ) -> RoundParams:
     """:func:`round_params` on its inputs (the base version and who is trusted after it), for
     drivers that keep no certificate bodies (the simulator, ``p2pdiloco.sim``)."""
@@ -143,4 +146,5 @@ def params_of(
         trusted=trusted,
         probation_share=r.probation_share,
         trusted_learners=None if trusted_learners is None else max(1, trusted_learners),
+        progress=progress,
     )

@@ -55,6 +55,12 @@ def trusted_of_roster(
     return frozenset(earned | set(manifest.genesis_committee))
 
 
+def trust_progress(manifest: RunManifest, cert: Certificate | None) -> dict[str, int]:
+    """Accepted deltas per identity on the certified roster after ``cert`` (``RoundParams
+    .progress``): how close each probationary one is to ``trust_min_accepted``."""
+    return {e.peer_id: e.accepted for e in roster_of(manifest, cert)}
+
+
 def trusted_count(trusted: frozenset[str] | None, peers: Iterable[str]) -> int:
     """How many of ``peers`` are trusted (all of them in a young run): the learners a round
     waits for. Probationary ones never close a round, so counting them would only keep it
