@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import AggregationRule, SqSums, check_int, pairwise_sq_dists64
+from .base import AggregationRule, check_int, pairwise_sq_dists64
 from .mean import Mean, weighted_mean64
 from .rows import RowSet
 
@@ -37,16 +37,8 @@ def krum_ranking(delta_MD: torch.Tensor, f: int) -> list[int]:
 def windowed_ranking(deltas: RowSet, rows: list[int], f: int) -> list[int]:
     """``krum_ranking`` of ``rows`` of ``deltas`` (positions in ``rows``), the distances summed
     window by window: bit-identical, and no [M, D] stack."""
-    m = len(rows)
-    _check_m(m, f)
-    pairs = [(i, j) for i in range(m - 1) for j in range(i + 1, m)]
-    sums = SqSums(pairs, deltas.d, deltas.device)
-    for s, e in deltas.windows():
-        sums.add(deltas.window(rows, s, e), s)
-    dist = [[0.0] * m for _ in range(m)]
-    for (i, j), v in zip(pairs, sums.result(), strict=True):
-        dist[i][j] = dist[j][i] = v
-    return _ranking(_scores(dist, f))
+    _check_m(len(rows), f)
+    return _ranking(_scores(deltas.pairwise_sq_dists(rows), f))
 
 
 def _check_m(m: int, f: int) -> None:

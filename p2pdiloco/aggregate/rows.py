@@ -24,6 +24,7 @@ from .base import GRAIN, SqSums, blocks
 # thread: on a busy machine every op handed to the thread pool waits milliseconds for its
 # second thread (a merge of thousands of such ops stalled committees for minutes in CI).
 WINDOW = GRAIN
+PAIRS_PER_PASS = 512  # pairwise distances summed per pass over the windows (× 1/2048 of a row)
 
 
 class RowSet:
@@ -73,3 +74,20 @@ class RowSet:
         for s, e in self.windows():
             sums.add(self.window(rows, s, e), s)
         return sums.result()
+
+    def pairwise_sq_dists(self, rows: Sequence[int]) -> list[list[float]]:
+        """Squared distances between ``rows``, as a [len(rows)]² list (``pairwise_sq_dists64``
+        window by window, bit-identical). Their float64 partials (1/2048 of a row per pair) are
+        summed ``PAIRS_PER_PASS`` pairs per pass over the windows, so they stay within a quarter
+        of a row whatever M (32,640 pairs at M = 256 would hold 16 rows at once)."""
+        m = len(rows)
+        pairs = [(a, b) for a in range(m - 1) for b in range(a + 1, m)]
+        dist = [[0.0] * m for _ in range(m)]
+        for c in range(0, len(pairs), PAIRS_PER_PASS):
+            chunk = pairs[c : c + PAIRS_PER_PASS]
+            sums = SqSums(chunk, self.d, self.device)
+            for s, e in self.windows():
+                sums.add(self.window(rows, s, e), s)
+            for (a, b), v in zip(chunk, sums.result(), strict=True):
+                dist[a][b] = dist[b][a] = v
+        return dist

@@ -70,7 +70,7 @@ class Relays:
                 continue
             # A fellow down, or not in the round yet, takes no payload: the dial fails, or it
             # answers "later" from the header (sync.relay); the payload goes once it is in.
-            size = w.cfg.delta_bytes if w.member_open(dst) else SMALL
+            size = w.cfg.delta_bytes if w.live_member(dst) is not None else SMALL
             t = w.links.transfer(src, dst, size, w.clock.now)
             if size > SMALL:
                 w.relayed += size
@@ -106,7 +106,7 @@ class Relays:
     def again(self, sub: Submission, learner: int, src: int, dst: int, tries: int) -> None:
         """The payload goes once the fellow is in the round (the header alone before)."""
         w = self.world
-        if not w.member_open(dst):  # still "later": the header alone went
+        if not w.live_member(dst) is not None:  # still "later": the header alone went
             self.arrived(sub, learner, src, dst, tries)
             return
         t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)

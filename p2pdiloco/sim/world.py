@@ -217,13 +217,12 @@ class World:
         no transfer."""
         if not learner.alive:
             return
-        member = self.members.get(self.view, {}).get(index)
-        alive = member is not None and member.alive
-        busy = member is not None and member.alive and self._overrun(member, sub)
+        member = self.live_member(index)
+        busy = member is not None and self._overrun(member, sub)
         if index == learner.index:
             self.clock.at(self.clock.now, self._arrival, learner, sub, index, busy)
             return
-        size = self.cfg.delta_bytes if alive and not busy else SMALL
+        size = self.cfg.delta_bytes if member is not None and not busy else SMALL
         t = self.links.transfer(learner.index, index, size, self.clock.now)
         if size > SMALL:
             self.learner_up += size
@@ -231,12 +230,12 @@ class World:
         self.clock.at(t, self._arrival, learner, sub, index, busy)
 
     def _arrival(self, learner: SimLearner, sub: Submission, index: int, busy: bool) -> None:
-        member = self.members.get(self.view, {}).get(index)
+        member = self.live_member(index)
         code: Reason | None = Reason.NO_OPEN_ROUND  # up, but not in this round yet: "later"
         ok, hint = False, None
-        if member is not None and member.alive and busy:
+        if member is not None and busy:
             code = Reason.BUSY  # its relays would outlast the round's collecting (sync.relay)
-        elif member is not None and member.alive:
+        elif member is not None:
             ok, code, hint = member.submit(sub, learner.index)
         elif index not in self.peers or not self.peers[index].up:  # unreachable: the next one
             self.clock.after(UNREACHABLE_AFTER, learner.unreachable, sub.digest, index)
@@ -268,10 +267,6 @@ class World:
         """Peer ``index``'s member of this view's round, if it is up and in it."""
         m = self.members.get(self.view, {}).get(index)
         return m if m is not None and m.alive else None
-
-    def member_open(self, index: int) -> bool:
-        """Peer ``index`` is up and in this view's round (it would take a payload)."""
-        return self.live_member(index) is not None
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:
         peer = self.peers.get(self.by_id[peer_id])

@@ -18,18 +18,14 @@ row's weight), and every other row of it is *folded* into that one. Every number
 ``SqSums`` (float64, fixed tree) and the comparisons are on Python floats, so every honest
 syncer folds the same rows (ADR 0005).
 
-Cost: M(M − 1)/2 squared distances, as Krum computes; time grows as M² (ADR 0036 has the
-figures). Their float64 partials (one per pair and ``BLOCK`` of columns: 1/2048 of a float32
-row per pair) are summed ``PAIRS_PER_PASS`` pairs per pass over the windows, so they stay
-within a quarter of a row whatever M (32,640 pairs at M = 256 would hold 16 rows at once).
+Cost: M(M − 1)/2 squared distances (``RowSet.pairwise_sq_dists``, as Krum computes them);
+time grows as M², memory stays within a quarter of a row (ADR 0036 has the figures).
 """
 
 from __future__ import annotations
 
-from p2pdiloco.aggregate.base import SqSums, median_of
+from p2pdiloco.aggregate.base import median_of
 from p2pdiloco.aggregate.rows import RowSet
-
-PAIRS_PER_PASS = 512  # × 1/2048 of a row of partials each
 
 
 def fold_clones(
@@ -39,17 +35,8 @@ def fold_clones(
     merged as. ``anchors`` are the trusted ones among ``rows``; ``factor`` ≥ 0."""
     if len(rows) < 2:
         return {}
-    pairs = [(a, b) for a in range(len(rows) - 1) for b in range(a + 1, len(rows))]
-    dist2: list[float] = []
-    for c in range(0, len(pairs), PAIRS_PER_PASS):  # partials held: ≤ a quarter of a row
-        sums = SqSums(pairs[c : c + PAIRS_PER_PASS], deltas.d, deltas.device)
-        for s, e in deltas.windows():
-            sums.add(deltas.window(rows, s, e), s)
-        dist2 += sums.result()
-    to_others: list[list[float]] = [[] for _ in rows]
-    for (a, b), d in zip(pairs, dist2, strict=True):
-        to_others[a].append(d)
-        to_others[b].append(d)
+    dist = deltas.pairwise_sq_dists(rows)
+    to_others = [[d for b, d in enumerate(row) if b != a] for a, row in enumerate(dist)]
     held = set(anchors)
     spread = median_of([median_of(to_others[a]) for a, r in enumerate(rows) if r in held]
                        or [median_of(v) for v in to_others])  # fmt: skip
@@ -61,9 +48,10 @@ def fold_clones(
             a = root[a]
         return a
 
-    for (a, b), d in zip(pairs, dist2, strict=True):
-        if d <= threshold:
-            ra, rb = find(a), find(b)
-            if ra != rb:
-                root[max(ra, rb)] = min(ra, rb)  # a group's root is its first row
+    for a in range(len(rows) - 1):
+        for b in range(a + 1, len(rows)):
+            if dist[a][b] <= threshold:
+                ra, rb = find(a), find(b)
+                if ra != rb:
+                    root[max(ra, rb)] = min(ra, rb)  # a group's root is its first row
     return {rows[a]: rows[find(a)] for a in range(len(rows)) if find(a) != a}
