@@ -223,14 +223,19 @@ class Down(Link):
 def test_a_fellow_that_cannot_be_reached_is_reported_to_the_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The round hears which fellows' dials failed (``SyncerRound.on_unreachable``, ADR 0038):
-    an unreachable leader need not be waited for until its grace deadline."""
+    """The round hears which fellows' dials failed (``SyncerRound.on_unreachable``, ADR 0038)
+    and which answered (``on_reached``): an unreachable leader need not be waited for until its
+    grace deadline, nor a quorum out of reach until the view's timeout (ADR 0041)."""
     monkeypatch.setattr(relay, "ATTEMPTS", 2)
     heard: list[str] = []
+    reached: list[str] = []
 
     class Heard:
         def on_unreachable(self, peer: str, now: float) -> None:
             heard.append(peer)
+
+        def on_reached(self, peer: str) -> None:
+            reached.append(peer)
 
     async def go() -> None:
         relayer = Relayer(Down(rate=1e7), current=lambda: Heard())  # type: ignore[arg-type, return-value]
@@ -238,3 +243,4 @@ def test_a_fellow_that_cannot_be_reached_is_reported_to_the_round(
 
     asyncio.run(go())
     assert heard == ["C", "C"]
+    assert reached == ["B"]  # a fellow that answered clears what an earlier failure said

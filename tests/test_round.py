@@ -255,6 +255,36 @@ def test_an_unreachable_leader_is_reported_without_waiting_for_its_grace() -> No
     assert r3.input_set == ("d00",) and not r3.leader_silent(100.0)
 
 
+def test_a_quorum_out_of_reach_is_reported_without_waiting_for_the_view_timeout() -> None:
+    """With more than k − q fellows unreachable (and not signed), the members left cannot
+    certify: ``quorum_unreachable`` ``agree_timeout`` after the failure that made them so many
+    (ADR 0041). A fellow heard from again, or whose signature is in, does not count."""
+    c = Committee(params(agree_timeout=10.0), down=frozenset({"s2", "s3"}))  # k 4, q 3
+    for i in range(3):
+        c.submit(sub(i), 1.0)
+    r0, r1 = c.rounds["s0"], c.rounds["s1"]
+    assert r0.phase is Phase.SIGNING and len(r0.signatures) == 2 and not c.done
+    r0.on_unreachable("s2", 5.0)
+    assert not r0.quorum_unreachable(100.0)  # k − q = 1 fellow gone: the quorum is in reach
+    r0.on_unreachable("s3", 7.0)
+    r0.on_unreachable("s3", 8.0)  # the first failure counts
+    r0.on_unreachable("s1", 7.0)  # it signed: its signature counts whatever became of it
+    r0.on_unreachable("elsewhere", 7.0)  # not on the committee: ignored
+    assert not r0.quorum_unreachable(16.9) and r0.quorum_unreachable(17.0)
+    r0.on_reached("s3")  # it answered after all
+    assert not r0.quorum_unreachable(100.0)
+    # In any phase: a member still collecting with two fellows gone votes too, and a proposal
+    # from the leader is word from it.
+    r1b = SyncerRound(params(agree_timeout=10.0), "s1")
+    r1b.on_unreachable("s0", 1.0)
+    r1b.on_unreachable("s2", 2.0)
+    assert r1b.quorum_unreachable(12.0)
+    r1b.on_submission(sub(0), 3.0)
+    r1b.on_proposal("s0", ("d00",), 4.0)
+    assert not r1b.quorum_unreachable(100.0)
+    assert r1.abandon() is not None and not r1.quorum_unreachable(100.0)  # voted already
+
+
 def test_proposals_and_signatures_from_the_wrong_syncers_are_refused() -> None:
     r = SyncerRound(params(), "s1")
     r.on_submission(sub(0), 1.0)

@@ -87,3 +87,18 @@ def test_fetches_go_first_to_the_member_a_learner_uploaded_to_then_the_proposer(
         firsts.append(order[0])
     # the first asked is spread over the members, not always the proposer
     assert max(firsts.count(m) for m in members) < 0.3 * len(firsts)
+
+
+def test_the_sender_hears_who_answered_and_who_could_not_be_reached() -> None:
+    """``reached(peer, ok)``: True once the fellow answered (taken, or refused for good: it is
+    there), False only when every try failed to reach it; the round counts those toward a quorum
+    out of reach (ADR 0041). "Later" and BUSY are answers, not failures."""
+    for answers, ok_sent, heard in [
+        ((None, Reason.BUSY), True, [True]),
+        ((None, None, None, None), False, [False]),
+        ((Reason.BUSY,) * 4, False, [True]),
+        ((Reason.WRONG_RUN,), False, [True]),
+    ]:
+        got: list[bool] = []
+        ok, _ = _send(Fellow(*answers), reached=lambda p, r, got=got: got.append(r))
+        assert ok is ok_sent and got == heard, answers

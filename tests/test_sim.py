@@ -174,3 +174,26 @@ def test_members_that_restart_mid_round_still_get_the_proposal_and_sign() -> Non
     assert cert.version == v and cert.view == 0, cert
     assert set(late) & set(cert.signers), cert.signers
     assert result.view_changes == 0 and result.conflicts == 0
+
+
+def test_a_committee_that_lost_its_quorum_hands_the_version_on_without_the_view_timeout() -> None:
+    """Two of version v's four members (quorum 3) go down as v − 1 is certified and stay down.
+    The two left merge and sign, and find the others unreachable when they send their
+    signatures: with the quorum out of reach they vote at once (``quorum_unreachable``, ADR
+    0041), and view 1, locked on what they signed, certifies v well before view 0's timeout
+    (120 s here). Before, they waited the timeout out."""
+    cfg = replace(SMALL, duration=900.0)
+    _, clean = simulate_run(cfg, baseline=False)
+    v = 4
+    before, due = clean.certs[v - 2], clean.certs[v - 1]
+    assert due.version == v and due.view == 0
+    gone = [m for m in due.committee if m != due.committee[0]][:2]
+    index = {p.peer_id: p.index for p in profiles(cfg, cfg.peers, random.Random(cfg.seed))}
+    at = before.certified_at + 0.5
+    faults = [Fault(at, index[m], "down") for m in gone]
+    faults += [Fault(at + 600.0, index[m], "up") for m in gone]
+    result, world = simulate_run(cfg, baseline=False, faults=faults)
+    cert = world.certs[v - 1]
+    assert cert.version == v and cert.view == 1, cert
+    assert cert.certified_at - cert.opened_at < 120.0, cert
+    assert result.conflicts == 0 and not cert.wrong

@@ -10,6 +10,7 @@ from typing import Any
 from p2pdiloco.sim.config import Profile
 
 SMALL = 512  # bytes of a small signed message (proposal, signature, reply, certificate header)
+UNREACHABLE_AFTER = 1.0  # seconds before a dial to a peer that is down gives up
 
 
 class Clock:

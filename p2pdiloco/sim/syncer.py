@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.runtime.delivery import fetch_order
 from p2pdiloco.sim.backend import MergeFailed
-from p2pdiloco.sim.clock import SMALL
+from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER
 from p2pdiloco.sync.round import (
     Action,
     Aggregate,
@@ -96,13 +96,18 @@ class Member:
         if self.alive:
             self.execute(self.round.on_signature(syncer, state_hash))
 
+    def unreachable(self, peer_id: str) -> None:
+        if self.alive:
+            self.round.on_unreachable(peer_id, self.world.clock.now)
+
     def tick(self) -> None:
         if not self.alive or self.round.phase is Phase.CERTIFIED:
             return
         w, now = self.world, self.world.clock.now
         self.execute(self.round.on_tick(now))
         timed_out = now >= w.view_opened + w.manifest.rules.view_timeout_s
-        if not self.votes_cast and (timed_out or self.round.leader_silent(now)):
+        stuck = self.round.leader_silent(now) or self.round.quorum_unreachable(now)
+        if not self.votes_cast and (timed_out or stuck):
             self.votes_cast = True
             w.vote(self, self.round.abandon())
         w.clock.after(TICK, self.tick)
@@ -131,6 +136,10 @@ class Member:
                     if m.index != self.index:
                         t = w.links.transfer(self.index, m.index, SMALL, w.clock.now)
                         w.clock.at(t, m.signature, self.peer_id, a.state_hash)
+                for peer_id in w.committee.members:  # down or gone: the dial fails (ADR 0041)
+                    peer = w.peers.get(w.by_id[peer_id])
+                    if peer is None or not peer.up:
+                        w.clock.after(UNREACHABLE_AFTER, self.unreachable, peer_id)
             elif isinstance(a, Done):
                 w.certify(self, a)
 

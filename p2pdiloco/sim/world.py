@@ -24,7 +24,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, ViewVote, timeout_lock
 from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.sim.backend import Merge, Outcome
-from p2pdiloco.sim.clock import SMALL, Clock, Links
+from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
 from p2pdiloco.sim.learner import Pending, SimLearner
 from p2pdiloco.sim.relay import Relays
@@ -37,8 +37,6 @@ from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
 from p2pdiloco.sync.trust import trust_progress, trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
-
-UNREACHABLE_AFTER = 1.0  # seconds before a learner gives up dialling a member that is down
 
 
 @dataclass

@@ -126,6 +126,10 @@ class Relayer:
                     )
                     code = Reason.parse(reply["code"]) if "code" in reply else None
                     if reply.get("status") == "accepted":
+                        if (
+                            rnd := self.current() if self.current is not None else None
+                        ) is not None:
+                            rnd.on_reached(peer)
                         return True
                 except RpcError as e:
                     code = e.code if e.refused else Reason.UNREACHABLE
@@ -136,7 +140,9 @@ class Relayer:
                     self._end(moved)
             rnd = self.current() if self.current is not None else None
             if code is Reason.UNREACHABLE and rnd is not None:
-                rnd.on_unreachable(peer, time.monotonic())  # its leader? (ADR 0038)
+                rnd.on_unreachable(peer, time.monotonic())  # leader? quorum? (ADR 0038, 0041)
+            elif rnd is not None:
+                rnd.on_reached(peer)
             if code not in RETRYABLE or not collecting():
                 log.info("relay to %s: %s", peer[-8:], code)
                 return False

@@ -55,6 +55,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sync.reach import Reach
 from p2pdiloco.sync.round_types import (
     Action,
     Aggregate,
@@ -72,6 +73,7 @@ from p2pdiloco.sync.round_types import (
     Submission,
     SubmissionStatus,
 )
+from p2pdiloco.sync.screening import Refusal, screen
 from p2pdiloco.sync.trust import cap_probation, probation_room
 from p2pdiloco.sync.weights import merge_weights, plausible_claim
 
@@ -94,8 +96,6 @@ __all__ = [
     "SyncerRound",
 ]
 
-_Refusal = tuple[Reason, str]
-
 
 @dataclass
 class SyncerRound:
@@ -112,6 +112,7 @@ class SyncerRound:
     closed_at: float | None = None  # when this attempt stopped collecting
     enough_at: float | None = None  # when this attempt first reached the learner quorum
     leader_gone_at: float | None = None  # when the driver first failed to reach the leader
+    reach: Reach = field(default_factory=Reach)  # fellows the driver failed to dial (ADR 0041)
     input_set: tuple[str, ...] | None = None
     own_hash: str | None = None  # the state this syncer signed; set once per version
     last_hash: str | None = None  # the state of this syncer's latest successful merge
@@ -176,6 +177,8 @@ class SyncerRound:
         sender retries); ignored once this syncer has adopted or computed a set itself."""
         if self.phase is Phase.CERTIFIED:
             return []
+        if sender in self.params.committee:
+            self.reach.heard(sender)
         if attempt != self.attempt:
             text = f"proposal for attempt {attempt}, this syncer is in attempt {self.attempt}"
             return [Reject(sender, Reason.NO_OPEN_ROUND, text)]
@@ -288,6 +291,7 @@ class SyncerRound:
             text = "signed two different states in one round (equivocation)"
             return [Reject(syncer, Reason.EQUIVOCATION, text)]
         self.signatures[syncer] = state_hash
+        self.reach.heard(syncer)
         signers = tuple(sorted(s for s, h in self.signatures.items() if h == state_hash))
         if len(signers) < self.params.quorum:
             return []
@@ -344,9 +348,28 @@ class SyncerRound:
     def on_unreachable(self, peer_id: str, now: float) -> None:
         """The driver could not reach ``peer_id`` (a relay or message failed to connect). If it
         leads this attempt, nothing is proposed here yet and it is not this syncer, the members
-        stop waiting for its grace deadline: it holds no round that could close (ADR 0038)."""
-        if peer_id == self.leader(now) != self.me and self.input_set is None:
+        stop waiting for its grace deadline: it holds no round that could close (ADR 0038).
+        Any fellow's failure counts toward ``quorum_unreachable`` (ADR 0041)."""
+        if peer_id == self.me or peer_id not in self.params.committee:
+            return
+        self.reach.lost(peer_id, now)
+        if peer_id == self.leader(now) and self.input_set is None:
             self.leader_gone_at = now if self.leader_gone_at is None else self.leader_gone_at
+
+    def on_reached(self, peer_id: str) -> None:
+        """A message to or from ``peer_id`` went through: it is not gone (any more)."""
+        self.reach.heard(peer_id)
+
+    def quorum_unreachable(self, now: float) -> bool:
+        """True ``agree_timeout`` after more than k − q fellows were found unreachable (and had
+        not signed this member's state): the members left cannot certify this view, so the
+        driver votes to leave it now rather than at ``view_timeout`` (ADR 0041)."""
+        if self.phase is Phase.CERTIFIED or self.abandoned:
+            return False
+        mine = self.own_hash
+        signed = [s for s, h in self.signatures.items() if mine is None or h == mine]
+        since = self.reach.quorum_lost_at(self.params.committee, self.params.quorum, signed)
+        return since is not None and now >= since + self.params.agree_timeout
 
     def weights(self, digests: tuple[str, ...]) -> tuple[float, ...]:
         """Merge weights of accepted ``digests``, in their order (``merge_weights``: tokens
@@ -374,41 +397,8 @@ class SyncerRound:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _screen(self, sub: Submission, allow_after_close: bool = False) -> _Refusal | None:
-        p = self.params
-        if sub.run_id != p.run_id:
-            return Reason.WRONG_RUN, "submission for another run"
-        if sub.digest in self.dropped:
-            return self.dropped[sub.digest], "submission was dropped from this round earlier"
-        if self.phase is not Phase.COLLECTING and not allow_after_close:
-            return Reason.ROUND_CLOSED, f"round for version {p.version + 1} is already closed"
-        if sub.base_version > p.version:
-            text = f"base version {sub.base_version} is newer than the certified {p.version}"
-            return Reason.BASE_TOO_NEW, text
-        if sub.base_version < p.version - p.staleness:
-            text = f"stale: base version {sub.base_version} is older than {p.version - p.staleness}"
-            return Reason.STALE, text
-        if sub.steps < 1 or sub.tokens < 1:
-            return Reason.BAD_CLAIM, "a submission must report at least one step and one token"
-        if sub.tokens > sub.steps * p.max_tokens_per_step:
-            text = (
-                f"token claim {sub.tokens} exceeds steps × batch × seq_len "
-                f"({sub.steps} × {p.max_tokens_per_step})"
-            )
-            return Reason.BAD_CLAIM, text
-        if sub.digest in self.accepted:
-            return Reason.DUPLICATE, "duplicate submission"
-        if allow_after_close:
-            return None
-        if sub.peer_id in self.by_peer:
-            return Reason.DUPLICATE, "a second submission from the same learner in one round"
-        if len(self.accepted) >= p.max_inputs:
-            return Reason.BUSY, f"round already holds {p.max_inputs} submissions"
-        if not p.is_trusted(sub.peer_id):
-            room = max(1, int(p.max_inputs * p.probation_share))
-            if self.probationary >= room:
-                return Reason.BUSY, f"round already holds {room} probationary submissions"
-        return None
+    def _screen(self, sub: Submission, allow_after_close: bool = False) -> Refusal | None:
+        return screen(self, sub, allow_after_close)
 
     def _accept(self, sub: Submission) -> Submission:
         """Hold ``sub`` with its claim clipped to one delta's steps; return what is held."""

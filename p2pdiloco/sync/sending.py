@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from p2pdiloco.net.sync_rpc import RpcError
@@ -36,17 +37,24 @@ async def send_to(
     attempts: int = 4,
     later_while: Callable[[], bool] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    reached: Callable[[str, bool], None] | None = None,
 ) -> bool:
     """Send ``frame`` as ``op`` to ``peer`` until it is taken: True, or False once refused for
-    good, out of tries, or no longer wanted (``later_while`` false)."""
+    good, out of tries, or no longer wanted (``later_while`` false). ``reached(peer, ok)`` hears
+    whether the peer answered (taken or refused: True) or every try failed to reach it (False),
+    which the round counts toward ``quorum_unreachable`` (ADR 0041)."""
     tries = later = 0
     while True:
         try:
             await call(peer, op, [frame])
+            if reached is not None:
+                reached(peer, True)
             return True
         except RpcError as e:
             if e.refused and e.code not in RETRYABLE:
                 log.info("%s to %s refused: %s", op, peer[-8:], e)
+                if reached is not None:
+                    reached(peer, True)
                 return False
             if later_while is not None and e.refused and e.code is Reason.NO_OPEN_ROUND:
                 later += 1
@@ -57,6 +65,8 @@ async def send_to(
                 tries += 1
                 log.info("%s to %s failed (attempt %d): %s", op, peer[-8:], tries, e)
                 if tries >= attempts:
+                    if reached is not None:
+                        reached(peer, e.refused)
                     return False
                 delay = float(tries)
         await sleep(delay)
@@ -70,3 +80,12 @@ def still_proposing(
     """A leader still wants its proposal for ``attempt`` of ``rnd`` taken: ``rnd`` is still the
     member's round (``current``), in that attempt, and not certified."""
     return current() is rnd and rnd.attempt == attempt and rnd.phase is not Phase.CERTIFIED
+
+
+def heard_from(
+    current: Callable[[], SyncerRound | None], rnd: SyncerRound, peer: str, ok: bool
+) -> None:
+    """Tell ``rnd``, while it is still the member's round (``current``), that ``peer`` answered
+    (``ok``) or could not be reached: ``send_to``'s ``reached`` for committee messages."""
+    if current() is rnd:
+        rnd.on_reached(peer) if ok else rnd.on_unreachable(peer, time.monotonic())

@@ -60,7 +60,7 @@ from p2pdiloco.sync.round import (
     SyncerRound,
 )
 from p2pdiloco.sync.rules import round_params
-from p2pdiloco.sync.sending import send_to, still_proposing
+from p2pdiloco.sync.sending import heard_from, send_to, still_proposing
 from p2pdiloco.sync.signatures import RoundSignatures
 from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
@@ -382,7 +382,10 @@ class SyncService:
         return [m for m in self.committee.members if m != self.me]
 
     async def _send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
-        await send_to(lambda p, o, f: self.transport.call(p, o, frames=f), peer, op, frame, **how)
+        rnd = self.round  # it hears who answered and who is gone (ADR 0041)
+        reached = partial(heard_from, lambda: self.round, rnd) if rnd is not None else None
+        call = self.transport.call
+        await send_to(lambda p, o, f: call(p, o, frames=f), peer, op, frame, reached=reached, **how)
 
     async def _propose(self, digests: tuple[str, ...], attempt: int) -> None:
         assert self.current is not None and self.round is not None

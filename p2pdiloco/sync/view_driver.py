@@ -123,7 +123,8 @@ class ViewDriver:
         """Vote if this node's view timed out (``bodies``: the round's bodies by digest, to
         name the content it signed); True if that vote moved the node to a new view."""
         st = self.state
-        if st is None or not st.due(now, rnd is not None and rnd.leader_silent(now)):
+        stuck = rnd is not None and (rnd.leader_silent(now) or rnd.quorum_unreachable(now))
+        if st is None or not st.due(now, stuck):
             return False
         own = rnd.abandon() if rnd is not None else None
         body = bodies[own] if own is not None else None

@@ -85,7 +85,8 @@ class ViewState:
     def due(self, now: float, leader_silent: bool = False) -> bool:
         """True when this member should vote to leave the current view: it has been open for
         ``view_timeout`` without a certificate, or (``leader_silent``) the round closed and
-        its leader proposed nothing within ``agree_timeout``."""
+        its leader proposed nothing within ``agree_timeout``, or the round's quorum is out of
+        reach (``SyncerRound.quorum_unreachable``, ADR 0041)."""
         timed_out = now >= self.opened_at + self.manifest.rules.view_timeout_s
         return (
             self.view + 1 < MAX_VIEWS
