@@ -285,6 +285,19 @@ def test_a_quorum_out_of_reach_is_reported_without_waiting_for_the_view_timeout(
     assert r1.abandon() is not None and not r1.quorum_unreachable(100.0)  # voted already
 
 
+def test_a_proposal_passed_on_after_the_leaders_own_changes_nothing() -> None:
+    """Fellows pass an adopted proposal on (ADR 0042), so a member gets it more than once: once
+    it has a set, copies are ignored; no second fetch, no second aggregate."""
+    r = SyncerRound(params(), "s1")
+    r.on_submission(sub(0), 1.0)
+    first = r.on_proposal("s0", ("d00", "d01"), 2.0)
+    assert [type(a) for a in first] == [Fetch]
+    assert r.on_proposal("s0", ("d00", "d01"), 2.5) == []  # the copy: no second fetch
+    r.on_fetched(sub(1))
+    assert r.phase is Phase.AGGREGATING
+    assert r.on_proposal("s0", ("d00", "d01"), 3.0) == []
+
+
 def test_proposals_and_signatures_from_the_wrong_syncers_are_refused() -> None:
     r = SyncerRound(params(), "s1")
     r.on_submission(sub(0), 1.0)

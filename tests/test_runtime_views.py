@@ -8,12 +8,14 @@ token counters keep moving), never one schedule's timing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.runtime.memnet import MemoryNetwork
+from p2pdiloco.sync.committee_msgs import open_proposal
 from p2pdiloco.sync.roster import committee_for, roster_of
 from tests.test_runtime_memory import check_chains, run
 
@@ -128,5 +130,35 @@ def test_a_syncer_that_restarts_mid_round_does_not_freeze_a_two_node_run(tmp_pat
             check_chains(net)
             assert all(len(h) == 1 for h in signed_per_view(net).values())
             assert back.version >= start + 2
+
+    run(main())
+
+
+def test_a_proposal_that_reached_one_fellow_is_passed_on_and_no_view_changes(
+    tmp_path: Path,
+) -> None:
+    """Every leader's own proposal reaches one fellow only, as when a leader dies in the
+    second it proposes (a chaos run lost 42 s to one). The fellow that adopts it passes it on,
+    signed by the leader, to the others (ADR 0042): every version is certified in view 0,
+    where before the two fellows left out waited for a leader that was silent to them."""
+
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=4, rules=RULES) as net:
+            lost: list[str] = []
+
+            def lose(src: str, dst: str, op: str, frames: Sequence[bytes]) -> bool:
+                if op != "propose" or open_proposal(bytes(frames[0]), net.run_id).signer != src:
+                    return False  # only the leader's own sends: copies passed on go through
+                reaches = min(n.peer_id for n in net.nodes if n.peer_id != src)
+                if dst != reaches:
+                    lost.append(dst)
+                return dst != reaches
+
+            net.hub.lose = lose
+            await net.wait_for(lambda: net.min_version() >= 3, 120, "version 3 everywhere")
+            check_chains(net)
+            assert lost  # the rule was in force
+            for raw in net.nodes[0].runtime.chain.certs.values():
+                assert parse_certificate(raw, run_id=net.run_id).body.view == 0
 
     run(main())

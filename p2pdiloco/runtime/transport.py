@@ -111,6 +111,9 @@ class MemoryHub:
     # Sees each answered request: (sender, receiver, control, request frames, reply), where
     # control holds the op and the request's args. For tests.
     tap: Callable[[str, str, dict[str, Any], list[bytes], dict[str, Any]], None] | None = None
+    # Loses a request before it is delivered when true for (sender, receiver, op, frames), as
+    # a connection that drops would ("connection lost", not a refusal). For tests.
+    lose: Callable[[str, str, str, Sequence[bytes]], bool] | None = None
 
     def transport(self, me: str) -> MemoryTransport:
         return MemoryTransport(self, me)
@@ -161,7 +164,7 @@ class MemoryTransport:
         pause = hub.delay.get(self.me, 0.0) + hub.delay.get(peer, 0.0)
         if pause:
             await asyncio.sleep(pause)
-        if peer in hub.down:
+        if peer in hub.down or (hub.lose is not None and hub.lose(self.me, peer, op, frames)):
             raise RpcError(f"{op} to {peer}: connection lost")
         control = {**(args or {}), "op": op, "frames": len(frames)}
         try:

@@ -79,13 +79,25 @@ class Member:
             return False, refusal.code, hint
         return True, None, None
 
-    def proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None:
+    def proposal(
+        self, sender: str, digests: tuple[str, ...], attempt: int, via: int | None = None
+    ) -> None:
+        """The leader ``sender``'s proposal, from it or passed on by fellow ``via``."""
         if self.alive:
+            fresh = self.round.input_set is None
             actions = self.round.on_proposal(sender, digests, self.world.clock.now, attempt)
             for a in actions:
                 if isinstance(a, Reject) and a.code is Reason.NO_OPEN_ROUND:
                     self.world.retry_proposal(sender, digests, attempt)
             self.execute([a for a in actions if not isinstance(a, Reject)])
+            if fresh and self.round.input_set is not None:  # adopted: pass it on (ADR 0042)
+                w = self.world
+                for peer_id in w.committee.members:
+                    dst = w.by_id[peer_id]
+                    m = w.live_member(dst) if peer_id not in (sender, self.peer_id) else None
+                    if m is not None and dst != via:
+                        t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
+                        w.clock.at(t, m.proposal, sender, digests, attempt, self.index)
 
     def fetched(self, subs: list[Submission]) -> None:
         if self.alive:

@@ -198,6 +198,8 @@ class SyncerRound:
         if gone:
             text = f"input set holds {gone[0][:12]}, which this syncer dropped after a failed merge"
             return [Reject(sender, self.dropped[gone[0]], text)]
+        if self.input_set is not None:
+            return []  # a copy passed on by a fellow once this member has a set (ADR 0042)
         self.closed_at = self.closed_at if self.closed_at is not None else now
         self.input_set = digests
         self.phase = Phase.AGREEING

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from functools import partial
+from typing import Any
 
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
@@ -89,3 +91,26 @@ def heard_from(
     (``ok``) or could not be reached: ``send_to``'s ``reached`` for committee messages."""
     if current() is rnd:
         rnd.on_reached(peer) if ok else rnd.on_unreachable(peer, time.monotonic())
+
+
+class Fellows:
+    """A member's committee messages to its fellows (``others``), through ``send_to``, each
+    answer or failure told to the round that is current when it comes (``heard_from``)."""
+
+    def __init__(
+        self,
+        call: Call,
+        current: Callable[[], SyncerRound | None],
+        others: Callable[[], list[str]],
+    ) -> None:
+        self.call, self.current, self.others = call, current, others
+
+    async def send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
+        rnd = self.current()
+        reached = partial(heard_from, self.current, rnd) if rnd is not None else None
+        await send_to(self.call, peer, op, frame, reached=reached, **how)
+
+    async def to_all(self, op: str, frame: bytes, skip: Collection[str] = (), **how: Any) -> None:
+        """``frame`` to every fellow not in ``skip``, at once."""
+        peers = [p for p in self.others() if p not in skip]
+        await asyncio.gather(*(self.send(p, op, frame, **how) for p in peers))

@@ -60,8 +60,8 @@ from p2pdiloco.sync.round import (
     SyncerRound,
 )
 from p2pdiloco.sync.rules import round_params
-from p2pdiloco.sync.sending import heard_from, send_to, still_proposing
-from p2pdiloco.sync.signatures import RoundSignatures
+from p2pdiloco.sync.sending import Fellows, still_proposing
+from p2pdiloco.sync.signatures import RoundSignatures, refusal_of
 from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
@@ -110,7 +110,11 @@ class SyncService:
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
         self.arrivals = ArrivalWindow(self.rules.grace, self.rules.grace_min)  # adaptive grace
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.views = ViewDriver(identity, run_id, manifest, self._send, self._spawn)
+        call = transport.call
+        self.fellows = Fellows(  # who answers and who is gone, told to the round (ADR 0041)
+            lambda p, o, f: call(p, o, frames=f), lambda: self.round, self._others
+        )
+        self.views = ViewDriver(identity, run_id, manifest, self.fellows.send, self._spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -285,19 +289,20 @@ class SyncService:
             raise RpcRefused(e.code, str(e)) from None
         if self._buffer_if_early(prop.version, "propose", peer, frames):
             return {"buffered": True}, []
-        view = self.views.state.view if self.views.state is not None else 0
-        if self.round is None or self.current is None or prop.version != self.current.version + 1:
+        rnd, view = self.round, self._view
+        if rnd is None or self.current is None or prop.version != self.current.version + 1:
             raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {prop.version}")
         if prop.view != view:  # a later view: retry once this node is in it; an earlier: over
             code = Reason.NO_OPEN_ROUND if prop.view > view else Reason.ROUND_CLOSED
             raise RpcRefused(code, f"proposal for view {prop.view}; this syncer is in {view}")
-        actions = self.round.on_proposal(
-            prop.signer, prop.digests, time.monotonic(), attempt=prop.attempt
-        )
+        fresh = rnd.input_set is None
+        actions = rnd.on_proposal(prop.signer, prop.digests, time.monotonic(), prop.attempt)
         refused = [a for a in actions if isinstance(a, Reject) and a.peer_id == prop.signer]
         self._execute(actions)
         if refused:
             raise RpcRefused(refused[0].code, refused[0].reason)
+        if fresh and rnd.input_set is not None:  # adopted: pass it on, the leader may be gone
+            self._spawn(self.fellows.to_all("propose", frames[0], skip={peer, prop.signer}))
         return {}, []
 
     def _on_signature(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
@@ -310,15 +315,11 @@ class SyncService:
             return {"buffered": True}, []
         if self.round is None or self.current is None or body.version != self.current.version + 1:
             raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {body.version}")
-        if body.run != self.run_id or body.base_version != self.current.version:
-            raise RpcRefused(Reason.WRONG_RUN, "signature for another run or base version")
-        if self.views.state is not None and body.view != self.views.state.view:
-            raise RpcRefused(Reason.NO_OPEN_ROUND, f"signature for view {body.view}")
-        if tuple(body.committee) != self.round.params.committee:
-            self._reject(
-                signer, None, Reason.WRONG_COMMITTEE, "signed a body naming another committee"
-            )
-            raise RpcRefused(Reason.WRONG_COMMITTEE, "wrong committee")
+        p = self.round.params
+        if (no := refusal_of(body, self.run_id, p.version, self._view, p.committee)) is not None:
+            if no[0] is Reason.WRONG_COMMITTEE:
+                self._reject(signer, None, *no)
+            raise RpcRefused(*no)
         digest = self.signatures.add(signer, body, sig, len(self.round.params.committee))
         self._execute(self.round.on_signature(signer, digest))
         return {}, []
@@ -360,7 +361,8 @@ class SyncService:
             elif isinstance(a, Aggregate):
                 self._spawn(self._aggregate(a))
             elif isinstance(a, Sign):
-                self._spawn(self._send_signature(a.state_hash))
+                msg = self.signatures.message(self.me, a.state_hash)
+                self._spawn(self.fellows.to_all("sign", msg))
             elif isinstance(a, Dropped):
                 for d in a.digests:
                     self.held.pop(d, None)
@@ -377,26 +379,23 @@ class SyncService:
         if not task.cancelled() and task.exception() is not None:
             log.error("sync task failed: %r", task.exception())
 
+    @property
+    def _view(self) -> int:
+        return self.views.state.view if self.views.state is not None else 0
+
     def _others(self) -> list[str]:
         assert self.committee is not None
         return [m for m in self.committee.members if m != self.me]
 
-    async def _send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
-        rnd = self.round  # it hears who answered and who is gone (ADR 0041)
-        reached = partial(heard_from, lambda: self.round, rnd) if rnd is not None else None
-        call = self.transport.call
-        await send_to(lambda p, o, f: call(p, o, frames=f), peer, op, frame, reached=reached, **how)
-
     async def _propose(self, digests: tuple[str, ...], attempt: int) -> None:
         assert self.current is not None and self.round is not None
         rnd, version = self.round, self.current.version + 1
-        view = self.views.state.view if self.views.state is not None else 0
+        view = self._view
         raw = seal_proposal(self.identity, self.run_id, version, attempt, digests, view)
         log.info("proposing %d submissions for version %d (attempt %d)", len(digests), version,
                  attempt)  # fmt: skip
         live = partial(still_proposing, lambda: self.round, rnd, attempt)  # fellows not in it yet
-        await asyncio.gather(*(self._send(p, "propose", raw, later_while=live)
-                               for p in self._others()))  # fmt: skip
+        await self.fellows.to_all("propose", raw, later_while=live)
 
     async def _fetch(self, digests: tuple[str, ...], holders: Callable[[str], list[str]]) -> None:
         """Fetch agreed inputs this syncer lacks, each from its ``holders`` in turn, retried."""
@@ -441,7 +440,7 @@ class SyncService:
         headers = {d: self.held[d].sub.header for d in action.digests}
         for d, r in sorted(result.rejected.items()):
             self._reject(headers[d].peer_id, d, Reason.SCREENED_OUT, f"screened out: {r}")
-        view = self.views.state.view if self.views.state is not None else 0
+        view = self._view
         body = certificate_body(
             self.run_id, self.manifest, base, committee, state.state_hash, headers,
             result.accepted, result.rejected, view=view, update_hash=state.update_hash,
@@ -469,18 +468,12 @@ class SyncService:
         merge_inputs = [MergeInput(d, p, decode(b, base.version), w, a) for d, p, b, w, a in inputs]
         return next_state(base, merge_inputs, self.rules, self.outer)
 
-    async def _send_signature(self, digest: str) -> None:
-        msg = self.signatures.message(self.me, digest)
-        await asyncio.gather(*(self._send(p, "sign", msg) for p in self._others()))
-
     def _finish(self, done: Done) -> None:
         tcs = tuple(self.views.state.tcs) if self.views.state is not None else ()
         raw, cert, state = self.signatures.certificate(
             done.state_hash, done.signers, tcs, self.run_id
         )
-        late = (
-            "" if done.agreed_with_quorum else " (this syncer's merge differed, failed or was late)"
-        )
+        late = "" if done.agreed_with_quorum else " (this syncer's merge differed, failed or late)"
         log.info("version %d certified by %d/%d syncers (view %d)%s", cert.body.version,
                  len(done.signers), len(cert.body.committee), cert.body.view, late)  # fmt: skip
         self.on_certified(raw, state)

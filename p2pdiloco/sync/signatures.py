@@ -22,6 +22,21 @@ from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.committee_msgs import signature_message
 
 
+def refusal_of(
+    body: CertificateBody, run_id: str, base: int, view: int, committee: tuple[str, ...]
+) -> tuple[Reason, str] | None:
+    """Why a fellow's signed body for the round on ``base`` in ``view`` is not one this
+    member's round can count (None: it is): another run or base, another view (it may be one
+    this member has not reached: NO_OPEN_ROUND, retryable), or another committee."""
+    if body.run != run_id or body.base_version != base:
+        return Reason.WRONG_RUN, "signature for another run or base version"
+    if body.view != view:
+        return Reason.NO_OPEN_ROUND, f"signature for view {body.view}"
+    if tuple(body.committee) != committee:
+        return Reason.WRONG_COMMITTEE, "signed a body naming another committee"
+    return None
+
+
 class RoundSignatures:
     def __init__(self) -> None:
         self.bodies: dict[str, CertificateBody] = {}  # by body digest (the round's "state hash")
