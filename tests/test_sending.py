@@ -90,15 +90,39 @@ def test_fetches_go_first_to_the_member_a_learner_uploaded_to_then_the_proposer(
 
 
 def test_the_sender_hears_who_answered_and_who_could_not_be_reached() -> None:
-    """``reached(peer, ok)``: True once the fellow answered (taken, or refused for good: it is
-    there), False only when every try failed to reach it; the round counts those toward a quorum
-    out of reach (ADR 0041). "Later" and BUSY are answers, not failures."""
+    """``reached(peer, ok)`` after every try: True when the fellow answered (taken, or refused:
+    it is there), False when the try could not reach it; the round counts those toward a
+    quorum out of reach (ADR 0041), and an answer after a failure clears it. "Later" and BUSY
+    are answers, not failures."""
     for answers, ok_sent, heard in [
-        ((None, Reason.BUSY), True, [True]),
-        ((None, None, None, None), False, [False]),
-        ((Reason.BUSY,) * 4, False, [True]),
+        ((None, Reason.BUSY), True, [False, True, True]),
+        ((None, None, None, None), False, [False] * 4),
+        ((Reason.BUSY,) * 4, False, [True] * 4),
         ((Reason.WRONG_RUN,), False, [True]),
     ]:
         got: list[bool] = []
         ok, _ = _send(Fellow(*answers), reached=lambda p, r, got=got: got.append(r))
         assert ok is ok_sent and got == heard, answers
+
+
+def test_what_a_send_found_is_told_to_the_round_current_on_the_same_base() -> None:
+    """A vote sent as view 0 ends goes to the next view's committee: a failure to reach that
+    view's leader is told to the round the member opened for the next view, since it is on the
+    same base version, and never to a round on another base (``heard_from``)."""
+    from p2pdiloco.sync.round import RoundParams, SyncerRound
+    from p2pdiloco.sync.sending import heard_from
+
+    def rnd(version: int, committee: tuple[str, ...]) -> SyncerRound:
+        p = RoundParams(run_id="run", version=version, committee=committee, quorum=3,
+                        active_learners=4, opened_at=0.0, grace=60.0, staleness=0,
+                        max_tokens_per_step=1000, weight_cap=0.5)  # fmt: skip
+        return SyncerRound(p, "me")
+
+    view1 = rnd(10, ("lead", "me", "b", "c"))
+    current: list[SyncerRound] = [view1]
+    heard_from(lambda: current[0], 10, "lead", False)
+    assert "lead" in view1.reach.gone and view1.leader_gone_at is not None
+    later = rnd(11, ("lead", "me", "b", "c"))
+    current[0] = later
+    heard_from(lambda: current[0], 10, "b", False)  # a send from version 10's round
+    assert not later.reach.gone

@@ -144,16 +144,32 @@ class Member:
                 cost = w.cfg.merge_seconds * len(a.digests)
                 w.clock.after(cost, self._merged, a)
             elif isinstance(a, Sign):
-                for m in w.members_of_view(self.view):
-                    if m.index != self.index:
-                        t = w.links.transfer(self.index, m.index, SMALL, w.clock.now)
-                        w.clock.at(t, m.signature, self.peer_id, a.state_hash)
-                for peer_id in w.committee.members:  # down or gone: the dial fails (ADR 0041)
-                    peer = w.peers.get(w.by_id[peer_id])
-                    if peer is None or not peer.up:
-                        w.clock.after(UNREACHABLE_AFTER, self.unreachable, peer_id)
+                self.sign_to(a.state_hash, set())
             elif isinstance(a, Done):
                 w.certify(self, a)
+
+    def sign_to(self, state_hash: str, sent: set[str], tries: int = 0) -> None:
+        """This member's signature to each fellow in the round; one not in it yet ("later") gets
+        it every ``LATER_EVERY`` s while this round is uncertified, one down or gone fails the
+        dial, which the round hears (``sync.sending``, ADR 0041)."""
+        w = self.world
+        if not self.alive:
+            return
+        waiting = False
+        for peer_id in w.committee.members:
+            if peer_id == self.peer_id or peer_id in sent:
+                continue
+            dst = w.by_id[peer_id]
+            if (m := w.live_member(dst)) is not None:
+                sent.add(peer_id)
+                t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
+                w.clock.at(t, m.signature, self.peer_id, state_hash)
+            elif w.later(dst, tries):
+                waiting = waiting or self.round.phase is not Phase.CERTIFIED
+            elif not tries:
+                w.clock.after(UNREACHABLE_AFTER, self.unreachable, peer_id)
+        if waiting:
+            w.clock.after(LATER_EVERY, self.sign_to, state_hash, sent, tries + 1)
 
     def propose(self, digests: tuple[str, ...], attempt: int, tries: int = 0) -> None:
         """This leader's proposal to each fellow; one not in the round yet (still loading the

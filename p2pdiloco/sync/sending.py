@@ -43,8 +43,8 @@ async def send_to(
 ) -> bool:
     """Send ``frame`` as ``op`` to ``peer`` until it is taken: True, or False once refused for
     good, out of tries, or no longer wanted (``later_while`` false). ``reached(peer, ok)`` hears
-    whether the peer answered (taken or refused: True) or every try failed to reach it (False),
-    which the round counts toward ``quorum_unreachable`` (ADR 0041)."""
+    after every try whether the peer answered (taken or refused: True) or could not be reached
+    (False), which the round counts toward ``quorum_unreachable`` (ADR 0041)."""
     tries = later = 0
     while True:
         try:
@@ -53,10 +53,10 @@ async def send_to(
                 reached(peer, True)
             return True
         except RpcError as e:
+            if reached is not None:
+                reached(peer, e.refused)  # an answer, or a dial that failed
             if e.refused and e.code not in RETRYABLE:
                 log.info("%s to %s refused: %s", op, peer[-8:], e)
-                if reached is not None:
-                    reached(peer, True)
                 return False
             if later_while is not None and e.refused and e.code is Reason.NO_OPEN_ROUND:
                 later += 1
@@ -67,8 +67,6 @@ async def send_to(
                 tries += 1
                 log.info("%s to %s failed (attempt %d): %s", op, peer[-8:], tries, e)
                 if tries >= attempts:
-                    if reached is not None:
-                        reached(peer, e.refused)
                     return False
                 delay = float(tries)
         await sleep(delay)
@@ -84,18 +82,27 @@ def still_proposing(
     return current() is rnd and rnd.attempt == attempt and rnd.phase is not Phase.CERTIFIED
 
 
-def heard_from(
-    current: Callable[[], SyncerRound | None], rnd: SyncerRound, peer: str, ok: bool
-) -> None:
-    """Tell ``rnd``, while it is still the member's round (``current``), that ``peer`` answered
-    (``ok``) or could not be reached: ``send_to``'s ``reached`` for committee messages."""
-    if current() is rnd:
+def still_signing(current: Callable[[], SyncerRound | None], rnd: SyncerRound | None) -> bool:
+    """A member's signature is still wanted: ``rnd`` is its round and not certified here. A
+    fellow that answers "later" gets it again until then (once it is certified, the fellows
+    get the certificate; before, a fellow still loading the view's state needed it)."""
+    return rnd is not None and current() is rnd and rnd.phase is not Phase.CERTIFIED
+
+
+def heard_from(current: Callable[[], SyncerRound | None], base: int, peer: str, ok: bool) -> None:
+    """Tell the member's current round, if it is still one on ``base`` (in whatever view: a
+    vote that failed to reach the next view's leader tells that view's round), that ``peer``
+    answered (``ok``) or could not be reached: ``send_to``'s ``reached`` for committee
+    messages."""
+    rnd = current()
+    if rnd is not None and rnd.params.version == base:
         rnd.on_reached(peer) if ok else rnd.on_unreachable(peer, time.monotonic())
 
 
 class Fellows:
     """A member's committee messages to its fellows (``others``), through ``send_to``, each
-    answer or failure told to the round that is current when it comes (``heard_from``)."""
+    answer or failure told to the round current when it comes, if on the same base version
+    (``heard_from``)."""
 
     def __init__(
         self,
@@ -107,7 +114,7 @@ class Fellows:
 
     async def send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
         rnd = self.current()
-        reached = partial(heard_from, self.current, rnd) if rnd is not None else None
+        reached = partial(heard_from, self.current, rnd.params.version) if rnd else None
         await send_to(self.call, peer, op, frame, reached=reached, **how)
 
     async def to_all(self, op: str, frame: bytes, skip: Collection[str] = (), **how: Any) -> None:

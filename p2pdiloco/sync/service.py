@@ -60,7 +60,7 @@ from p2pdiloco.sync.round import (
     SyncerRound,
 )
 from p2pdiloco.sync.rules import round_params
-from p2pdiloco.sync.sending import Fellows, still_proposing
+from p2pdiloco.sync.sending import Fellows, still_proposing, still_signing
 from p2pdiloco.sync.signatures import RoundSignatures, refusal_of
 from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
@@ -361,8 +361,9 @@ class SyncService:
             elif isinstance(a, Aggregate):
                 self._spawn(self._aggregate(a))
             elif isinstance(a, Sign):
-                msg = self.signatures.message(self.me, a.state_hash)
-                self._spawn(self.fellows.to_all("sign", msg))
+                msg = self.signatures.message(self.me, a.state_hash)  # "later": while uncertified
+                live = partial(still_signing, lambda: self.round, self.round)
+                self._spawn(self.fellows.to_all("sign", msg, later_while=live))
             elif isinstance(a, Dropped):
                 for d in a.digests:
                     self.held.pop(d, None)
