@@ -312,6 +312,7 @@ def analyse(
             "agree_timeout": rules.agree_timeout,
             "view_timeout": rules.view_timeout_s,
             "min_quorum_fraction": rules.min_quorum_fraction,
+            "linger": rules.linger,
         },  # fmt: skip
         "run_id": run_id,
         "chaos_seconds": round(seconds, 1),

@@ -19,8 +19,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.config import Fault
+
+# The run's linger: chaos JSONs before 2026-11-27 (stop 33) lack it, and their runs had the
+# manifest default. Earlier predictions used 0.3 s, a tenth of what the run had.
+LINGER = SyncRules().linger
 
 
 def predict(run: dict) -> dict:  # type: ignore[type-arg]
@@ -43,7 +48,7 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
         state_bytes=8_500_000, up_mbps=8000, down_mbps=8000, bw_sigma=0.0,
         latency_ms=(0.1, 0.5), restart_seconds=statistics.median(rejoin) if rejoin else 30.0,
         rules={"grace": man["grace"], "agree_timeout": man["agree_timeout"],
-               "view_timeout": man["view_timeout"], "linger": 0.3,
+               "view_timeout": man["view_timeout"], "linger": man.get("linger", LINGER),
                "min_quorum_fraction": man["min_quorum_fraction"]},
         fragments=man.get("fragments", 1),
     )  # fmt: skip
