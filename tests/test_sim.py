@@ -197,3 +197,19 @@ def test_a_committee_that_lost_its_quorum_hands_the_version_on_without_the_view_
     assert cert.version == v and cert.view == 1, cert
     assert cert.certified_at - cert.opened_at < 120.0, cert
     assert result.conflicts == 0 and not cert.wrong
+
+
+def test_what_a_sender_had_in_flight_is_lost_when_it_crashes() -> None:
+    """Proposals, signatures and relayed copies (``World.sent_by``) arrive only if their sender
+    is still up, in the same life, when the transfer ends: a crash breaks the connection. The
+    real leader that died while proposing reached only some fellows (ADR 0042)."""
+    _, world = simulate_run(replace(SMALL, duration=120.0), baseline=False)
+    src = next(i for i, p in world.peers.items() if p.up)
+    now, got = world.clock.now, []
+    world.sent_by(src, now + 1.0, got.append, "before the crash")
+    world.sent_by(src, now + 3.0, got.append, "after it")
+    world.clock.at(now + 2.0, world._fault, Fault(now + 2.0, src, "down"))
+    world.clock.at(now + 2.5, world._fault, Fault(now + 2.5, src, "up"))  # a new life
+    lost = world.lost_in_flight
+    world.clock.run(now + 4.0)
+    assert got == ["before the crash"] and world.lost_in_flight == lost + 1

@@ -75,7 +75,7 @@ class Relays:
             if size > SMALL:
                 w.relayed += size
                 w.syncer_in += size
-            w.clock.at(t, self.arrived, sub, learner, src, dst, 0, size > SMALL)
+            w.sent_by(src, t, self.arrived, sub, learner, src, dst, 0, size > SMALL)
             w.clock.at(w.links.by_index[src].up_free, self._pump, src)
             return
         self.pumping.discard(src)
@@ -112,4 +112,4 @@ class Relays:
         t = w.links.transfer(src, dst, w.cfg.delta_bytes, w.clock.now)
         w.relayed += w.cfg.delta_bytes
         w.syncer_in += w.cfg.delta_bytes
-        w.clock.at(t, self.arrived, sub, learner, src, dst, tries)
+        w.sent_by(src, t, self.arrived, sub, learner, src, dst, tries)

@@ -97,7 +97,7 @@ class Member:
                     m = w.live_member(dst) if peer_id not in (sender, self.peer_id) else None
                     if m is not None and dst != via:
                         t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                        w.clock.at(t, m.proposal, sender, digests, attempt, self.index)
+                        w.sent_by(self.index, t, m.proposal, sender, digests, attempt, self.index)
 
     def fetched(self, subs: list[Submission]) -> None:
         if self.alive:
@@ -163,7 +163,7 @@ class Member:
             if (m := w.live_member(dst)) is not None:
                 sent.add(peer_id)
                 t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                w.clock.at(t, m.signature, self.peer_id, state_hash)
+                w.sent_by(self.index, t, m.signature, self.peer_id, state_hash)
             elif w.later(dst, tries):
                 waiting = waiting or self.round.phase is not Phase.CERTIFIED
             elif not tries:
@@ -184,7 +184,7 @@ class Member:
             if m is not None and not (tries and peer_id in self.proposed_to):
                 self.proposed_to.add(peer_id)
                 t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                w.clock.at(t, m.proposal, self.peer_id, digests, attempt)
+                w.sent_by(self.index, t, m.proposal, self.peer_id, digests, attempt)
         waiting = [p for p in w.committee.members if p not in self.proposed_to
                    and p != self.peer_id and w.later(w.by_id[p], tries)]  # fmt: skip
         if waiting:

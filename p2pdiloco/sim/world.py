@@ -14,7 +14,9 @@ members do not hold a view), as ``ViewState`` does; the next view's committee is
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, content_digest
@@ -105,6 +107,7 @@ class World:
     syncer_in: int = 0  # bytes members received: deltas, fetched inputs, states to sync from
     member_rounds: int = 0  # (member, view) rounds opened
     deltas_sent: int = 0
+    lost_in_flight: int = 0  # messages whose sender crashed before they arrived (``sent_by``)
 
     def __post_init__(self) -> None:
         genesis = [p.peer_id for p in self.profiles[: self.cfg.committee_size]]
@@ -278,6 +281,22 @@ class World:
         t = self.links.download(learner.index, self.cfg.fragment_update_bytes, self.clock.now)
         self.learner_down += self.cfg.fragment_update_bytes
         self.clock.at(t, learner.certs.append, self.version)
+
+    def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` at ``t``, when a transfer from ``src`` ends; lost if ``src`` crashed or
+        left before then (its connection broke mid-transfer). For what a sender fires and
+        forgets: proposals, signatures, relayed copies."""
+        epoch = self.peers[src].epoch
+        self.clock.at(t, self._if_sender_lived, src, epoch, fn, args)
+
+    def _if_sender_lived(
+        self, src: int, epoch: int, fn: Callable[..., None], args: tuple[Any, ...]
+    ) -> None:
+        peer = self.peers.get(src)
+        if peer is not None and peer.up and peer.epoch == epoch:
+            fn(*args)
+        else:
+            self.lost_in_flight += 1
 
     def retry_proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None:
         member = self.member_by_id(self.view, sender)
