@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_plot import plot
+from bench.chaos_timings import timings
 from bench.chaos_verify import (
     BOOTSTRAP,
     Event,
@@ -347,6 +348,7 @@ def analyse(
         "bootstrap_up_at_end": boot_up,
         "tracebacks": tracebacks,
         "node_logs": node_logs,
+        "timings": timings(logs.values()),  # what a round costs here, for the prediction
         "versions_by_node": {n: v for n, v in watch.versions.items()},
         "goodput": {
             "credited_tokens": credited,

@@ -3,8 +3,10 @@
 Reads a chaos JSON and simulates the same network (``p2pdiloco.sim``): as many peers, the
 manifest's committee, H, batch and rules, each node's measured tokens per second, and the kill
 and restart times that were actually executed (a kill is a failure, its restart the repair;
-the simulated restart takes the median measured time to rejoin). Links are loopback: fast and
-near zero latency. The bootstrap's outage is not modelled (the simulator has no bootstrap).
+the simulated restart takes the median measured time to rejoin). A round's costs on the
+machine come from the run's logs (``timings``, ``bench/chaos_timings.py``): the merge time per
+input and the time for a certificate to be applied. Older JSONs lack them; the simulator's
+defaults (20 ms, and at once) stand in. Links are loopback: fast and near zero latency. The bootstrap's outage is not modelled (the simulator has no bootstrap).
 Prints both goodputs with chaos.py's definition (credited tokens ÷ every node's speed × the
 chaos time) and writes ``simulator_prediction`` into the JSON.
 
@@ -41,6 +43,9 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
         if e["target"].startswith("node") and e["t_actual"] < run["chaos_seconds"]
     ]  # fmt: skip
     rejoin = [r["rejoin_s"] for r in run["restarts"] if r.get("rejoin_s")]
+    measured = run.get("timings") or {}  # bench/chaos_timings.py; absent in older JSONs
+    merge_s = measured.get("merge_s_per_input") or SimConfig.merge_seconds_per_input
+    apply_s = measured.get("apply_s") or 0.0
     cfg = SimConfig(
         peers=nodes, committee_size=man["committee_size"], duration=run["chaos_seconds"],
         inner_steps=man["inner_steps"], time_budget=0, batch_size=man["batch_size"],
@@ -50,7 +55,7 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
         rules={"grace": man["grace"], "agree_timeout": man["agree_timeout"],
                "view_timeout": man["view_timeout"], "linger": man.get("linger", LINGER),
                "min_quorum_fraction": man["min_quorum_fraction"]},
-        fragments=man.get("fragments", 1),
+        fragments=man.get("fragments", 1), merge_seconds_per_input=merge_s, apply_seconds=apply_s,
     )  # fmt: skip
     result, _ = simulate_run(cfg, baseline=False, faults=faults, step_seconds=step_seconds)
     return {
@@ -58,6 +63,8 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
         "versions": result.versions,
         "view_changes": result.view_changes,
         "restart_seconds": cfg.restart_seconds,
+        "merge_seconds_per_input": merge_s,
+        "apply_seconds": apply_s,
         "note": "same nodes, speeds, kill/restart times and manifest; bootstrap outage and "
         "process start-up noise not modelled; loopback links",
     }

@@ -280,7 +280,7 @@ class World:
     def catch_up(self, learner: SimLearner) -> None:
         t = self.links.download(learner.index, self.cfg.fragment_update_bytes, self.clock.now)
         self.learner_down += self.cfg.fragment_update_bytes
-        self.clock.at(t, learner.certs.append, self.version)
+        self.clock.at(t + self.cfg.apply_seconds, learner.certs.append, self.version)
 
     def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` at ``t``, when a transfer from ``src`` ends; lost if ``src`` crashed or
