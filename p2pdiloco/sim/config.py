@@ -42,8 +42,9 @@ class SimConfig:
     bw_sigma: float = 0.5  # lognormal sigma of both
     latency_ms: tuple[float, float] = (20.0, 150.0)  # one way, uniform per peer
     merge_seconds_per_input: float = 0.02  # a syncer's merge time per delta
-    # From a certificate reaching a learner to its update applied and the state checked (the
-    # learner trains on meanwhile); 0: at once. ``bench/chaos_predict.py`` uses a measured one.
+    # From a certificate reaching a peer to its update applied and the state checked: a learner
+    # trains on meanwhile, a member of the next committee that did not compute the state opens
+    # its round after it. 0: at once. ``bench/chaos_predict.py`` uses a measured one.
     apply_seconds: float = 0.0
     mtbf_hours: float | None = None  # per peer mean time between failures; None: none
     repair_seconds: float = 600.0  # mean down time after a failure (exponential)

@@ -327,8 +327,9 @@ class World:
                 continue
             held = index in self.prev_agreed or self.version == 0
             ready = self.clock.now + peer.profile.latency
-            if not held:
+            if not held:  # it installs the version before it opens the round
                 ready = self.links.download(index, self.cfg.state_bytes, ready)
+                ready += self.cfg.apply_seconds
                 self.syncer_in += self.cfg.state_bytes
             self.clock.at(ready, self._open_member, index, self.round_key, peer.epoch)
 
