@@ -3,8 +3,10 @@ cost in simulated time (messages over links, fetches, the merge)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.runtime.delivery import fetch_order
@@ -46,7 +48,6 @@ class Member:
     votes_cast: bool = False
     merging: bool = False
     senders: dict[str, int] = field(default_factory=dict)  # digest → peer index that sent it
-    proposed_to: set[str] = field(default_factory=set)  # fellows its last proposal reached
 
     @property
     def peer_id(self) -> str:
@@ -91,13 +92,11 @@ class Member:
                     self.world.retry_proposal(sender, digests, attempt)
             self.execute([a for a in actions if not isinstance(a, Reject)])
             if fresh and self.round.input_set is not None:  # adopted: pass it on (ADR 0042)
-                w = self.world
-                for peer_id in w.committee.members:
-                    dst = w.by_id[peer_id]
-                    m = w.live_member(dst) if peer_id not in (sender, self.peer_id) else None
-                    if m is not None and dst != via:
-                        t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                        w.sent_by(self.index, t, m.proposal, sender, digests, attempt, self.index)
+                skip = {sender} | (
+                    {self.world.peers[via].profile.peer_id} if via is not None else set()
+                )
+                args = (sender, digests, attempt, self.index)
+                self.to_fellows("proposal", args, skip, lambda: False)  # once: the leader retries
 
     def fetched(self, subs: list[Submission]) -> None:
         if self.alive:
@@ -134,26 +133,35 @@ class Member:
                     Reason.SCREENED_OUT, Reason.MERGE_FAILED, Reason.BUSY
                 ):  # fmt: skip
                     w.dropped(a.peer_id, a.code, self.index)
-            elif isinstance(a, Propose):
-                self.proposed_to = set()
-                self.propose(a.digests, a.attempt)
+            elif isinstance(a, Propose):  # again on "later" while this attempt lasts (ADR 0037)
+                same = partial(_in_attempt, self.round, a.attempt)
+                self.to_fellows("proposal", (self.peer_id, a.digests, a.attempt), set(), same)
             elif isinstance(a, Fetch):
                 self._fetch(a)
             elif isinstance(a, Aggregate):
                 self.merging = True
                 cost = w.cfg.merge_seconds * len(a.digests)
                 w.clock.after(cost, self._merged, a)
-            elif isinstance(a, Sign):
-                self.sign_to(a.state_hash, set())
+            elif isinstance(a, Sign):  # again on "later" while uncertified (ADR 0041)
+                self.to_fellows("signature", (self.peer_id, a.state_hash), set(),
+                                lambda: self.round.phase is not Phase.CERTIFIED)  # fmt: skip
             elif isinstance(a, Done):
                 w.certify(self, a)
 
-    def sign_to(self, state_hash: str, sent: set[str], tries: int = 0) -> None:
-        """This member's signature to each fellow in the round; one not in it yet ("later") gets
-        it every ``LATER_EVERY`` s while this round is uncertified, one down or gone fails the
-        dial, which the round hears (``sync.sending``, ADR 0041)."""
+    def to_fellows(
+        self,
+        handler: str,
+        args: tuple[Any, ...],
+        sent: set[str],
+        wanted: Callable[[], bool],
+        tries: int = 0,
+    ) -> None:
+        """A small message to each fellow in the round not in ``sent`` (its Member's
+        ``handler`` with ``args``), as ``sync.sending.Fellows`` sends one: a fellow not in the
+        round yet ("later") gets it every ``LATER_EVERY`` s while ``wanted()``; one down or
+        gone fails the dial, which this round hears (ADR 0041)."""
         w = self.world
-        if not self.alive:
+        if not self.alive or tries >= LATER_TRIES or (tries and not wanted()):
             return
         waiting = False
         for peer_id in w.committee.members:
@@ -163,32 +171,13 @@ class Member:
             if (m := w.live_member(dst)) is not None:
                 sent.add(peer_id)
                 t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                w.sent_by(self.index, t, m.signature, self.peer_id, state_hash)
+                w.sent_by(self.index, t, getattr(m, handler), *args)
             elif w.later(dst, tries):
-                waiting = waiting or self.round.phase is not Phase.CERTIFIED
+                waiting = True
             elif not tries:
                 w.clock.after(UNREACHABLE_AFTER, self.unreachable, peer_id)
-        if waiting:
-            w.clock.after(LATER_EVERY, self.sign_to, state_hash, sent, tries + 1)
-
-    def propose(self, digests: tuple[str, ...], attempt: int, tries: int = 0) -> None:
-        """This leader's proposal to each fellow; one not in the round yet (still loading the
-        view's state, or restarted) gets it again every ``LATER_EVERY`` s while this attempt
-        lasts (``sync.sending``, ADR 0037)."""
-        w = self.world
-        if not self.alive or self.round.attempt != attempt or tries >= LATER_TRIES:
-            return
-        for peer_id in w.committee.members:
-            dst = w.by_id[peer_id]
-            m = w.live_member(dst) if dst != self.index else None
-            if m is not None and not (tries and peer_id in self.proposed_to):
-                self.proposed_to.add(peer_id)
-                t = w.links.transfer(self.index, dst, SMALL, w.clock.now)
-                w.sent_by(self.index, t, m.proposal, self.peer_id, digests, attempt)
-        waiting = [p for p in w.committee.members if p not in self.proposed_to
-                   and p != self.peer_id and w.later(w.by_id[p], tries)]  # fmt: skip
-        if waiting:
-            w.clock.after(LATER_EVERY, self.propose, digests, attempt, tries + 1)
+        if waiting and wanted():
+            w.clock.after(LATER_EVERY, self.to_fellows, handler, args, sent, wanted, tries + 1)
 
     def _fetch(self, fetch: Fetch) -> None:
         """Each input from the first member of ``fetch_order`` that holds it (as the service
@@ -228,6 +217,11 @@ class Member:
         if self.faulty:  # colluding faulty syncers all sign the same wrong state
             state_hash = w.wrong_hash(self.round.params.version)
         self.execute(self.round.on_aggregated(state_hash, agg.attempt))
+
+
+def _in_attempt(rnd: SyncerRound, attempt: int) -> bool:
+    """A leader still wants its proposal taken (``sync.sending.still_proposing``)."""
+    return rnd.attempt == attempt and rnd.phase is not Phase.CERTIFIED
 
 
 def open_member(world: World, index: int, view: int, params: RoundParams) -> Member:
