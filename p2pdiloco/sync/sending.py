@@ -7,6 +7,10 @@ leader and the input set were fine (the simulator found this costing view change
 that had to download the state: ADR 0037). So a message whose sender is still waiting on it
 (``later_while``) is sent again on "later", every few seconds, for as long as that holds;
 the other retryable answers (BUSY, unreachable) get ``attempts`` tries, as before.
+
+Every try's outcome, an answer or a dial that failed, is told to the member's round
+(``Fellows``, ``heard_from``): enough fellows that cannot be reached put the quorum out of reach
+and move the view on (ADR 0041).
 """
 
 from __future__ import annotations
