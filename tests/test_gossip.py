@@ -248,6 +248,27 @@ def test_killed_child_degrades() -> None:
     assert not g.alive
 
 
+def test_a_child_stopped_with_its_process_group_is_not_reported_or_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C or SIGTERM reaches the whole process group: the gossip child ends first, and the
+    node closes within a moment. Nothing is logged as gone or restarted (every stopped node
+    wrote "gossip child is gone …; restarting it" before)."""
+    g = GossipProcess(os.urandom(32), topics=[TOPIC], restart=True)
+    g.start()
+    try:
+        assert g.pid is not None
+        os.kill(g.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        while g.alive:
+            assert time.monotonic() < deadline, "child death not noticed"
+            g.get(timeout=0.2)
+    finally:
+        g.close()  # the node's own shutdown, within SHUTDOWN_GRACE
+    assert g.restarts == 0
+    assert "gossip child is gone" not in caplog.text
+
+
 def test_start_failure_is_reported() -> None:
     g = GossipProcess(os.urandom(32), listen_host="not-an-ip")
     with pytest.raises(GossipError, match="exit code"):

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,11 @@ MAX_MESSAGE_BYTES = 256 * 1024
 # Back-off between restarts of a dead child: doubles from the first to the last value, and
 # starts over once a child has lived for STABLE_AFTER seconds.
 RESTART_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
+# A child ended by SIGTERM (or not reaped yet a second after its pipe closed) most likely got
+# the signal its whole process group got: if the node closes within this many seconds, nothing
+# is logged or restarted. A child killed otherwise (SIGKILL, a crash) is restarted at once.
+_GROUP_ENDINGS = (None, -signal.SIGTERM)
+SHUTDOWN_GRACE = 3.0
 STABLE_AFTER = 60.0
 
 _CLOSED = object()  # wakes get() once the child is gone
@@ -366,6 +372,8 @@ class GossipProcess:
             self._read_loop()
             proc = self._proc
             wait([proc.sentinel], 1.0)  # let it be reaped, for the exit code
+            if proc.exitcode in _GROUP_ENDINGS and self._closing.wait(SHUTDOWN_GRACE):
+                return  # SIGTERM to the process group: this node is stopping too
             if not self._closed:
                 logger.warning(
                     "gossip child is gone (exit code %s); %s",
