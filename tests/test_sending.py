@@ -121,7 +121,8 @@ def test_what_a_send_found_is_told_to_the_round_current_on_the_same_base() -> No
     view1 = rnd(10, ("lead", "me", "b", "c"))
     current: list[SyncerRound] = [view1]
     heard_from(lambda: current[0], 10, "lead", False)
-    assert "lead" in view1.reach.gone and view1.leader_gone_at is not None
+    assert "lead" in view1.reach.gone
+    assert view1.reach.gone.get(view1.leader(0.0)) is not None  # what leader_silent reads
     later = rnd(11, ("lead", "me", "b", "c"))
     current[0] = later
     heard_from(lambda: current[0], 10, "b", False)  # a send from version 10's round

@@ -125,24 +125,17 @@ class Relayer:
                         peer, "submit", frames=[raw, payload], timeout=120
                     )
                     code = Reason.parse(reply["code"]) if "code" in reply else None
-                    if reply.get("status") == "accepted":
-                        if (
-                            rnd := self.current() if self.current is not None else None
-                        ) is not None:
-                            rnd.on_reached(peer)
-                        return True
+                    taken = reply.get("status") == "accepted"
                 except RpcError as e:
-                    code = e.code if e.refused else Reason.UNREACHABLE
+                    code, taken = (e.code if e.refused else Reason.UNREACHABLE), False
                     # Unreachable, or "later"/BUSY from the header (the payload unread): no
                     # sample of the uplink (hundreds of "later" would skew it, ADR 0037).
                     moved = 0 if not e.refused or code in HEADER_REFUSALS else moved
                 finally:
                     self._end(moved)
-            rnd = self.current() if self.current is not None else None
-            if code is Reason.UNREACHABLE and rnd is not None:
-                rnd.on_unreachable(peer, time.monotonic())  # leader? quorum? (ADR 0038, 0041)
-            elif rnd is not None:
-                rnd.on_reached(peer)
+            self._tell(peer, code is not Reason.UNREACHABLE)
+            if taken:
+                return True
             if code not in RETRYABLE or not collecting():
                 log.info("relay to %s: %s", peer[-8:], code)
                 return False
@@ -153,6 +146,13 @@ class Relayer:
                 attempt += 1
                 await asyncio.sleep(0.5 * attempt)
         return False
+
+    def _tell(self, peer: str, answered: bool) -> None:
+        """The member's round hears whether ``peer`` answered or could not be reached: its
+        leader? its quorum? (ADRs 0038, 0041)."""
+        rnd = self.current() if self.current is not None else None
+        if rnd is not None:
+            rnd.on_reached(peer) if answered else rnd.on_unreachable(peer, time.monotonic())
 
     def _begin(self) -> None:
         if self._active == 0:

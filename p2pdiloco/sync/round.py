@@ -111,7 +111,6 @@ class SyncerRound:
     dropped: dict[str, Reason] = field(default_factory=dict)  # digest → code, ≤ max_dropped
     closed_at: float | None = None  # when this attempt stopped collecting
     enough_at: float | None = None  # when this attempt first reached the learner quorum
-    leader_gone_at: float | None = None  # when the driver first failed to reach the leader
     reach: Reach = field(default_factory=Reach)  # fellows the driver failed to dial (ADR 0041)
     input_set: tuple[str, ...] | None = None
     own_hash: str | None = None  # the state this syncer signed; set once per version
@@ -277,7 +276,6 @@ class SyncerRound:
         self.attempt_opened_at = now
         self.phase = Phase.COLLECTING
         self.closed_at = self.enough_at = self.input_set = self.last_hash = None
-        self.leader_gone_at = None
         return actions + self._maybe_close(now)
 
     def on_signature(self, syncer: str, state_hash: str) -> list[Action]:
@@ -343,20 +341,17 @@ class SyncerRound:
         if self.phase is not Phase.AGREEING or self.input_set is not None:
             return False
         closed = self.closed_at if self.closed_at is not None else now
-        gone = self.leader_gone_at
+        gone = self.reach.gone.get(self.leader(now))  # since its first failed dial
         waits = self.attempt_opened_at + self.params.grace if gone is None else gone
         return now >= max(closed, waits) + self.params.agree_timeout
 
     def on_unreachable(self, peer_id: str, now: float) -> None:
-        """The driver could not reach ``peer_id`` (a relay or message failed to connect). If it
-        leads this attempt, nothing is proposed here yet and it is not this syncer, the members
-        stop waiting for its grace deadline: it holds no round that could close (ADR 0038).
-        Any fellow's failure counts toward ``quorum_unreachable`` (ADR 0041)."""
-        if peer_id == self.me or peer_id not in self.params.committee:
-            return
-        self.reach.lost(peer_id, now)
-        if peer_id == self.leader(now) and self.input_set is None:
-            self.leader_gone_at = now if self.leader_gone_at is None else self.leader_gone_at
+        """The driver could not reach fellow ``peer_id`` (a relay or message failed to connect):
+        gone until heard from again. If it leads the attempt, ``leader_silent`` stops waiting for
+        its grace deadline (ADR 0038); any fellow counts toward ``quorum_unreachable`` (ADR
+        0041)."""
+        if peer_id != self.me and peer_id in self.params.committee:
+            self.reach.lost(peer_id, now)
 
     def on_reached(self, peer_id: str) -> None:
         """A message to or from ``peer_id`` went through: it is not gone (any more)."""
