@@ -81,7 +81,7 @@ class Member:
         return True, None, None
 
     def proposal(
-        self, sender: str, digests: tuple[str, ...], attempt: int, via: int | None = None
+        self, sender: str, digests: tuple[str, ...], attempt: int, via: str | None = None
     ) -> None:
         """The leader ``sender``'s proposal, from it or passed on by fellow ``via``."""
         if self.alive:
@@ -92,10 +92,8 @@ class Member:
                     self.world.retry_proposal(sender, digests, attempt)
             self.execute([a for a in actions if not isinstance(a, Reject)])
             if fresh and self.round.input_set is not None:  # adopted: pass it on (ADR 0042)
-                skip = {sender} | (
-                    {self.world.peers[via].profile.peer_id} if via is not None else set()
-                )
-                args = (sender, digests, attempt, self.index)
+                skip = {sender} if via is None else {sender, via}
+                args = (sender, digests, attempt, self.peer_id)
                 self.to_fellows("proposal", args, skip, lambda: False)  # once: the leader retries
 
     def fetched(self, subs: list[Submission]) -> None:
