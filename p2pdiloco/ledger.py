@@ -65,6 +65,26 @@ class Ledger:
 
 def build_ledger(run_id: str, manifest: RunManifest, certificates: Iterable[bytes]) -> Ledger:
     """Verify and sum ``certificates`` (raw bytes, any order, duplicates and junk allowed)."""
+    chain, ignored = verified_chain(run_id, manifest, certificates)
+    entries: dict[str, LedgerEntry] = {}
+    for cert in chain:
+        for a in cert.body.accepted:
+            entry = entries.setdefault(a.peer_id, LedgerEntry(a.peer_id))
+            entry.accepted += 1
+            entry.tokens += a.tokens
+            entry.last_version = cert.body.version
+        for r in cert.body.rejected:
+            entries.setdefault(r.peer_id, LedgerEntry(r.peer_id)).rejected += 1
+    ranked = sorted(entries.values(), key=lambda x: (-x.tokens, -x.accepted, x.peer_id))
+    return Ledger(versions=len(chain), entries=ranked, ignored=ignored)
+
+
+def verified_chain(
+    run_id: str, manifest: RunManifest, certificates: Iterable[bytes]
+) -> tuple[list[Certificate], list[str]]:
+    """The chain from genesis that ``certificates`` (raw bytes, any order, duplicates and junk
+    allowed) verify, each with its roster derived (ADR 0044), and one line per certificate
+    left out."""
     ignored: list[str] = []
     by_version: dict[int, list[Certificate]] = defaultdict(list)
     for raw in certificates:
@@ -82,7 +102,7 @@ def build_ledger(run_id: str, manifest: RunManifest, certificates: Iterable[byte
         chosen = None
         for cert in by_version.pop(version):
             try:
-                verify_successor(run_id, manifest, prev, cert)
+                cert = verify_successor(run_id, manifest, prev, cert)
             except InvalidRecord as e:
                 ignored.append(f"certificate for version {version} ignored: {e}")
                 continue
@@ -101,15 +121,4 @@ def build_ledger(run_id: str, manifest: RunManifest, certificates: Iterable[byte
     for v in sorted(by_version):
         if by_version[v]:
             ignored.append(f"certificate for version {v} ignored: version {version} is missing")
-
-    entries: dict[str, LedgerEntry] = {}
-    for cert in chain:
-        for a in cert.body.accepted:
-            entry = entries.setdefault(a.peer_id, LedgerEntry(a.peer_id))
-            entry.accepted += 1
-            entry.tokens += a.tokens
-            entry.last_version = cert.body.version
-        for r in cert.body.rejected:
-            entries.setdefault(r.peer_id, LedgerEntry(r.peer_id)).rejected += 1
-    ranked = sorted(entries.values(), key=lambda x: (-x.tokens, -x.accepted, x.peer_id))
-    return Ledger(versions=len(chain), entries=ranked, ignored=ignored)
+    return chain, ignored

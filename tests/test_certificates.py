@@ -15,6 +15,7 @@ from p2pdiloco.protocol.certificates import (
     assemble,
     body_digest,
     parse_certificate,
+    roster_digest,
     sign_body,
     verify_body_signature,
 )
@@ -34,7 +35,8 @@ def body(**kw: Any) -> CertificateBody:
         key=lambda a: a.digest,
     )  # fmt: skip
     base: dict[str, Any] = dict(run=RUN, version=8, base_version=7, state_hash="cd" * 32,
-                committee=[s.peer_id for s in SYNCERS], quorum=3, accepted=accepted)  # fmt: skip
+                committee=[s.peer_id for s in SYNCERS], quorum=3, accepted=accepted,
+                roster_hash=roster_digest([]))  # fmt: skip
     base.update(kw)
     return CertificateBody(**base)
 
@@ -101,18 +103,28 @@ def roster(*who: Identity) -> list[RosterEntry]:
     return sorted((entry(w) for w in who), key=lambda e: e.peer_id)
 
 
-def test_rejected_and_roster_are_signed_and_round_trip() -> None:
-    b = body(rejected=rejected(1, 2), roster=roster(*LEARNERS))
+def test_rejected_and_roster_hash_are_signed_and_round_trip() -> None:
+    b = body(rejected=rejected(1, 2), roster_hash=roster_digest(roster(*LEARNERS)))
     cert = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[:3]}))
-    assert cert.body == b and len(cert.body.rejected) == 2 and len(cert.body.roster) == 3
+    assert cert.body == b and len(cert.body.rejected) == 2
+    assert cert.body.roster_hash == roster_digest(roster(*LEARNERS))
+    assert cert.roster is None  # not on the wire: derived from the chain (ADR 0044)
     assert cert.body.rejected[0].reason == "norm 40.1 > 3 x median"
-    # both lists are inside what the committee signed: changing either breaks every signature
+    # both are inside what the committee signed: changing either breaks every signature
     sigs = {s.peer_id: sign_body(s, b) for s in SYNCERS}
-    for evil in (body(rejected=rejected(1), roster=b.roster), body(rejected=b.rejected)):
+    for evil in (body(rejected=rejected(1), roster_hash=b.roster_hash), body(rejected=b.rejected)):
         with pytest.raises(InvalidRecord, match="0 valid committee signatures"):
             parse_certificate(assemble(evil, sigs))
-    # older bodies without the new fields still parse, with empty lists
-    assert body().rejected == [] and body().roster == []
+    # a body without rejections parses with an empty list
+    assert body().rejected == []
+
+
+def test_roster_digest_is_over_the_canonical_list_in_order() -> None:
+    entries = roster(*LEARNERS)
+    dumped = canonical_json([e.model_dump(mode="json") for e in entries])
+    assert roster_digest(entries) == hashlib.sha256(dumped).hexdigest()
+    assert roster_digest(entries[::-1]) != roster_digest(entries)
+    assert roster_digest(entries[:2]) != roster_digest(entries)
 
 
 @pytest.mark.parametrize(
@@ -120,13 +132,12 @@ def test_rejected_and_roster_are_signed_and_round_trip() -> None:
     [
         ({"rejected": list(reversed(rejected(1, 2)))}, "rejected submissions must be sorted"),
         ({"rejected": rejected(1) * 2}, "rejected submissions must be sorted"),
-        ({"roster": list(reversed(roster(*LEARNERS)))}, "roster must be sorted"),
-        ({"roster": roster(LEARNERS[0]) * 2}, "roster must be sorted"),
-        ({"roster": [entry(LEARNERS[0], last_version=9)]}, "after this version"),
-        ({"roster": [entry(LEARNERS[0], joined_version=8)]}, "after this version"),
+        ({"roster_hash": "AB" * 32}, "roster_hash"),
+        ({"roster_hash": "ab" * 31}, "roster_hash"),
+        ({"roster": roster(LEARNERS[0])}, "roster"),  # the list itself is never on the wire
     ],
 )
-def test_rejected_and_roster_ordering_is_enforced(kw: dict, match: str) -> None:
+def test_rejected_ordering_and_roster_hash_are_enforced(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         body(**kw)
 
@@ -170,7 +181,7 @@ def test_roster_entry_schema(over: dict) -> None:
 
 
 def test_body_digest_ignores_signatures_and_tracks_the_body() -> None:
-    b = body(roster=roster(*LEARNERS))
+    b = body(roster_hash=roster_digest(roster(*LEARNERS)))
     some = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[:3]}))
     other = parse_certificate(assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS[1:]}))
     assert some.raw != other.raw

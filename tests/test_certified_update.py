@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of, request_limits
 from p2pdiloco.sync.fetch import SyncError, download_state, follow_update, follow_updates
-from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.roster import committee_for, with_roster
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError, hash_update, pack_update, update_codec
 from p2pdiloco.train.configs import OuterConfig
@@ -75,7 +76,7 @@ def certify(
         [i.digest for i in inputs], {}, 0, update_hash,
     )  # fmt: skip
     sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
-    return parse_certificate(assemble(body, sigs), run_id=run_id)
+    return with_roster(manifest, base.cert, parse_certificate(assemble(body, sigs), run_id=run_id))
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4"])
@@ -340,3 +341,24 @@ def test_a_restarted_node_serves_the_saved_update_and_ignores_a_tampered_one(
     again = ChainStore(tmp_path, run_id).restore()
     assert again is not None and again.update is None  # the state stands; peers download it
     assert again.state_hash == state.state_hash
+
+
+def test_a_restarted_node_resumes_the_roster_saved_beside_its_state(
+    genesis: CertifiedState, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ADR 0044: the roster is not in the certificate; a checkpoint keeps it, checked against
+    the certificate's roster hash, so the next election needs no walk from genesis."""
+    run_id, _, _, state, cert = certified_round(genesis, seed=6)
+    assert cert.roster is not None and sum(e.accepted for e in cert.roster) == 3  # 3 merged
+    ChainStore(tmp_path, run_id).persist([cert], state)
+    back = ChainStore(tmp_path, run_id).restore()
+    assert back is not None and back.cert is not None and back.cert.roster == cert.roster
+
+    forged = replace(
+        cert, roster=tuple(e.model_copy(update={"tokens": 10**9}) for e in cert.roster)
+    )
+    state.cert = forged
+    ChainStore(tmp_path / "forged", run_id).persist([forged], state)
+    with caplog.at_level(logging.WARNING):
+        assert ChainStore(tmp_path / "forged", run_id).restore() is None
+    assert "the roster saved with version 1 is not its own" in caplog.text

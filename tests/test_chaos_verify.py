@@ -28,12 +28,13 @@ from p2pdiloco.protocol.certificates import (
     CertificateBody,
     assemble,
     parse_certificate,
+    roster_digest,
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.roster import committee_for, next_roster, roster_of
+from p2pdiloco.sync.roster import committee_for, next_roster, roster_of, with_roster
 from p2pdiloco.train.outer import MOMENTUM_PREFIX
 
 KEYS = [Identity.from_seed(hashlib.sha256(b"chaos%d" % i).digest()) for i in range(4)]
@@ -122,10 +123,12 @@ def _chain(versions: int, tokens: int = 100) -> list[tuple[Certificate, Certifie
             committee=list(info.members),
             quorum=info.quorum,
             accepted=accepted,
-            roster=next_roster(roster_of(MANIFEST, prev), new_version=v, accepted=accepted),
+            roster_hash=roster_digest(
+                next_roster(roster_of(MANIFEST, prev), new_version=v, accepted=accepted)
+            ),
         )
         sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
-        prev = parse_certificate(assemble(body, sigs), run_id=RUN_ID)
+        prev = with_roster(MANIFEST, prev, parse_certificate(assemble(body, sigs), run_id=RUN_ID))
         state.cert = prev
         out.append((prev, state))
     return out

@@ -36,7 +36,7 @@ from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_names
 from p2pdiloco.sync.intake import Intake
-from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.roster import committee_for, with_roster
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError
 from p2pdiloco.train.configs import OuterConfig
@@ -93,7 +93,7 @@ def certify(
         [i.digest for i in inputs], {}, 0, state.update_hash,
     )  # fmt: skip
     sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
-    return parse_certificate(assemble(body, sigs), run_id=run_id)
+    return with_roster(manifest, base.cert, parse_certificate(assemble(body, sigs), run_id=run_id))
 
 
 def test_the_plan_is_balanced_disjoint_and_the_same_for_every_order(

@@ -110,6 +110,7 @@ def _junk_certificate(attacker: Identity, run_id: str) -> bytes:
     body = CertificateBody(
         run=run_id, version=JUNK_VERSION, base_version=JUNK_VERSION - 1, state_hash="0" * 64,
         committee=[attacker.peer_id], quorum=1, accepted=[],
+        roster_hash="0" * 64,
     )  # fmt: skip
     cert = json.loads(assemble(body, {attacker.peer_id: sign_body(attacker, body)}))
     return seal(attacker, "certificate", run_id, {"version": JUNK_VERSION, "cert": cert})

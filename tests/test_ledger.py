@@ -14,10 +14,11 @@ from p2pdiloco.protocol.certificates import (
     CertificateBody,
     assemble,
     parse_certificate,
+    roster_digest,
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sync.roster import committee_for, next_roster, roster_of
+from p2pdiloco.sync.roster import committee_for, next_roster, roster_of, with_roster
 from tests.netutil import run_cli as forked_cli
 
 SYNCERS = [Identity.from_seed(hashlib.sha256(b"ledger%d" % i).digest()) for i in range(4)]
@@ -52,10 +53,13 @@ def successor(prev: Certificate | None, accepted: list[Accepted]) -> Certificate
         committee=list(info.members),
         quorum=info.quorum,
         accepted=accepted,
-        roster=next_roster(roster_of(MANIFEST, prev), new_version=info.version, accepted=accepted),
+        roster_hash=roster_digest(
+            next_roster(roster_of(MANIFEST, prev), new_version=info.version, accepted=accepted)
+        ),
     )
     signers = [BY_ID[p] for p in body.committee if p in BY_ID]
-    return parse_certificate(assemble(body, {s.peer_id: sign_body(s, body) for s in signers}))
+    raw = assemble(body, {s.peer_id: sign_body(s, body) for s in signers})
+    return with_roster(MANIFEST, prev, parse_certificate(raw))
 
 
 def honest_chain(versions: int = 3) -> list[Certificate]:
@@ -118,6 +122,7 @@ def test_self_appointed_committee_is_ignored() -> None:
         committee=[outsider.peer_id],
         quorum=1,
         accepted=[receipt(outsider.peer_id, 10**9, 2)],
+        roster_hash=roster_digest([]),
     )
     raw = assemble(body, {outsider.peer_id: sign_body(outsider, body)})
     ledger = build_ledger(RUN_ID, MANIFEST, [chain[0].raw, raw])

@@ -42,6 +42,7 @@ def cert_record(signer: Identity, version: int, claimed: int | None = None) -> b
     body = CertificateBody(
         run=RUN_ID, version=version, base_version=version - 1, state_hash="0" * 64,
         committee=[signer.peer_id], quorum=1, accepted=[],
+        roster_hash="0" * 64,
     )  # fmt: skip
     cert = assemble(body, {signer.peer_id: sign_body(signer, body)})
     import json

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from p2pdiloco.protocol.certificates import (
     assemble,
     content_json,
     parse_certificate,
+    roster_digest,
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
@@ -79,12 +81,13 @@ def certificate(
         "committee": [s.peer_id for s in syncers],
         "quorum": 3,
         "accepted": [],
-        "roster": roster,
+        "roster_hash": roster_digest(roster),
     }
     fields.update(over)
     body = CertificateBody(**fields)
     sigs = {s.peer_id: sign_body(s, body) for s in syncers[:signers]}
-    return parse_certificate(assemble(body, sigs), run_id=RUN)
+    # As verified: with the roster whose hash it carries (ADR 0044)
+    return replace(parse_certificate(assemble(body, sigs), run_id=RUN), roster=tuple(roster))
 
 
 def veterans(peers: list[str], version: int = 8) -> list[RosterEntry]:
@@ -302,9 +305,12 @@ def successor(
     m: RunManifest, prev: Certificate | None, accepted: list[Accepted], **over: Any
 ) -> Certificate:
     """The certificate an honest elected committee would produce after ``prev``, signed by all
-    of whoever ``committee`` names (so parse_certificate accepts it), with ``over`` applied."""
+    of whoever ``committee`` names (so parse_certificate accepts it), with ``over`` applied; it
+    holds the honest roster, as a node that verified it would (``verify_successor`` derives its
+    own)."""
     info = committee_for(RUN, m, prev)
     accepted = sorted(accepted, key=lambda a: a.digest)
+    roster = next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted)
     fields: dict[str, Any] = {
         "run": RUN,
         "version": info.version,
@@ -313,30 +319,33 @@ def successor(
         "committee": list(info.members),
         "quorum": info.quorum,
         "accepted": accepted,
-        "roster": next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted),
+        "roster_hash": roster_digest(roster),
     }
     fields.update(over)
     body = CertificateBody(**fields)
     signers = [BY_PEER[p] for p in body.committee]
-    return parse_certificate(assemble(body, {s.peer_id: sign_body(s, body) for s in signers}))
+    raw = assemble(body, {s.peer_id: sign_body(s, body) for s in signers})
+    return replace(parse_certificate(raw), roster=tuple(roster))
 
 
 def test_an_honest_chain_verifies() -> None:
     m = manifest(genesis_committee=PEERS[:4])
     prev: Certificate | None = None
     for v in range(1, 6):
-        cert = successor(m, prev, [receipt(p, 100 * v, n=v) for p in PEERS[4:10]])
-        verify_successor(RUN, m, prev, cert)
+        made = successor(m, prev, [receipt(p, 100 * v, n=v) for p in PEERS[4:10]])
+        cert = verify_successor(RUN, m, prev, parse_certificate(made.raw))
+        assert cert.roster == made.roster  # derived from the chain, not carried
         assert cert.body.version == v
         prev = cert
-    assert prev is not None and {e.peer_id for e in prev.body.roster} == set(PEERS[4:10])
+    assert prev is not None and prev.roster is not None
+    assert {e.peer_id for e in prev.roster} == set(PEERS[4:10])
 
 
 def test_self_appointed_and_altered_certificates_are_refused() -> None:
     m = manifest(genesis_committee=PEERS[:4])
     learners = [receipt(p, 100) for p in PEERS[4:8]]
-    honest = successor(m, None, learners)
-    verify_successor(RUN, m, None, honest)
+    honest = verify_successor(RUN, m, None, successor(m, None, learners))
+    assert honest.roster is not None
     outsider = PEERS[11]
     assert outsider not in honest.body.committee
     members = list(honest.body.committee)
@@ -345,7 +354,9 @@ def test_self_appointed_and_altered_certificates_are_refused() -> None:
         "reordered": {"committee": members[::-1]},
         "lower quorum": {"quorum": honest.body.quorum - 1},
         "inflated roster": {
-            "roster": [e.model_copy(update={"tokens": e.tokens * 10}) for e in honest.body.roster]
+            "roster_hash": roster_digest(
+                [e.model_copy(update={"tokens": e.tokens * 10}) for e in honest.roster]
+            )
         },
         "skipped version": {"version": 2, "base_version": 1},
     }

@@ -11,6 +11,7 @@ import pytest
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.config import Fault, fault_schedule, profiles
 from p2pdiloco.sim.dp import data_parallel, up_seconds
+from p2pdiloco.sync.roster import committee_for
 
 SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
                   rules={"grace": 30.0, "agree_timeout": 10.0})  # fmt: skip
@@ -181,13 +182,17 @@ def test_a_committee_that_lost_its_quorum_hands_the_version_on_without_the_view_
     The two left merge and sign, and find the others unreachable when they send their
     signatures: with the quorum out of reach they vote at once (``quorum_unreachable``, ADR
     0041), and view 1, locked on what they signed, certifies v well before view 0's timeout
-    (120 s here). Before, they waited the timeout out."""
+    (120 s here). Before, they waited the timeout out. Neither leads view 1 (a silent leader
+    is ADR 0038's case, not this one)."""
     cfg = replace(SMALL, duration=900.0)
     _, clean = simulate_run(cfg, baseline=False)
     v = 4
     before, due = clean.certs[v - 2], clean.certs[v - 1]
     assert due.version == v and due.view == 0
-    gone = [m for m in due.committee if m != due.committee[0]][:2]
+    _, upto = simulate_run(replace(cfg, duration=before.certified_at + 0.1), baseline=False)
+    view1 = committee_for(upto.run_id, upto.manifest, upto.cert, 1).members
+    gone = [m for m in due.committee if m not in (due.committee[0], view1[0])][:2]
+    assert len(gone) == 2 and len(set(view1) - set(gone)) >= upto.manifest.quorum
     index = {p.peer_id: p.index for p in profiles(cfg, cfg.peers, random.Random(cfg.seed))}
     at = before.certified_at + 0.5
     faults = [Fault(at, index[m], "down") for m in gone]

@@ -20,7 +20,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sybil import flood
 from p2pdiloco.sync.trust import probation_room, trusted_peers
 from tests.netutil import wait_for
-from tests.test_sync_network import SMALL, certificates
+from tests.test_sync_network import SMALL, certificates, verified_certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
 
@@ -42,7 +42,7 @@ def test_a_flood_of_fresh_identities_neither_poisons_nor_shuts_out_nor_sits(
         # as trusted by design, and a flood then is merged: fc63 flooded at v3 with node0 yet
         # to contribute).
         def trust_in_force() -> int | None:
-            certs = certificates(nodes[0], run_id)
+            certs = verified_certificates(nodes[0], run_id, net.manifest)
             if certs and trusted_peers(net.manifest, certs[-1]) is not None:
                 return max(FLOOD_FROM, certs[-1].body.version)
             return None

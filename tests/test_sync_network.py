@@ -17,12 +17,14 @@ import torch
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.ledger import verified_chain
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import read_peers
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.sync_rpc import RpcError, call
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.submissions import (
     FragmentRef,
     SubmissionHeader,
@@ -67,6 +69,12 @@ def certificates(node: NodeProc, run_id: str) -> list:
         parse_certificate(p.read_bytes(), run_id=run_id)
         for p in sorted((node.dir / "state" / "certs").glob("*.json"))
     ]
+
+
+def verified_certificates(node: NodeProc, run_id: str, manifest: RunManifest) -> list:
+    """The node's saved chain, verified from genesis, each certificate with its roster."""
+    raws = [p.read_bytes() for p in sorted((node.dir / "state" / "certs").glob("*.json"))]
+    return verified_chain(run_id, manifest, raws)[0]
 
 
 def test_demo_certifies_versions_and_every_node_contributes() -> None:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -241,8 +242,10 @@ def test_disk_need_is_three_checkpoints_of_the_model(tmp_path: Path) -> None:
 
 
 def _state(version: int) -> CertifiedState:
-    class Cert:  # persist reads only the raw bytes of the state's certificate
+    class Cert:  # persist reads only the certificate's raw bytes, version and derived roster
         raw = b'{"cert": %d}' % version
+        body = SimpleNamespace(version=version)
+        roster = ()
 
     params = {"w": torch.full((64,), float(version))}
     return CertifiedState(version, Cert(), params, {"w": torch.zeros(64)})  # type: ignore[arg-type]

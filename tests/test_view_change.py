@@ -14,6 +14,7 @@ from p2pdiloco.protocol.certificates import (
     assemble,
     content_digest,
     parse_certificate,
+    roster_digest,
     sign_body,
 )
 from p2pdiloco.protocol.records import RunManifest
@@ -150,7 +151,9 @@ def view_cert(
         "run": RUN, "version": info.version, "base_version": info.version - 1, "view": view,
         "state_hash": "ef" * 32, "committee": list(info.members), "quorum": info.quorum,
         "accepted": accepted,
-        "roster": next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted),
+        "roster_hash": roster_digest(
+            next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted)
+        ),
     }  # fmt: skip
     fields.update(over)
     body = CertificateBody(**fields)
@@ -192,9 +195,8 @@ def test_two_certificates_for_one_version_never_certify_different_contents() -> 
     # with enough votes the lock is proven: view 1 re-certifies the same content, and both
     # certificates elect the same next committee (the beacon is over the content)
     tc = tc_of(0, 2, {v: (c if v in signers else None) for v in v0.members})
-    again = view_cert(m, prev, 1, [tc])
-    verify_successor(RUN, m, prev, again)
-    first = view_cert(m, prev, 0, [])
+    again = verify_successor(RUN, m, prev, view_cert(m, prev, 1, [tc]))
+    first = verify_successor(RUN, m, prev, view_cert(m, prev, 0, []))
     assert content_digest(again.body) == content_digest(first.body) == c
     assert committee_for(RUN, m, again) == committee_for(RUN, m, first)
 

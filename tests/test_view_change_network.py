@@ -25,7 +25,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
 from p2pdiloco.sync.roster import committee_for, roster_of
 from tests.netutil import wait_for
-from tests.test_sync_network import SMALL, certificates
+from tests.test_sync_network import SMALL, certificates, verified_certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(900)]
 
@@ -52,7 +52,10 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
             # The newest certificate any node holds (one node may be a version behind), once
             # its roster knows all six: later views can seat only peers the certified roster
             # knows, and with just k of them two dead leave no live quorum, by design.
-            newest = max((certificates(n, run_id)[-1] for n in nodes), key=lambda c: c.body.version)
+            newest = max(
+                (verified_certificates(n, run_id, net.manifest)[-1] for n in nodes),
+                key=lambda c: c.body.version,
+            )
             known = {e.peer_id for e in roster_of(net.manifest, newest)}
             return newest if everyone <= known else None
 
@@ -147,7 +150,7 @@ def test_an_elected_late_joiner_that_stops_does_not_stop_the_run(tmp_path: Path)
         late = net.start_node("late", joiner, until_version=100)
 
         def elected() -> Any:
-            certs = certificates(nodes[0], run_id)
+            certs = verified_certificates(nodes[0], run_id, net.manifest)
             seat = (
                 certs and joiner.peer_id in committee_for(run_id, net.manifest, certs[-1]).members
             )

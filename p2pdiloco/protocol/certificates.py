@@ -2,8 +2,8 @@
 
 A syncer signs the certificate *body*: run, new version, its base, the state hash, the hash of
 the update that made the state from its base (ADR 0029), the committee
-and quorum, the sorted lists of accepted and rejected submissions, and the roster of peers who
-may sit on later committees. q matching signatures from distinct committee members make the
+and quorum, the sorted lists of accepted and rejected submissions, and the hash of the roster of
+peers who may sit on later committees (the roster itself is derived from the chain, ADR 0044). q matching signatures from distinct committee members make the
 certificate valid. Because the accepted list is inside what the committee signs, each
 certificate is also the signed receipt of every delta it merged: the contribution ledger is the
 sum over verified certificates, not over anyone's claims.
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,7 +38,6 @@ from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, parse_timeout
 
 CERTIFICATE_KIND = "certificate"
 MAX_CERTIFICATE_BYTES = 1024 * 1024
-MAX_ROSTER = 1024
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 # Printable only: reasons end up in logs, terminals and dashboards.
 Reason = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
@@ -91,9 +91,10 @@ class CertificateBody(_Strict):
     quorum: int = Field(ge=1, le=64)
     accepted: list[Accepted] = Field(max_length=4096)  # sorted by digest
     rejected: list[Rejected] = Field(default_factory=list, max_length=4096)  # sorted by digest
-    # Candidates of the next election, after this version's receipts (sync.roster.next_roster);
-    # sorted by peer id.
-    roster: list[RosterEntry] = Field(default_factory=list, max_length=MAX_ROSTER)
+    # sha256 of the candidates of the next election (:func:`roster_digest` of
+    # sync.roster.next_roster over the previous roster and this version's receipts). The roster
+    # is derived, not carried: every node computes it from the chain (ADR 0044).
+    roster_hash: Hex64
 
     @model_validator(mode="after")
     def _consistent(self) -> CertificateBody:
@@ -109,14 +110,13 @@ class CertificateBody(_Strict):
             raise ValueError("rejected submissions must be sorted by digest, without repeats")
         if not set(digests).isdisjoint(rejected):
             raise ValueError("a submission is both accepted and rejected")
-        peers = [e.peer_id for e in self.roster]
-        if peers != sorted(set(peers)):
-            raise ValueError("roster must be sorted by peer id, without repeats")
-        if any(
-            e.joined_version >= self.version or e.last_version > self.version for e in self.roster
-        ):
-            raise ValueError("roster entry from after this version")
         return self
+
+
+def roster_digest(roster: Sequence[RosterEntry]) -> str:
+    """Hex sha256 of a roster's canonical JSON list (entries in the order given: sorted by peer
+    id, as ``next_roster`` returns them): what a certificate body carries as ``roster_hash``."""
+    return hashlib.sha256(canonical_json([e.model_dump(mode="json") for e in roster])).hexdigest()
 
 
 def _body_message(body: CertificateBody) -> bytes:
@@ -165,6 +165,10 @@ class Certificate:
     # Timeout certificates of views 0 … body.view − 1, votes verified; that each proves its
     # view's timeout is checked against the chain (sync.roster.verify_successor).
     views: tuple[TimeoutCert, ...] = ()
+    # The roster whose hash the body carries, once derived from the chain (sync.roster
+    # .verify_successor, or the committee that made the body); None for a certificate only
+    # parsed. Not on the wire.
+    roster: tuple[RosterEntry, ...] | None = field(default=None, compare=False, repr=False)
 
     def receipts(self, peer_id: str) -> list[Accepted]:
         return [a for a in self.body.accepted if a.peer_id == peer_id]

@@ -14,11 +14,19 @@ states held, when this node has it: ADR 0029).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from p2pdiloco.net.sync_rpc import RpcRefused
-from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.certificates import (
+    Certificate,
+    RosterEntry,
+    parse_certificate,
+    roster_digest,
+)
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState
@@ -81,10 +89,7 @@ class ChainStore:
                 atomic_write_bytes(self.dir / "certs" / f"{c.body.version:08d}.json", c.raw)
             if state.update is not None:  # before the state: a saved state finds its update
                 self._save_update(state.version, bytes(state.update))
-            self.store.save(
-                tensors,
-                {"version": state.version, "run_id": self.run_id, "cert": state.cert.raw.decode()},
-            )
+            self.store.save(tensors, self._meta(state.cert))
         except OSError as e:
             size = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
             kept = f"version {self.saved}" if self.saved else "no version (genesis only)"
@@ -97,6 +102,14 @@ class ChainStore:
             log.error("cannot save certified version %d: %s", state.version, e.strerror or e)
             return
         self.saved = state.version
+
+    def _meta(self, cert: Certificate) -> dict[str, Any]:
+        """What a checkpoint keeps beside the tensors: the certificate and its derived roster
+        (ADR 0044), so a restart resumes the chain without walking it from genesis."""
+        assert cert.roster is not None, "persist a certificate verified against the chain"
+        roster = [e.model_dump(mode="json") for e in cert.roster]
+        return {"version": cert.body.version, "run_id": self.run_id, "cert": cert.raw.decode(),
+                "roster": roster}  # fmt: skip
 
     def _save_update(self, version: int, raw: bytes) -> None:
         updates = self.dir / "updates"
@@ -129,8 +142,9 @@ class ChainStore:
             return None
         try:
             cert = parse_certificate(str(ckpt.meta["cert"]).encode(), run_id=self.run_id)
+            cert = _with_saved_roster(cert, ckpt.meta.get("roster"))
             state = CertifiedState.from_tensors(cert.body.version, cert, ckpt.tensors)
-        except (InvalidRecord, KeyError, ValueError) as e:
+        except (InvalidRecord, KeyError, ValueError, ValidationError) as e:
             log.warning("ignoring the saved state: %s", e)
             return None
         if state.state_hash != cert.body.state_hash:
@@ -174,3 +188,14 @@ class ChainStore:
         if not isinstance(i, int) or not 0 <= i < len(blob.chunks):
             raise RpcRefused(Reason.OUT_OF_RANGE, "chunk index out of range")
         return {}, [bytes(blob.chunks[i])]
+
+
+def _with_saved_roster(cert: Certificate, saved: object) -> Certificate:
+    """``cert`` with the roster saved beside it, which must hash to the body's ``roster_hash``.
+    Raises InvalidRecord (or ValidationError for a malformed entry) otherwise."""
+    if not isinstance(saved, list):
+        raise InvalidRecord(f"no roster saved with version {cert.body.version}")
+    roster = tuple(RosterEntry.model_validate(e) for e in saved)
+    if roster_digest(roster) != cert.body.roster_hash:
+        raise InvalidRecord(f"the roster saved with version {cert.body.version} is not its own")
+    return replace(cert, roster=roster)

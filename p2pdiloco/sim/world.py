@@ -33,7 +33,7 @@ from p2pdiloco.sim.relay import Relays
 from p2pdiloco.sim.syncer import TICK, Member, open_member
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.learner_machine import LearnerMachine
-from p2pdiloco.sync.roster import CommitteeInfo, committee_for
+from p2pdiloco.sync.roster import CommitteeInfo, committee_for, with_roster
 from p2pdiloco.sync.round import Done, Submission
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
@@ -425,7 +425,7 @@ class World:
             senders, list(merged), out.screened_out if out is not None else {}, self.view,
             out.update_hash if out is not None else None,
         )  # fmt: skip
-        self.cert = Certificate(body, done.signers, b"")
+        self.cert = with_roster(self.manifest, self.cert, Certificate(body, done.signers, b""))
         self.trusted = trusted_peers(self.manifest, self.cert)
         self.progress = None if self.trusted is None else trust_progress(self.manifest, self.cert)
         self.certs.append(CertRecord(

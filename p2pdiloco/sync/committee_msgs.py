@@ -16,6 +16,7 @@ from p2pdiloco.protocol.certificates import (
     Certificate,
     CertificateBody,
     Rejected,
+    roster_digest,
     verify_body_signature,
 )
 from p2pdiloco.protocol.identity import Identity
@@ -164,8 +165,10 @@ def body_of(
         quorum=committee.quorum,
         accepted=accepted,
         rejected=refused,
-        roster=next_roster(
-            roster_of(manifest, base_cert), new_version=base_version + 1, accepted=accepted
+        roster_hash=roster_digest(
+            next_roster(
+                roster_of(manifest, base_cert), new_version=base_version + 1, accepted=accepted
+            )
         ),
     )
 

@@ -59,10 +59,9 @@ def verify_next(
     run_id: str, manifest: RunManifest, prev: Certificate | None, raw: bytes
 ) -> Certificate:
     """Parse and check the certificate of the version after ``prev`` (None: genesis): quorum
-    signatures, then the chain rules of ``roster.verify_successor``. Raises InvalidRecord."""
-    cert = parse_certificate(raw, run_id=run_id)
-    verify_successor(run_id, manifest, prev, cert)
-    return cert
+    signatures, then the chain rules of ``roster.verify_successor``; returned with its roster.
+    Raises InvalidRecord."""
+    return verify_successor(run_id, manifest, prev, parse_certificate(raw, run_id=run_id))
 
 
 FETCH_TRIES = 3  # rounds over a submission's holders before a fetch counts as failed

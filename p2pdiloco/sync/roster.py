@@ -2,8 +2,10 @@
 
 Every node must compute the same committee, so the candidate set cannot come from what each node
 happens to see (heartbeats differ between nodes and can be faked). It comes from the roster
-inside the last certificate, which a quorum signed: each certificate carries
-``next_roster(previous roster, its own receipts)``. Before the first certificate, the manifest's
+of the last certificate, which a quorum signed: each certificate carries the hash of
+``next_roster(previous roster, its own receipts)``, and every node derives the list itself as it
+verifies the chain (:func:`verify_successor` attaches it to the certificate, ADR 0044), so a
+certificate's size does not grow with the roster. Before the first certificate, the manifest's
 genesis committee (or the run creator alone) is the roster.
 
 A peer stays on the roster for ``ROSTER_WINDOW`` versions after its last accepted delta, so the
@@ -17,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from p2pdiloco.protocol.certificates import (
-    MAX_ROSTER,
     Accepted,
     Certificate,
     RosterEntry,
     content_digest,
     content_json,
+    roster_digest,
 )
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
@@ -40,8 +42,12 @@ __all__ = [
     "next_roster",
     "roster_of",
     "verify_successor",
+    "with_roster",
 ]
 
+# Identities kept on a roster. Every node holds the roster of its newest certificate in memory
+# (about 0.5 KB an entry) and elects over it each round; ADR 0044 measures both at this size.
+MAX_ROSTER = 65_536
 ROSTER_WINDOW = 3  # versions a peer stays on the roster after its last accepted delta
 _MAX_COUNT = 2**63 - 1  # RosterEntry's bound: counters saturate instead of failing validation
 
@@ -119,11 +125,28 @@ def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEnt
 
     A certified but empty roster (every peer idle past the window) also falls back to the
     genesis roster, so a run that stalled can be restarted by its genesis committee rather than
-    being left with no committee at all.
+    being left with no committee at all. Raises ValueError for a certificate whose roster was
+    never derived (only parsed, not verified against the chain: a caller bug).
     """
-    if cert is None or not cert.body.roster:
+    if cert is None:
         return genesis_roster(manifest)
-    return list(cert.body.roster)
+    if cert.roster is None:
+        raise ValueError(
+            f"the roster of version {cert.body.version} is unknown: verify its certificate "
+            "against the chain first (sync.roster.verify_successor)"
+        )
+    return list(cert.roster) or genesis_roster(manifest)
+
+
+def with_roster(manifest: RunManifest, prev: Certificate | None, cert: Certificate) -> Certificate:
+    """``cert`` with its roster derived: :func:`next_roster` of ``prev``'s roster and ``cert``'s
+    receipts. Raises InvalidRecord if its hash is not the body's ``roster_hash``."""
+    roster = next_roster(
+        roster_of(manifest, prev), new_version=cert.body.version, accepted=cert.body.accepted
+    )
+    if roster_digest(roster) != cert.body.roster_hash:
+        raise InvalidRecord(f"certificate for version {cert.body.version} carries a wrong roster")
+    return replace(cert, roster=tuple(roster))
 
 
 def beacon_of(run_id: str, cert: Certificate | None) -> bytes:
@@ -235,15 +258,16 @@ def chain_lock(
 
 def verify_successor(
     run_id: str, manifest: RunManifest, prev: Certificate | None, cert: Certificate
-) -> None:
-    """Check that ``cert`` is what the committee elected after ``prev`` may certify.
+) -> Certificate:
+    """Check that ``cert`` is what the committee elected after ``prev`` may certify, and return
+    it with its roster derived (:func:`with_roster`).
 
     :func:`parse_certificate` only counts signatures of the committee the body itself names, so
     on its own it accepts a body in which anyone names themselves the committee. This closes
     the chain: run, ``base_version`` = prev's version (0 for genesis), ``version`` = base + 1,
     committee (in election order) and quorum = :func:`committee_for` of the body's view, every
     earlier view's timeout certificate valid against that view's committee and the body's
-    content the one they lock, if any (:func:`chain_lock`), and roster =
+    content the one they lock, if any (:func:`chain_lock`), and roster hash = that of
     :func:`next_roster` of prev's roster and ``cert``'s receipts. Raises InvalidRecord naming
     the first mismatch; apply nothing from a certificate that fails.
     """
@@ -267,8 +291,4 @@ def verify_successor(
             f"certificate for version {body.version} (view {body.view}) certifies another "
             f"content than the one an earlier view locked ({lock[:12]})"
         )
-    expected = next_roster(
-        roster_of(manifest, prev), new_version=body.version, accepted=body.accepted
-    )
-    if list(body.roster) != expected:
-        raise InvalidRecord(f"certificate for version {body.version} carries a wrong roster")
+    return with_roster(manifest, prev, cert)

@@ -44,7 +44,7 @@ from p2pdiloco.sync.committee_msgs import (
 from p2pdiloco.sync.fetch import fetch_submission
 from p2pdiloco.sync.intake import Held, Intake, Refusal
 from p2pdiloco.sync.relay import Relayer
-from p2pdiloco.sync.roster import CommitteeInfo
+from p2pdiloco.sync.roster import CommitteeInfo, with_roster
 from p2pdiloco.sync.round import (
     Action,
     Aggregate,
@@ -474,6 +474,9 @@ class SyncService:
         raw, cert, state = self.signatures.certificate(
             done.state_hash, done.signers, tcs, self.run_id
         )
+        if state is not None:  # merged here, so the roster is the one this member derived
+            assert self.current is not None
+            state.cert = cert = with_roster(self.manifest, self.current.cert, cert)
         late = "" if done.agreed_with_quorum else " (this syncer's merge differed, failed or late)"
         log.info("version %d certified by %d/%d syncers (view %d)%s", cert.body.version,
                  len(done.signers), len(cert.body.committee), cert.body.view, late)  # fmt: skip
