@@ -8,6 +8,12 @@ simulation took. Target: goodput ≥ 90 % at 10,000 peers, the hour simulated in
 
     .venv/bin/python bench/netsim_scale.py                          # 100, 1000, 10000 peers
     .venv/bin/python bench/netsim_scale.py --peers 100,1000 --minutes 20 --json
+
+``--shards S`` is a projection, not the protocol: the protocol has one committee per version.
+It simulates what one of the S parameter-shard committees of the proposed ADR 0033 would see
+(``--committee`` members, each delta, update and state 1/S of the model, merges 1/S as long),
+as if the S committees ran independently and credited each delta per shard. It says which
+limits bind once the relay uplinks no longer do, before the shards are built.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ def main() -> int:
     ap.add_argument("--linger", type=float, default=20.0)
     ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
     ap.add_argument("--grace", type=float, help="round grace, s (default: 1.5 stretches, ≥ 60)")
+    ap.add_argument("--shards", type=int, default=1, help="project one of S shard committees")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", action="store_true")
@@ -42,9 +49,9 @@ def main() -> int:
     for n in (int(x) for x in a.peers.split(",")):
         cfg = SimConfig(
             peers=n, duration=a.minutes * 60, committee_size=a.committee, churn_per_hour=a.churn,
-            mtbf_hours=a.mtbf, payload_bytes=int(a.payload_mb * 1e6),
-            update_bytes=int(a.payload_mb * 1e6), state_bytes=50_000_000, down_mbps=1000.0,
-            fragments=a.fragments,
+            mtbf_hours=a.mtbf, payload_bytes=int(a.payload_mb * 1e6 / a.shards),
+            update_bytes=int(a.payload_mb * 1e6 / a.shards), state_bytes=50_000_000 // a.shards,
+            down_mbps=1000.0, merge_seconds_per_input=0.02 / a.shards, fragments=a.fragments,
             rules={"linger": a.linger, **({"grace": a.grace} if a.grace else {})}, seed=a.seed,
         )  # fmt: skip
         r, _ = simulate_run(cfg, baseline=False)

@@ -151,7 +151,7 @@ def test_next_roster_matches_a_hand_computed_example() -> None:
         entry(e, joined=1, accepted=1, tokens=9, last=1),  # idle 4 versions at v5: expires
     ]
     accepted = [receipt(a, 100), receipt(d, 7), receipt(a, 20, n=1)]
-    got = next_roster(prev, new_version=5, accepted=accepted)
+    got = next_roster(prev, new_version=5, accepted=accepted, window=3)
     assert got == [
         entry(a, joined=0, accepted=4, tokens=420, last=5),
         entry(b, joined=1, accepted=1, tokens=50, last=2),
@@ -170,8 +170,8 @@ def test_window_expiry_counts_from_the_last_accepted_delta() -> None:
     assert [x.peer_id for x in roster] == [b]  # a idle for window + 1 versions
     assert next_roster([entry(a, 0, 1, 10, 5)], new_version=6, accepted=[], window=0) == []
     # a peer that joined late is measured from its joining, whatever its last_version says
-    assert next_roster([entry(a, 7, 0, 0, 0)], new_version=10, accepted=[]) != []
-    assert next_roster([entry(a, 7, 0, 0, 0)], new_version=11, accepted=[]) == []
+    assert next_roster([entry(a, 7, 0, 0, 0)], new_version=10, accepted=[], window=3) != []
+    assert next_roster([entry(a, 7, 0, 0, 0)], new_version=11, accepted=[], window=3) == []
 
 
 def test_roster_is_capped_by_recency_then_tokens_then_peer_id() -> None:
@@ -310,7 +310,10 @@ def successor(
     own)."""
     info = committee_for(RUN, m, prev)
     accepted = sorted(accepted, key=lambda a: a.digest)
-    roster = next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted)
+    roster = next_roster(
+        roster_of(m, prev), new_version=info.version, accepted=accepted,
+        window=m.rules.roster_window,
+    )  # fmt: skip
     fields: dict[str, Any] = {
         "run": RUN,
         "version": info.version,
@@ -338,7 +341,14 @@ def test_an_honest_chain_verifies() -> None:
         assert cert.body.version == v
         prev = cert
     assert prev is not None and prev.roster is not None
-    assert {e.peer_id for e in prev.roster} == set(PEERS[4:10])
+    # the genesis members, idle since version 0, stay for the manifest's window (10)
+    assert {e.peer_id for e in prev.roster} == set(PEERS[:10])
+    short = manifest(genesis_committee=PEERS[:4], rules={"roster_window": 3})
+    prev = None
+    for v in range(1, 6):
+        made = successor(short, prev, [receipt(p, 100 * v, n=v) for p in PEERS[4:10]])
+        prev = verify_successor(RUN, short, prev, parse_certificate(made.raw))
+    assert {e.peer_id for e in prev.roster or ()} == set(PEERS[4:10])  # theirs ran out
 
 
 def test_self_appointed_and_altered_certificates_are_refused() -> None:

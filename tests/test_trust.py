@@ -17,6 +17,7 @@ from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.round import Aggregate, Phase, Propose, Reject, RoundParams, SyncerRound
 from p2pdiloco.sync.trust import (
+    AWAITED_VERSIONS,
     cap_probation,
     learners_awaited,
     probation_room,
@@ -151,6 +152,20 @@ def test_a_round_waits_for_trusted_learners_only() -> None:
     assert learners_awaited(m, cert, [*PEERS[:8], *flood]) == (508, 8)  # + the genesis members
     assert trusted_count(None, flood) == 500  # a young run waits for everyone
     assert learners_awaited(m, None, flood) == (500, 500)
+
+
+def test_a_round_does_not_wait_for_roster_identities_idle_past_three_versions() -> None:
+    """ADR 0045: the roster keeps an idle identity and its progress for ``roster_window`` (10)
+    versions, but a round waits only for those active in the last ``AWAITED_VERSIONS`` (3):
+    ones that left must not hold it open."""
+    m = manifest(genesis_committee=PEERS[:4], committee_size=4)
+    active = [entry(p, 0, 3, 1000, 8) for p in PEERS[4:8]]
+    gone = [entry(p, 0, 3, 1000, 8 - AWAITED_VERSIONS - 1) for p in PEERS[8:12]]
+    cert = certificate(active + gone, version=8)
+    assert trusted_peers(m, cert) == frozenset(PEERS[:12])  # still trusted while on the roster
+    assert learners_awaited(m, cert, []) == (4, 4)  # the four active ones only
+    edge = [entry(p, 0, 3, 1000, 8 - AWAITED_VERSIONS) for p in PEERS[8:12]]
+    assert learners_awaited(m, certificate(active + edge, version=8), []) == (8, 8)
 
 
 def test_the_learner_quorum_is_a_share_of_the_trusted_learners() -> None:

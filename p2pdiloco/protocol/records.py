@@ -213,6 +213,11 @@ class SyncRules(_Strict):
     # departed members than it can lose (k − q) never certifies (the simulator found this
     # stalling runs under churn: docs/adr/0021-network-simulator.md). None: no such condition.
     committee_recency: int | None = Field(default=2, ge=1, le=10_000)
+    # Versions an identity stays on the certified roster, with its counters, after its last
+    # merged delta (sync.roster.next_roster; ADR 0045). A probationary learner waiting for room
+    # in a crowded round keeps its progress towards trust that long. Rounds still wait only for
+    # learners active in the last 3 versions (sync.trust.learners_awaited).
+    roster_window: int = Field(default=10, ge=0, le=10_000)
     # Codec of the certified update, the round's merged pseudo-gradient (ADR 0029): the committee
     # steps with its decoded value and learners download it instead of the state. One of
     # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``). "none": fp32.

@@ -167,7 +167,10 @@ def body_of(
         rejected=refused,
         roster_hash=roster_digest(
             next_roster(
-                roster_of(manifest, base_cert), new_version=base_version + 1, accepted=accepted
+                roster_of(manifest, base_cert),
+                new_version=base_version + 1,
+                accepted=accepted,
+                window=manifest.rules.roster_window,
             )
         ),
     )

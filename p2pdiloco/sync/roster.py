@@ -8,8 +8,8 @@ verifies the chain (:func:`verify_successor` attaches it to the certificate, ADR
 certificate's size does not grow with the roster. Before the first certificate, the manifest's
 genesis committee (or the run creator alone) is the roster.
 
-A peer stays on the roster for ``ROSTER_WINDOW`` versions after its last accepted delta, so the
-roster follows the learners actually contributing; its counters (accepted deltas, tokens) are
+A peer stays on the roster for the manifest's ``rules.roster_window`` versions after its last
+accepted delta, so the roster follows the learners actually contributing; its counters (accepted deltas, tokens) are
 the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
 """
 
@@ -26,7 +26,7 @@ from p2pdiloco.protocol.certificates import (
     content_json,
     roster_digest,
 )
-from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, timeout_lock
 from p2pdiloco.sync import committee
@@ -48,7 +48,8 @@ __all__ = [
 # Identities kept on a roster. Every node holds the roster of its newest certificate in memory
 # (about 0.5 KB an entry) and elects over it each round; ADR 0044 measures both at this size.
 MAX_ROSTER = 65_536
-ROSTER_WINDOW = 3  # versions a peer stays on the roster after its last accepted delta
+# Versions a peer stays on the roster after its last accepted delta: the manifest's default.
+ROSTER_WINDOW: int = SyncRules.model_fields["roster_window"].default
 _MAX_COUNT = 2**63 - 1  # RosterEntry's bound: counters saturate instead of failing validation
 
 
@@ -142,7 +143,10 @@ def with_roster(manifest: RunManifest, prev: Certificate | None, cert: Certifica
     """``cert`` with its roster derived: :func:`next_roster` of ``prev``'s roster and ``cert``'s
     receipts. Raises InvalidRecord if its hash is not the body's ``roster_hash``."""
     roster = next_roster(
-        roster_of(manifest, prev), new_version=cert.body.version, accepted=cert.body.accepted
+        roster_of(manifest, prev),
+        new_version=cert.body.version,
+        accepted=cert.body.accepted,
+        window=manifest.rules.roster_window,
     )
     if roster_digest(roster) != cert.body.roster_hash:
         raise InvalidRecord(f"certificate for version {cert.body.version} carries a wrong roster")

@@ -32,6 +32,10 @@ from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.roster import roster_of
 
+# Roster identities a round waits for: those with a delta merged (or that joined) in the last
+# this many versions, the roster's whole window before ADR 0045.
+AWAITED_VERSIONS = 3
+
 
 def trusted_peers(manifest: RunManifest, cert: Certificate | None) -> frozenset[str] | None:
     """The identities trusted in the round after ``cert`` (after genesis when None), or None
@@ -72,9 +76,17 @@ def learners_awaited(
     manifest: RunManifest, cert: Certificate | None, live: Collection[str]
 ) -> tuple[int, int]:
     """The learners the round after ``cert`` waits for, and how many of them are trusted: the
-    live ones (heartbeats), or the certified roster's when more (heartbeats lag at start-up)."""
+    live ones (heartbeats), or the certified roster's when more (heartbeats lag at start-up).
+    Of the roster, only identities active in the last ``AWAITED_VERSIONS`` versions count: the
+    roster keeps idle ones longer (``rules.roster_window``), and a learner that left must not
+    hold the round open (ADR 0045)."""
     trusted = trusted_peers(manifest, cert)
-    roster = [e.peer_id for e in roster_of(manifest, cert)]
+    base = cert.body.version if cert is not None else 0
+    roster = [
+        e.peer_id
+        for e in roster_of(manifest, cert)
+        if base - max(e.last_version, e.joined_version) <= AWAITED_VERSIONS
+    ]
     count = max(len(live), len(roster))
     return count, max(trusted_count(trusted, live), trusted_count(trusted, roster))
 
