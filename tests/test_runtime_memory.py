@@ -142,31 +142,37 @@ def test_a_slow_leader_is_replaced_by_the_next(tmp_path: Path) -> None:
     run(main())
 
 
-def _fail_merges(node: MemNode, times: int) -> list[int]:
-    """Make ``node``'s next ``times`` merges raise; the list counts the failures."""
+def _fail_merges(node: MemNode, times: int) -> tuple[list[int], list[str]]:
+    """Make ``node``'s next ``times`` merges raise; the lists count the failures and hold the
+    state hashes of the merges that then succeeded."""
     svc = node.runtime.service
     assert svc is not None
-    real, failures = svc._merge, []
+    real, failures, merged = svc._merge, [], []
 
     def failing(*args: Any) -> Any:
         if len(failures) < times:
             failures.append(1)
             raise RuntimeError("injected merge failure")
-        return real(*args)
+        result, state = real(*args)
+        merged.append(state.state_hash)
+        return result, state
 
     svc._merge = failing  # type: ignore[method-assign]
-    return failures
+    return failures, merged
 
 
 def test_a_merge_that_fails_on_one_syncer_still_certifies(tmp_path: Path) -> None:
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=4) as net:
-            failures = _fail_merges(net.nodes[2], times=1)
+            failures, merged = _fail_merges(net.nodes[2], times=1)
             await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 everywhere")
             assert failures == [1]
             check_chains(net)
             first = parse_certificate(net.nodes[0].runtime.chain.certs[1], run_id=net.run_id)
-            assert net.nodes[2].peer_id not in first.signers  # it never signs a failed merge
+            # It never signs a failed merge: its signature on version 1, if any, is over a state
+            # a later attempt of its own merged (the same inputs, so the same body).
+            if net.nodes[2].peer_id in first.signers:
+                assert first.body.state_hash in merged
 
     run(main())
 
@@ -174,7 +180,7 @@ def test_a_merge_that_fails_on_one_syncer_still_certifies(tmp_path: Path) -> Non
 def test_a_merge_that_fails_on_every_syncer_starts_the_next_attempt(tmp_path: Path) -> None:
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=4, rules={"grace": 3.0}) as net:
-            failures = [_fail_merges(n, times=1) for n in net.nodes]
+            failures = [_fail_merges(n, times=1)[0] for n in net.nodes]
             await net.wait_for(lambda: net.min_version() >= 2, 120, "version 2 everywhere")
             assert all(f == [1] for f in failures)
             check_chains(net)

@@ -40,7 +40,8 @@ from p2pdiloco.protocol.identity import (
 # update, and certificate bodies carry ``update_hash``; the ``update`` op serves it.
 # 8: clone folding (ADR 0036): ``rules.clone_factor``; near-identical deltas merge as one row.
 # 9: derived rosters (ADR 0044): a certificate body carries ``roster_hash``, not the roster,
-# and a roster holds up to 65,536 identities.
+# and a roster holds up to 65,536 identities; ``rules.roster_window`` (ADR 0045, 10 versions,
+# was 3).
 PROTOCOL_VERSION = 9
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
