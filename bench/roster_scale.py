@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'roster':>7} {'carried':>10} {'fits 1MiB':>9} {'cert now':>9} {'held':>9} "
           f"{'next_roster':>11} {'view 0':>7} {'view 1':>7} {'trusted':>7}")  # fmt: skip
     for r in rows:
-        print(f"{r['roster']:>7} {r['carried_cert_bytes'] / 1e6:>8.2f}MB {str(r['fits_carried']):>9} "
+        fits = str(r["fits_carried"])
+        print(f"{r['roster']:>7} {r['carried_cert_bytes'] / 1e6:>8.2f}MB {fits:>9} "
               f"{r['cert_bytes_now'] / 1e3:>7.0f}kB {r['held_bytes'] / 1e6:>7.1f}MB "
               f"{r['next_roster_s'] * 1e3:>9.0f}ms {r['elect_view0_s'] * 1e3:>5.0f}ms "
               f"{r['elect_view1_s'] * 1e3:>5.0f}ms {r['trusted_s'] * 1e3:>5.0f}ms")  # fmt: skip

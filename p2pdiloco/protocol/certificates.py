@@ -1,12 +1,13 @@
 """Quorum certificates for global versions, which double as contribution receipts.
 
 A syncer signs the certificate *body*: run, new version, its base, the state hash, the hash of
-the update that made the state from its base (ADR 0029), the committee
-and quorum, the sorted lists of accepted and rejected submissions, and the hash of the roster of
-peers who may sit on later committees (the roster itself is derived from the chain, ADR 0044). q matching signatures from distinct committee members make the
-certificate valid. Because the accepted list is inside what the committee signs, each
-certificate is also the signed receipt of every delta it merged: the contribution ledger is the
-sum over verified certificates, not over anyone's claims.
+the update that made the state from its base (ADR 0029), the committee and quorum, the sorted
+lists of accepted and rejected submissions, and the hash of the roster of peers who may sit on
+later committees (the roster itself is derived from the chain, ADR 0044). q matching
+signatures from distinct committee members make the certificate valid. Because the accepted
+list is inside what the committee signs, each certificate is also the signed receipt of every
+delta it merged: the contribution ledger is the sum over verified certificates, not over
+anyone's claims.
 
 Wire form (canonical JSON): ``{"body": {...}, "sigs": {"<peer id>": "<128 hex>", ...}}``; each
 signature is over ``signing_message("certificate", run, canonical_json(body))``. Different

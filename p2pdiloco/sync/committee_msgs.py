@@ -26,7 +26,7 @@ from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envel
 from p2pdiloco.protocol.submissions import SubmissionHeader
 from p2pdiloco.protocol.view_change import MAX_VIEWS
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.roster import CommitteeInfo, next_roster, roster_of
+from p2pdiloco.sync.roster import CommitteeInfo, roster_after
 from p2pdiloco.sync.weights import plausible_claim
 
 PROPOSAL_KIND = "proposal"
@@ -165,14 +165,7 @@ def body_of(
         quorum=committee.quorum,
         accepted=accepted,
         rejected=refused,
-        roster_hash=roster_digest(
-            next_roster(
-                roster_of(manifest, base_cert),
-                new_version=base_version + 1,
-                accepted=accepted,
-                window=manifest.rules.roster_window,
-            )
-        ),
+        roster_hash=roster_digest(roster_after(manifest, base_cert, accepted)),
     )
 
 

@@ -9,8 +9,8 @@ certificate's size does not grow with the roster. Before the first certificate, 
 genesis committee (or the run creator alone) is the roster.
 
 A peer stays on the roster for the manifest's ``rules.roster_window`` versions after its last
-accepted delta, so the roster follows the learners actually contributing; its counters (accepted deltas, tokens) are
-the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
+accepted delta, so the roster follows the learners actually contributing; its counters
+(accepted deltas, tokens) are the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "committee_of_roster",
     "genesis_roster",
     "next_roster",
+    "roster_after",
     "roster_of",
     "verify_successor",
     "with_roster",
@@ -139,15 +140,24 @@ def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEnt
     return list(cert.roster) or genesis_roster(manifest)
 
 
-def with_roster(manifest: RunManifest, prev: Certificate | None, cert: Certificate) -> Certificate:
-    """``cert`` with its roster derived: :func:`next_roster` of ``prev``'s roster and ``cert``'s
-    receipts. Raises InvalidRecord if its hash is not the body's ``roster_hash``."""
-    roster = next_roster(
+def roster_after(
+    manifest: RunManifest, prev: Certificate | None, accepted: Sequence[Accepted]
+) -> list[RosterEntry]:
+    """The roster of the version after ``prev`` with receipts ``accepted``: :func:`next_roster`
+    of ``prev``'s roster under the manifest's window."""
+    version = (prev.body.version if prev is not None else 0) + 1
+    return next_roster(
         roster_of(manifest, prev),
-        new_version=cert.body.version,
-        accepted=cert.body.accepted,
+        new_version=version,
+        accepted=accepted,
         window=manifest.rules.roster_window,
     )
+
+
+def with_roster(manifest: RunManifest, prev: Certificate | None, cert: Certificate) -> Certificate:
+    """``cert`` with its roster derived: :func:`roster_after` ``prev`` with ``cert``'s receipts.
+    Raises InvalidRecord if its hash is not the body's ``roster_hash``."""
+    roster = roster_after(manifest, prev, cert.body.accepted)
     if roster_digest(roster) != cert.body.roster_hash:
         raise InvalidRecord(f"certificate for version {cert.body.version} carries a wrong roster")
     return replace(cert, roster=tuple(roster))
