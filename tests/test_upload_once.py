@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.submissions import open_submission
 from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.runtime.memnet import MemoryNetwork
@@ -39,6 +41,19 @@ def test_next_targets_moves_on_from_the_unreachable_only() -> None:
     # A later view's committee: the member that held or refused it left, so a new one is asked
     assert next_targets([C, D], {A: "accepted"}, []) == [C]
     assert next_targets([C, D], {A: "rejected"}, []) == [C]
+
+
+def test_next_targets_moves_on_from_a_busy_member_and_retries_busy_ones_one_at_a_time() -> None:
+    """ADR 0046: BUSY means that member's uplink cannot relay more this round; another
+    member's may. Once every member is busy, they are asked again one at a time (the one asked
+    longest ago first), so a delta is never uploaded to two members at once."""
+    order = [A, B, C]
+    assert next_targets(order, {A: "busy"}, [A]) == [B]  # the next member at once
+    assert next_targets(order, {A: "busy", B: "busy"}, [A, B]) == [C]
+    assert next_targets(order, {A: "busy", B: "busy", C: "busy"}, [B, C, A]) == [B]
+    assert next_targets(order, {A: "busy", B: "accepted"}, [A]) == []  # held: done
+    assert next_targets(order, {A: "busy", B: "rejected"}, [A]) == []  # refused: done
+    assert next_targets(order, {A: "busy", B: "rejected"}, [A, B]) == [C]  # B said "later"
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -73,3 +88,42 @@ def test_each_delta_is_uploaded_by_its_learner_once_and_relayed_to_the_committee
     assert max(own.values()) == 1, own  # never held twice from its learner's own upload
     # What was relayed reached the other members: up to three copies of each.
     assert max(relayed.values()) <= 3 and sum(relayed.values()) >= len(own)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.slow
+def test_a_delta_refused_busy_goes_to_the_next_member_at_once(tmp_path: Path) -> None:
+    """ADR 0046: one member answers every learner's own upload with BUSY (its uplink full).
+    Each such delta is then taken by another member of the same committee, uploaded by its
+    learner once, and versions certify; before, the learner asked the busy member again."""
+    busy_refused: set[str] = set()
+    own: Counter[str] = Counter()
+    run_id = ""
+
+    def tap(src: str, dst: str, control: dict[str, Any], frames: list[bytes], reply: Any) -> None:
+        mine = control["op"] == "submit" and control.get("relay") is True
+        if mine and reply.get("status") == "accepted":
+            own[open_submission(frames[0], run_id=run_id).digest] += 1
+
+    async def main() -> None:
+        nonlocal run_id
+        async with MemoryNetwork(tmp_path, nodes=6, committee_size=4) as net:
+            run_id, net.hub.tap = net.run_id, tap
+            jammed = net.nodes[0].peer_id
+            handler, limits, screen = net.hub.handlers[jammed]
+
+            async def full(op: str, src: str, control: dict[str, Any], frames: list[bytes]) -> Any:
+                if op == "submit" and control.get("relay") is True and src != jammed:
+                    busy_refused.add(open_submission(frames[0], run_id=run_id).digest)
+                    raise RpcRefused(Reason.BUSY, "relay queue full (test)")
+                return await handler(op, src, control, frames)
+
+            net.hub.handlers[jammed] = (full, limits, screen)
+            await net.wait_for(lambda: net.min_version() >= 3, 180, "version 3 everywhere")
+            check_chains(net)
+
+    asyncio.run(main())
+    assert busy_refused, "no learner asked the busy member first"
+    taken = busy_refused & set(own)
+    assert taken, (busy_refused, own)  # another member took what the busy one refused
+    assert max(own.values()) == 1, own  # still one upload per delta

@@ -4,7 +4,9 @@ A learner uploads each delta once (BRIEF §7b, issue 11): to the first member of
 in an order drawn from the delta's digest, so a round's uploads spread evenly over the members.
 The member that accepts it from its learner relays the same signed bytes to its fellows
 (``sync.relay``). The learner moves on to the next member in that order only when one cannot
-be reached; a member that says "later" (``RETRYABLE``) is asked again. A refusal ends it: every
+be reached or is busy (BUSY: its uplink cannot relay more before the round's input set, ADR
+0034, so another member's may; ADR 0046); a member that says "later" (``RETRYABLE``) is asked
+again, as are busy ones, one at a time, once every member is busy. A refusal ends it: every
 honest member of a view judges a submission alike (late, stale, malformed), and sending the
 payload on to the next one only to hear the same cost late deltas up to k uploads (8 learners,
 k = 4: 1.6 payloads per delta on average, 4 at most, before this rule).
@@ -61,19 +63,21 @@ def next_targets(
     order: Sequence[str], statuses: Mapping[str, str], retry: Sequence[str]
 ) -> list[str]:
     """Members to send to now (none: done). ``statuses`` holds each asked member's last
-    answer ("accepted", "rejected" or "error": unreachable); ``retry`` the members to ask again
-    (they said "later", or could not be reached). Done once a member of ``order`` (the current
-    committee) holds the delta or refused it, or every member is unreachable and none is left
-    to retry."""
+    answer ("accepted", "rejected", "busy": BUSY, or "error": unreachable); ``retry`` the
+    members to ask again (they said "later" or BUSY, or could not be reached), the one asked
+    longest ago first. Done once a member of ``order`` (the current committee) holds the delta
+    or refused it, or every member is unreachable and none is left to retry."""
     if any(statuses.get(m) == "accepted" for m in order):
         return []
     if any(statuses.get(m) == "rejected" and m not in retry for m in order):
         return []  # refused by a member of this view: the others would say the same
     waiting = [m for m in retry if m in order]
-    if any(statuses.get(m) == "error" for m in waiting) or not waiting:
+    if any(statuses.get(m) in ("error", "busy") for m in waiting) or not waiting:
         fresh = [m for m in order if m not in statuses]
-        if fresh:  # the next member at once: the one asked cannot be reached
+        if fresh:  # the next member at once: the one asked cannot be reached, or is busy
             return fresh[:1]
+        if waiting and all(statuses.get(m) == "busy" for m in waiting):
+            return waiting[:1]  # every member busy: one at a time, never two uploads at once
     return waiting
 
 

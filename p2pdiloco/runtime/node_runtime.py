@@ -351,7 +351,8 @@ class NodeRuntime:
                 *(submit_to(self.transport, self.service, self.me, p, sub) for p in targets)
             )
             for peer, (status, code, hint) in zip(targets, replies, strict=True):
-                pending.statuses[peer] = status
+                busy = status == "rejected" and code is Reason.BUSY  # another member may not be
+                pending.statuses[peer] = "busy" if busy else status
                 if status != "accepted" and (code in RETRYABLE or status == "error"):
                     retry.append(peer)
                 elif status == "rejected":

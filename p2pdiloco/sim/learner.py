@@ -41,6 +41,7 @@ class Pending:
     told: bool = False
     tries: dict[int, int] = field(default_factory=dict)
     unreachable: set[int] = field(default_factory=set)  # asked, but down when it arrived
+    busy: set[int] = field(default_factory=set)  # asked, answered BUSY (ADR 0046)
 
 
 @dataclass
@@ -141,14 +142,23 @@ class SimLearner:
         p, w = self.pending, self.world
         if not self.alive or p is None or p.sub.digest != digest:
             return
+        if not accepted and code is Reason.BUSY:  # the next member at once (ADR 0046)
+            p.busy.add(member)
+            asked = len(p.asked)
+            w.deliver(self, p.sub, p)
+            if len(p.asked) > asked:
+                return
         if not accepted and code in RETRYABLE:
             tries = p.tries.get(member, 0)
-            if tries < MAX_TRIES and w.version == p.sub.base_version:
+            # Every member busy: at most MAX_TRIES asks in all, as the runtime's delivery passes
+            spent = sum(p.tries.values()) if code is Reason.BUSY else tries
+            if spent < MAX_TRIES and w.version == p.sub.base_version:
                 p.tries[member] = tries + 1
                 w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
             return
         p.answers[member] = accepted
         p.unreachable.discard(member)
+        p.busy.discard(member)
         if not accepted:
             p.codes.append(code or Reason.MALFORMED)
             p.hint = hint if hint is not None else p.hint
