@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
 from p2pdiloco.sync.round import (
@@ -16,6 +17,7 @@ from p2pdiloco.sync.round import (
     Submission,
     SyncerRound,
 )
+from p2pdiloco.sync.round_types import HELD_BYTES, MIN_HELD, held_cap
 
 N = 100_000
 STALENESS = 2
@@ -52,6 +54,14 @@ def test_replay_guard_stays_bounded_across_many_versions_and_catches_replays() -
     # Versions far ahead are not remembered either (the round refuses them as too new).
     assert guard.add("future", last + guard.lookahead + 1)
     assert guard.versions == guard.window + 1
+
+
+def test_a_member_holds_at_most_its_memory_of_payloads() -> None:
+    # ADR 0047: max_inputs is HELD_BYTES over the largest payload, within [MIN_HELD, MAX_RECEIPTS].
+    assert held_cap(1_000) == MAX_RECEIPTS
+    assert held_cap(1_000_000) == HELD_BYTES // 1_000_000 < MAX_RECEIPTS
+    assert held_cap(HELD_BYTES) == MIN_HELD  # one huge payload: still a few inputs a round
+    assert held_cap(0) == MAX_RECEIPTS
 
 
 def test_replay_guard_within_one_version_evicts_oldest_first() -> None:
@@ -99,7 +109,7 @@ def test_a_round_flooded_with_submissions_holds_at_most_max_inputs() -> None:
             codes[a.code] = codes.get(a.code, 0) + 1
         assert len(r.accepted) <= p.max_inputs and len(r.by_peer) <= p.max_inputs
     assert codes == {Reason.BUSY: N - p.max_inputs}
-    assert len(r.accepted) == p.max_inputs == 4096
+    assert len(r.accepted) == p.max_inputs == MAX_RECEIPTS  # the default: what a certificate lists
     # A replay of an accepted submission is still caught while the round holds it.
     replay = r.on_submission(Submission("p5", "run", 10, 1, 1, f"{5:x}"), 1.0)
     assert [a.code for a in replay if isinstance(a, Reject)] == [Reason.DUPLICATE]

@@ -38,7 +38,14 @@ from p2pdiloco.protocol.signing import (
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, parse_timeout_cert
 
 CERTIFICATE_KIND = "certificate"
-MAX_CERTIFICATE_BYTES = 1024 * 1024
+# Receipts one certificate lists: the most inputs a round may merge (ADR 0047). A receipt is
+# about 172 bytes of JSON (10,000 of them: 1.7 MB), a refusal up to 940 with a reason of 200
+# four-byte characters; at every bound, with 64 signatures, a certificate is 7.0 MB
+# (tests/test_certificates.py). Certificates travel over the sync protocol (``cert``), whose
+# reply may be this large, and on gossip only when small (net.gossip.MAX_MESSAGE_BYTES).
+MAX_RECEIPTS = 16_384
+MAX_REFUSALS = 4096
+MAX_CERTIFICATE_BYTES = 8 * 1024 * 1024
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 # Printable only: reasons end up in logs, terminals and dashboards.
 Reason = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
@@ -90,8 +97,8 @@ class CertificateBody(_Strict):
     update_hash: Hex64 | None = None
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
-    accepted: list[Accepted] = Field(max_length=4096)  # sorted by digest
-    rejected: list[Rejected] = Field(default_factory=list, max_length=4096)  # sorted by digest
+    accepted: list[Accepted] = Field(max_length=MAX_RECEIPTS)  # sorted by digest
+    rejected: list[Rejected] = Field(default_factory=list, max_length=MAX_REFUSALS)  # by digest
     # sha256 of the candidates of the next election (:func:`roster_digest` of
     # sync.roster.next_roster over the previous roster and this version's receipts). The roster
     # is derived, not carried: every node computes it from the chain (ADR 0044).

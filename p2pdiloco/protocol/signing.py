@@ -42,7 +42,9 @@ from p2pdiloco.protocol.identity import (
 # 9: derived rosters (ADR 0044): a certificate body carries ``roster_hash``, not the roster,
 # and a roster holds up to 65,536 identities; ``rules.roster_window`` (ADR 0045, 10 versions,
 # was 3).
-PROTOCOL_VERSION = 9
+# 10: receipts that scale (ADR 0047): a certificate lists up to 16,384 receipts (was 4,096),
+# a proposal as many digests; certificates and signature messages may be up to 8 MiB.
+PROTOCOL_VERSION = 10
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

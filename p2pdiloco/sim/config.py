@@ -52,7 +52,7 @@ class SimConfig:
     churn_per_hour: float = 0.0  # share of the peers that leave per hour (as many fresh join)
     faulty_syncers: float = 0.0  # share of peers that, on a committee, sign a wrong state
     rules: dict[str, Any] = field(default_factory=dict)  # manifest rule overrides
-    max_inputs: int | None = None  # a syncer's local bound; None: fits every peer
+    max_inputs: int | None = None  # a syncer's local bound; None: held_cap of one delta
     seed: int = 0
 
     def __post_init__(self) -> None:

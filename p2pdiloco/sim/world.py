@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from p2pdiloco.net.manifests import create_manifest
@@ -35,6 +35,7 @@ from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.sync.roster import CommitteeInfo, committee_for, with_roster
 from p2pdiloco.sync.round import Done, Submission
+from p2pdiloco.sync.round_types import held_cap
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
 from p2pdiloco.sync.trust import trust_progress, trusted_count, trusted_peers
@@ -350,10 +351,8 @@ class World:
         params = params_of(
             self.run_id, self.manifest, self.version, self.trusted, self.committee, len(live),
             self.clock.now, locked=self.locked, trusted_learners=trusted_count(self.trusted, live),
-            progress=self.progress,
+            progress=self.progress, max_inputs=self.cfg.max_inputs or held_cap(self.cfg.delta_bytes),
         )  # fmt: skip
-        if self.cfg.max_inputs is not None:
-            params = replace(params, max_inputs=self.cfg.max_inputs)
         member = open_member(self, index, self.view, params)
         self.member_rounds += 1
         self.members[self.view][index] = member

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from p2pdiloco.protocol.certificates import (
+    MAX_CERTIFICATE_BYTES,
+    MAX_RECEIPTS,
     Accepted,
     Certificate,
     CertificateBody,
@@ -30,7 +32,7 @@ from p2pdiloco.sync.roster import CommitteeInfo, roster_after
 from p2pdiloco.sync.weights import plausible_claim
 
 PROPOSAL_KIND = "proposal"
-MAX_PROPOSAL_DIGESTS = 4096
+MAX_PROPOSAL_DIGESTS = MAX_RECEIPTS  # an input set is merged whole: one receipt per input
 # A proposal of MAX_PROPOSAL_DIGESTS digests (64 hex + quotes and comma each) plus the envelope.
 MAX_PROPOSAL_BYTES = 16 * 1024 + MAX_PROPOSAL_DIGESTS * 70
 
@@ -169,7 +171,7 @@ def body_of(
     )
 
 
-MAX_SIGNATURE_BYTES = 1 << 20
+MAX_SIGNATURE_BYTES = MAX_CERTIFICATE_BYTES  # a signature message carries the body it signs
 MAX_VOTE_BYTES = 256 * 1024  # a view vote with MAX_VIEWS − 1 timeout certificates of 64 votes
 
 

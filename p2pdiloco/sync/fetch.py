@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from p2pdiloco.net.cert_records import cert_version
 from p2pdiloco.net.sync_rpc import RpcError
-from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.protocol.certificates import MAX_CERTIFICATE_BYTES, Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
@@ -90,7 +90,9 @@ async def fetch_submission(
 
 async def fetch_cert(transport: Transport, peer: str, version: int) -> bytes:
     """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
-    _, frames = await transport.call(peer, "cert", args={"version": version}, timeout=15.0)
+    _, frames = await transport.call(
+        peer, "cert", args={"version": version}, timeout=15.0, reply_limit=MAX_CERTIFICATE_BYTES
+    )
     if len(frames) != 1:
         raise RpcError(f"{peer} answered a certificate request without one", code=Reason.MALFORMED)
     return frames[0]

@@ -26,6 +26,7 @@ from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission, payload_digest
 from p2pdiloco.sync.bounded import ReplayGuard
 from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_shapes
+from p2pdiloco.sync.round_types import held_cap
 
 Refusal = tuple[Reason, str]
 Reject = Callable[[str, str | None, Reason, str], None]  # (peer, digest, code, text): log it
@@ -53,6 +54,7 @@ class Intake:
             for names in fragment_plan(self.shapes, self.fragments)
         ]
         self.max_payload = max(self.fragment_max)
+        self.max_inputs = held_cap(self.max_payload)
 
     def _max_payload(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
         codes = sum(self.codec.wire_bytes(max(1, math.prod(s))) for s in shapes.values())

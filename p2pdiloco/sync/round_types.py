@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.reasons import Reason
 
 
@@ -20,6 +21,18 @@ class Phase(enum.Enum):
     AGGREGATING = "aggregating"
     SIGNING = "signing"
     CERTIFIED = "certified"
+
+
+# Payload bytes a member holds for one round at most (local, not consensus): the round's
+# ``max_inputs`` is this over the largest payload, within [MIN_HELD, MAX_RECEIPTS]; a full
+# round refuses with BUSY and the learner moves on to the next member (ADR 0046, ADR 0047).
+HELD_BYTES = 8 << 30
+MIN_HELD = 16
+
+
+def held_cap(max_payload: int) -> int:
+    """A round's ``max_inputs`` for payloads of at most ``max_payload`` bytes."""
+    return max(MIN_HELD, min(MAX_RECEIPTS, HELD_BYTES // max(1, max_payload)))
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,7 @@ class RoundParams:
     agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
     linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
     # Memory bounds (local, not consensus): a full round refuses with BUSY and closes.
-    max_inputs: int = 4096  # accepted submissions held; also the proposal's digest bound
+    max_inputs: int = MAX_RECEIPTS  # accepted submissions held (see sync.intake.held_cap)
     max_dropped: int = 16384  # dropped digests remembered (oldest forgotten first)
     # A later view bound to re-certify a locked content (protocol.view_change): its input set.
     # The round starts agreed on it: no collecting, no proposal, no further attempts.

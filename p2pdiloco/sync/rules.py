@@ -13,6 +13,7 @@ from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.choices import SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
 from p2pdiloco.errors import UserError
+from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.roster import CommitteeInfo
@@ -97,16 +98,19 @@ def round_params(
     locked: tuple[str, ...] | None = None,
     close_after: float | None = None,
     trusted_learners: int | None = None,
+    max_inputs: int = MAX_RECEIPTS,
 ) -> RoundParams:
     """Every parameter of the round on the certified ``base``: the consensus ones from the
     signed manifest (its ``rules``, the token bound and H) and the base's certificate (who is
     trusted, ``sync.trust``), the committee of the view, the learners alive (heartbeats, or
-    the roster: live heartbeats lag at start-up; at least 1) and how many of them are trusted
-    (``sync.trust.learners_awaited``; None: all)."""
+    the roster: live heartbeats lag at start-up; at least 1), how many of them are trusted
+    (``sync.trust.learners_awaited``; None: all) and the inputs this member holds at most
+    (local: ``sync.intake.Intake.max_inputs``)."""
     trusted = trusted_peers(manifest, base.cert)
+    progress = None if trusted is None else trust_progress(manifest, base.cert)
     return params_of(
         run_id, manifest, base.version, trusted, committee, active_learners, now, locked,
-        close_after, trusted_learners, None if trusted is None else trust_progress(manifest, base.cert),
+        close_after, trusted_learners, progress, max_inputs,
     )  # fmt: skip
 
 
@@ -122,6 +126,7 @@ def params_of(
     close_after: float | None = None,
     trusted_learners: int | None = None,
     progress: Mapping[str, int] | None = None,
+    max_inputs: int = MAX_RECEIPTS,
 ) -> RoundParams:
     """:func:`round_params` on its inputs (the base version and who is trusted after it), for
     drivers that keep no certificate bodies (the simulator, ``p2pdiloco.sim``)."""
@@ -147,4 +152,5 @@ def params_of(
         probation_share=r.probation_share,
         trusted_learners=None if trusted_learners is None else max(1, trusted_learners),
         progress=progress,
+        max_inputs=max_inputs,
     )

@@ -155,7 +155,8 @@ class SyncService:
             return
         active, trusted = learners_awaited(self.manifest, self.current.cert, self.live_learners())
         params = round_params(self.run_id, self.manifest, self.current, self.committee, active,
-                              time.monotonic(), locked, self.arrivals.next_round(), trusted)  # fmt: skip
+                              time.monotonic(), locked, self.arrivals.next_round(), trusted,
+                              self.intake.max_inputs)  # fmt: skip
         self.round = rnd = SyncerRound(params, self.me)
         self.held.clear()
         log.info(
