@@ -57,7 +57,9 @@ def test_quorum_of_signatures_certifies_and_carries_receipts() -> None:
 def test_a_certificate_at_every_bound_fits_its_byte_limit() -> None:
     # ADR 0047: MAX_RECEIPTS receipts with the largest claims, MAX_REFUSALS refusals with
     # reasons of 200 four-byte characters, 64 members who all sign: under MAX_CERTIFICATE_BYTES.
-    digests = sorted(hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(MAX_RECEIPTS + MAX_REFUSALS))
+    digests = sorted(
+        hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(MAX_RECEIPTS + MAX_REFUSALS)
+    )
     who = [s.peer_id for s in LEARNERS]
     accepted = [Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
                 for i, d in enumerate(digests[:MAX_RECEIPTS])]  # fmt: skip

@@ -3,7 +3,8 @@
 Each node keeps the newest certificate it applied under ``p2pdiloco/v1/run/<run>/certs``, in
 its own subkey, wrapped in an envelope it signs (the DHT validator accepts only envelopes); the
 certificate inside is verified by whoever reads it, never trusted for its wrapper. Certificates
-are also gossiped raw on the run's certificate topic. Older versions are served by nodes over
+are also gossiped raw on the run's certificate topic when they fit a gossip message. Older
+versions, and certificates too large for a record or a gossip message, are served by nodes over
 the sync protocol (``cert`` op).
 """
 
@@ -14,7 +15,7 @@ import logging
 
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import DHTPlane, NetworkError
-from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES, GossipError, GossipProcess
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal
@@ -79,8 +80,10 @@ def publish_certificate(
     dht: DHTPlane | None,
     gossip: GossipProcess | None,
 ) -> None:
-    """Gossip ``cert`` and store it as this node's newest certificate in the DHT."""
-    if gossip is not None and gossip.alive:
+    """Gossip ``cert`` and store it as this node's newest certificate in the DHT, each where it
+    fits; a larger certificate (a round of over about 1,400 inputs) is fetched from the nodes
+    that announce its version (``cert`` op, ADR 0047)."""
+    if gossip is not None and gossip.alive and len(cert.raw) <= MAX_MESSAGE_BYTES:
         try:
             gossip.publish(cert_topic(run_id), cert.raw)
         except GossipError as e:

@@ -1,0 +1,102 @@
+"""Receipts that scale (ADR 0047): a round of 10,000 inputs is proposed, signed and certified,
+and its 1.7 MB certificate crosses real hivemind streams, where a reply used to stop at 1 MiB."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+import pytest
+from hivemind.p2p import P2P
+
+from p2pdiloco.net.sync_rpc import RpcError, serve
+from p2pdiloco.protocol.certificates import (
+    MAX_RECEIPTS,
+    Accepted,
+    CertificateBody,
+    assemble,
+    sign_body,
+)
+from p2pdiloco.runtime.transport import P2PTransport
+from p2pdiloco.sync.committee_msgs import (
+    MAX_PROPOSAL_BYTES,
+    BadMessage,
+    open_proposal,
+    open_signature,
+    request_limits,
+    seal_proposal,
+    signature_message,
+)
+from p2pdiloco.sync.fetch import fetch_cert
+from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
+
+INPUTS = 10_000
+
+
+def _digests(n: int) -> list[str]:
+    return sorted(hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(n))
+
+
+def _big_body() -> CertificateBody:
+    who = [s.peer_id for s in LEARNERS]
+    return body(accepted=[Accepted(peer_id=who[i % 3], digest=d, steps=500, tokens=500 * 2048)
+                          for i, d in enumerate(_digests(INPUTS))])  # fmt: skip
+
+
+def _big_certificate() -> bytes:
+    b = _big_body()
+    return assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS})
+
+
+def test_a_proposal_of_every_input_a_certificate_lists_is_accepted_and_one_more_is_not() -> None:
+    leader = SYNCERS[0]
+    full = tuple(_digests(MAX_RECEIPTS))
+    raw = seal_proposal(leader, RUN, 8, 0, full)
+    assert len(raw) <= MAX_PROPOSAL_BYTES
+    assert len(open_proposal(raw, RUN).digests) == MAX_RECEIPTS
+    over = seal_proposal(leader, RUN, 8, 0, tuple(_digests(MAX_RECEIPTS + 1)))
+    with pytest.raises(BadMessage):
+        open_proposal(over, RUN)
+
+
+def test_a_signature_message_carries_a_body_of_ten_thousand_receipts() -> None:
+    b = _big_body()
+    msg = signature_message(SYNCERS[1].peer_id, b, sign_body(SYNCERS[1], b))
+    assert 1 << 20 < len(msg) <= request_limits(1 << 20)["sign"][0]
+    signer, got, _ = open_signature(msg)
+    assert signer == SYNCERS[1].peer_id and len(got.accepted) == INPUTS
+
+
+def test_a_certificate_over_a_mebibyte_is_fetched_over_real_streams() -> None:
+    raw = _big_certificate()
+    assert len(raw) > 1 << 20  # 1.7 MB: the reply limit before ADR 0047 refused it
+
+    async def handler(
+        op: str, peer: str, control: dict[str, Any], frames: list[bytes]
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        assert op == "cert" and control.get("version") == 8
+        return {"version": 8}, [raw]
+
+    async def go() -> tuple[bytes, str]:
+        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                                    auto_nat=False, use_relay=False)  # fmt: skip
+        server, client = await P2P.create(**opts), await P2P.create(**opts)
+        try:
+            await serve(server, handler, request_limits(1 << 20))
+            addrs = [str(a) for a in await server.get_visible_maddrs()]
+            me = client.peer_id.to_base58()
+            transport = P2PTransport(client, me, lambda _peer: addrs)
+            got = await fetch_cert(transport, server.peer_id.to_base58(), 8)
+            try:  # what a caller with the old 1 MiB reply limit hears
+                await transport.call(server.peer_id.to_base58(), "cert", args={"version": 8})
+                old = "fetched"
+            except RpcError as e:
+                old = str(e)
+            return got, old
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    got, old = asyncio.run(go())
+    assert got == raw and old != "fetched"
