@@ -60,6 +60,7 @@ def main() -> int:
             f"{n:6d} peers  goodput {r.goodput:6.1%}  versions {r.versions:4d}  "
             f"latency p50/p95/p99 {r.latency_p50:4.0f}/{r.latency_p95:4.0f}/{r.latency_p99:4.0f} s  "
             f"MB/learner/delta {r.learner_bytes_per_delta / 1e6:6.1f}  "
+            f"cert max MB {r.certificate_bytes_max / 1e6:4.2f}  "
             f"MB/syncer/round {r.syncer_bytes_per_round / 1e6:8.1f}  views {r.view_changes}  "
             f"wrong {r.wrong_certificates + r.conflicts}  wall {r.wall_seconds:5.0f} s",
             flush=True,

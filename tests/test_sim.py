@@ -43,6 +43,10 @@ def test_without_faults_nearly_all_trained_work_is_certified() -> None:
     # Every version was certified by a quorum of its own committee, in order.
     assert [c.version for c in world.certs] == list(range(1, result.versions + 1))
     assert result.wrong_certificates == 0 and result.conflicts == 0
+    # Learners download each certificate beside its update: its size grows with its receipts.
+    sizes = {len(c.merged): c.nbytes for c in world.certs}
+    few, most = min(sizes), max(sizes)
+    assert few < most and sizes[few] < sizes[most] == result.certificate_bytes_max
 
 
 def test_failures_cost_diloco_its_own_work_and_stall_data_parallel() -> None:

@@ -42,6 +42,7 @@ class SimResult:
     wrong_certificates: int  # versions certifying a state no honest syncer computed (must be 0)
     faults: int
     learner_bytes_per_delta: float  # up (every copy) + its share of the downloads
+    certificate_bytes_max: int  # the largest certificate (receipts grow with the inputs merged)
     syncer_bytes_per_round: float  # received by one member in one round
     relayed_bytes_per_round: float  # learners' deltas one member passed on in one round
     events: int
@@ -125,6 +126,7 @@ def simulate_run(
         wrong_certificates=len(world.certs) - len(good),
         faults=sum(1 for f in faults if f.kind in ("down", "leave")),
         learner_bytes_per_delta=(world.learner_up + world.learner_down) / deltas,
+        certificate_bytes_max=max((c.nbytes for c in world.certs), default=0),
         syncer_bytes_per_round=world.syncer_in / max(1, world.member_rounds),
         relayed_bytes_per_round=world.relayed / max(1, world.member_rounds),
         events=world.clock.events,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pdiloco.net.manifests import create_manifest
-from p2pdiloco.protocol.certificates import Certificate, content_digest
+from p2pdiloco.protocol.certificates import Certificate, assemble, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
@@ -67,6 +67,7 @@ class CertRecord:
     committee: tuple[str, ...]  # the view's members
     signers: tuple[str, ...]
     content: str  # content digest of the certificate body (what real syncers sign)
+    nbytes: int = 0  # its wire size, with a signature from each signer
 
 
 def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
@@ -104,7 +105,8 @@ class World:
     fetched_bytes: int = 0
     learner_up: int = 0  # delta bytes learners sent (every copy, retries included)
     relayed: int = 0  # delta bytes members passed on to their fellows (ADR 0028)
-    learner_down: int = 0  # certified-update bytes learners fetched
+    learner_down: int = 0  # certified-update and certificate bytes learners fetched
+    cert_bytes: int = 0  # the wire size of the last certificate (its receipts grow with M)
     syncer_in: int = 0  # bytes members received: deltas, fetched inputs, states to sync from
     member_rounds: int = 0  # (member, view) rounds opened
     deltas_sent: int = 0
@@ -281,8 +283,9 @@ class World:
             self.clock.at(t, learner.dropped, digest, code)
 
     def catch_up(self, learner: SimLearner) -> None:
-        t = self.links.download(learner.index, self.cfg.fragment_update_bytes, self.clock.now)
-        self.learner_down += self.cfg.fragment_update_bytes
+        size = self.cfg.fragment_update_bytes + self.cert_bytes
+        t = self.links.download(learner.index, size, self.clock.now)
+        self.learner_down += size
         self.clock.at(t + self.cfg.apply_seconds, learner.certs.append, self.version)
 
     def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None:
@@ -427,12 +430,13 @@ class World:
             out.update_hash if out is not None else None,
         )  # fmt: skip
         self.cert = with_roster(self.manifest, self.cert, Certificate(body, done.signers, b""))
+        self.cert_bytes = len(assemble(body, dict.fromkeys(done.signers, "0" * 128)))
         self.trusted = trusted_peers(self.manifest, self.cert)
         self.progress = None if self.trusted is None else trust_progress(self.manifest, self.cert)
         self.certs.append(CertRecord(
             done.version, done.state_hash, self.view, self.round_opened, self.clock.now, merged,
             sum(self.subs[d].tokens for d in merged), sum(t for _, t in counted), out is None,
-            self.committee.members, done.signers, content_digest(body),
+            self.committee.members, done.signers, content_digest(body), self.cert_bytes,
         ))  # fmt: skip
         self.prev_agreed = {
             m.index for m in self.members_of_view(self.view) if m.round.last_hash == done.state_hash
@@ -443,9 +447,9 @@ class World:
         for peer in self.peers.values():
             learner = peer.learner
             if learner is not None and learner.alive:
-                t = self.links.download(learner.index, self.cfg.fragment_update_bytes,
-                                        self.clock.now + peer.profile.latency)  # fmt: skip
-                self.learner_down += self.cfg.fragment_update_bytes
+                size = self.cfg.fragment_update_bytes + self.cert_bytes
+                t = self.links.download(learner.index, size, self.clock.now + peer.profile.latency)
+                self.learner_down += size
                 self.clock.at(t, learner.certs.append, done.version)
         self._open_view()
 
