@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.config import Fault, fault_schedule, profiles
 from p2pdiloco.sim.dp import data_parallel, up_seconds
+from p2pdiloco.sim.learner import Pending, SimLearner
 from p2pdiloco.sync.roster import committee_for
+from p2pdiloco.sync.round import Submission
 
 SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
                   rules={"grace": 30.0, "agree_timeout": 10.0})  # fmt: skip
@@ -222,3 +226,26 @@ def test_what_a_sender_had_in_flight_is_lost_when_it_crashes() -> None:
     lost = world.lost_in_flight
     world.clock.run(now + 4.0)
     assert got == ["before the crash"] and world.lost_in_flight == lost + 1
+
+
+def test_when_every_member_is_busy_the_one_asked_longest_ago_is_asked_again() -> None:
+    # As runtime.delivery.next_targets: one at a time, round the busy members (ADR 0046).
+    retried: list[int] = []
+
+    class World:  # what SimLearner.reply touches: no fresh member is left to ask
+        version = 3
+        peers = {0: SimpleNamespace(up=True, epoch=0)}
+        clock = SimpleNamespace(after=lambda _dt, _fn, _lr, _sub, member: retried.append(member))
+
+        def deliver(self, *_: object) -> None:
+            pass
+
+        def deliver_one(self, *_: object) -> None:
+            pass
+
+    learner = SimLearner(World(), 0, machine=None, epoch=0)  # type: ignore[arg-type]
+    sub = Submission("p", "run", 3, 10, 10, "d" * 64)
+    learner.pending = Pending(sub, asked={1, 2, 3}, busy={1: None, 2: None})
+    for member in (3, 1, 2, 3):
+        learner.reply(sub.digest, member, False, Reason.BUSY, None)
+    assert retried == [1, 2, 3, 1]

@@ -41,7 +41,8 @@ class Pending:
     told: bool = False
     tries: dict[int, int] = field(default_factory=dict)
     unreachable: set[int] = field(default_factory=set)  # asked, but down when it arrived
-    busy: set[int] = field(default_factory=set)  # asked, answered BUSY (ADR 0046)
+    # Asked, answered BUSY (ADR 0046), the one that answered longest ago first.
+    busy: dict[int, None] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,7 +144,8 @@ class SimLearner:
         if not self.alive or p is None or p.sub.digest != digest:
             return
         if not accepted and code is Reason.BUSY:  # the next member at once (ADR 0046)
-            p.busy.add(member)
+            p.busy.pop(member, None)
+            p.busy[member] = None
             asked = len(p.asked)
             w.deliver(self, p.sub, p)
             if len(p.asked) > asked:
@@ -153,12 +155,14 @@ class SimLearner:
             # Every member busy: at most MAX_TRIES asks in all, as the runtime's delivery passes
             spent = sum(p.tries.values()) if code is Reason.BUSY else tries
             if spent < MAX_TRIES and w.version == p.sub.base_version:
-                p.tries[member] = tries + 1
-                w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
+                # Every member busy: the one asked longest ago, as ``next_targets`` says.
+                again = next(iter(p.busy)) if code is Reason.BUSY else member
+                p.tries[again] = p.tries.get(again, 0) + 1
+                w.clock.after(RETRY, w.deliver_one, self, p.sub, again)
             return
         p.answers[member] = accepted
         p.unreachable.discard(member)
-        p.busy.discard(member)
+        p.busy.pop(member, None)
         if not accepted:
             p.codes.append(code or Reason.MALFORMED)
             p.hint = hint if hint is not None else p.hint

@@ -202,13 +202,14 @@ class World:
         me = self.peers[learner.index].profile.peer_id
         order = intake_order(sub.digest, self.committee.members, me)
         index = {m: self.by_id[m] for m in order}
-        if (p.asked - p.answers.keys() - p.unreachable - p.busy) & set(index.values()):
+        if (p.asked - p.answers.keys() - p.unreachable - p.busy.keys()) & set(index.values()):
             return  # one is answering
         statuses = {m: "accepted" if p.answers[i] else "rejected"
                     for m, i in index.items() if i in p.answers}  # fmt: skip
         down = [m for m, i in index.items() if i in p.unreachable]
         statuses.update((m, "error") for m in down)
-        busy = [m for m, i in index.items() if i in p.busy and i not in p.answers]
+        member_of = {i: m for m, i in index.items()}  # busy ones: the longest ago first
+        busy = [member_of[i] for i in p.busy if i in member_of and i not in p.answers]
         statuses.update((m, "busy") for m in busy)
         for m in next_targets(order, statuses, down + busy):
             if index[m] not in p.asked:
