@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hivemind.p2p import P2P
 
+from p2pdiloco.net.cert_records import publish_certificate
+from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
 from p2pdiloco.net.sync_rpc import RpcError, serve
 from p2pdiloco.protocol.certificates import (
     MAX_RECEIPTS,
     Accepted,
     CertificateBody,
     assemble,
+    parse_certificate,
     sign_body,
 )
 from p2pdiloco.runtime.transport import P2PTransport
@@ -44,9 +48,12 @@ def _big_body() -> CertificateBody:
                           for i, d in enumerate(_digests(INPUTS))])  # fmt: skip
 
 
-def _big_certificate() -> bytes:
-    b = _big_body()
+def _certificate(b: CertificateBody) -> bytes:
     return assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS})
+
+
+def _big_certificate() -> bytes:
+    return _certificate(_big_body())
 
 
 def test_a_proposal_of_every_input_a_certificate_lists_is_accepted_and_one_more_is_not() -> None:
@@ -100,3 +107,17 @@ def test_a_certificate_over_a_mebibyte_is_fetched_over_real_streams() -> None:
 
     got, old = asyncio.run(go())
     assert got == raw and old != "fetched"
+
+
+def test_a_certificate_goes_on_gossip_and_in_the_dht_only_where_it_fits() -> None:
+    published: list[int] = []
+    stored: list[int] = []
+    gossip = SimpleNamespace(alive=True, publish=lambda _topic, data: published.append(len(data)))
+    dht = SimpleNamespace(store=lambda _key, _sub, record, _ttl: stored.append(len(record)))
+    small = _certificate(body())
+    big = _certificate(_big_body())
+    for raw in (small, big):
+        cert = parse_certificate(raw, run_id=RUN)
+        publish_certificate(SYNCERS[0], RUN, cert, dht, gossip)  # type: ignore[arg-type]
+    assert published == [len(small)] and len(big) > MAX_MESSAGE_BYTES  # the big one: `cert`
+    assert len(stored) == 1  # only the small one fits a DHT record
