@@ -22,7 +22,6 @@ import tracemalloc
 from typing import Any
 
 from p2pdiloco.protocol.certificates import (
-    MAX_CERTIFICATE_BYTES,
     Accepted,
     CertificateBody,
     assemble,
@@ -35,7 +34,10 @@ from p2pdiloco.protocol.signing import canonical_json
 from p2pdiloco.sync.roster import MAX_ROSTER, committee_of_roster, genesis_roster, next_roster
 from p2pdiloco.sync.trust import trusted_of_roster
 
-RECEIPTS = 4096  # a certificate's most receipts
+# A certificate's most receipts, and its byte limit, when ADR 0044 was measured: ADR 0047 has
+# since raised them to 16,384 and 8 MiB. Kept, so the table of ADR 0044 is what this prints.
+RECEIPTS = 4096
+LIMIT_THEN = 1 << 20
 
 
 def _manifest(creator: Identity) -> RunManifest:
@@ -86,7 +88,7 @@ def measure(n: int, ids: list[str], creator: Identity) -> dict[str, Any]:
         "roster": len(roster),
         "roster_json_bytes": roster_json,
         "carried_cert_bytes": cert_now + roster_json,
-        "fits_carried": cert_now + roster_json <= MAX_CERTIFICATE_BYTES,
+        "fits_carried": cert_now + roster_json <= LIMIT_THEN,
         "cert_bytes_now": cert_now,
         "held_bytes": held,
         "next_roster_s": next_s,
