@@ -9,8 +9,6 @@ import pytest
 
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
-    MAX_RECEIPTS,
-    MAX_REFUSALS,
     Accepted,
     CertificateBody,
     Rejected,
@@ -52,26 +50,6 @@ def test_quorum_of_signatures_certifies_and_carries_receipts() -> None:
     receipts = cert.receipts(LEARNERS[1].peer_id)
     assert len(receipts) == 1 and receipts[0].tokens == 20 * 1024
     assert beacon(RUN, cert.raw) != beacon(RUN, None)
-
-
-def test_a_certificate_at_every_bound_fits_its_byte_limit() -> None:
-    # ADR 0047: MAX_RECEIPTS receipts with the largest claims, MAX_REFUSALS refusals with
-    # reasons of 200 four-byte characters, 64 members who all sign: under MAX_CERTIFICATE_BYTES.
-    digests = sorted(
-        hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(MAX_RECEIPTS + MAX_REFUSALS)
-    )
-    who = [s.peer_id for s in LEARNERS]
-    accepted = [Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
-                for i, d in enumerate(digests[:MAX_RECEIPTS])]  # fmt: skip
-    refused = [Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
-               for i, d in enumerate(digests[MAX_RECEIPTS:])]  # fmt: skip
-    members = [Identity.from_seed(bytes([i, 7]) * 16) for i in range(64)]
-    b = body(accepted=accepted, rejected=refused, committee=[m.peer_id for m in members], quorum=43)
-    raw = assemble(b, {m.peer_id: sign_body(m, b) for m in members})
-    assert 6 * 2**20 < len(raw) <= MAX_CERTIFICATE_BYTES
-    assert len(parse_certificate(raw, run_id=RUN).body.accepted) == MAX_RECEIPTS
-    with pytest.raises(ValueError, match="at most 16384"):
-        body(accepted=[*accepted, Accepted(peer_id=who[0], digest="f" * 64, steps=1, tokens=1)])
 
 
 def test_below_quorum_forged_outsider_and_tampered_are_refused() -> None:

@@ -15,13 +15,17 @@ from p2pdiloco.net.cert_records import publish_certificate
 from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
 from p2pdiloco.net.sync_rpc import RpcError, serve
 from p2pdiloco.protocol.certificates import (
+    MAX_CERTIFICATE_BYTES,
     MAX_RECEIPTS,
+    MAX_REFUSALS,
     Accepted,
     CertificateBody,
+    Rejected,
     assemble,
     parse_certificate,
     sign_body,
 )
+from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.runtime.transport import P2PTransport
 from p2pdiloco.sync.committee_msgs import (
     MAX_PROPOSAL_BYTES,
@@ -54,6 +58,24 @@ def _certificate(b: CertificateBody) -> bytes:
 
 def _big_certificate() -> bytes:
     return _certificate(_big_body())
+
+
+def test_a_certificate_at_every_bound_fits_its_byte_limit() -> None:
+    # ADR 0047: MAX_RECEIPTS receipts with the largest claims, MAX_REFUSALS refusals with
+    # reasons of 200 four-byte characters, 64 members who all sign: under MAX_CERTIFICATE_BYTES.
+    digests = _digests(MAX_RECEIPTS + MAX_REFUSALS)
+    who = [s.peer_id for s in LEARNERS]
+    accepted = [Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
+                for i, d in enumerate(digests[:MAX_RECEIPTS])]  # fmt: skip
+    refused = [Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
+               for i, d in enumerate(digests[MAX_RECEIPTS:])]  # fmt: skip
+    members = [Identity.from_seed(bytes([i, 7]) * 16) for i in range(64)]
+    b = body(accepted=accepted, rejected=refused, committee=[m.peer_id for m in members], quorum=43)
+    raw = assemble(b, {m.peer_id: sign_body(m, b) for m in members})
+    assert 6 * 2**20 < len(raw) <= MAX_CERTIFICATE_BYTES
+    assert len(parse_certificate(raw, run_id=RUN).body.accepted) == MAX_RECEIPTS
+    with pytest.raises(ValueError, match="at most 16384"):
+        body(accepted=[*accepted, Accepted(peer_id=who[0], digest="f" * 64, steps=1, tokens=1)])
 
 
 def test_a_proposal_of_every_input_a_certificate_lists_is_accepted_and_one_more_is_not() -> None:
