@@ -93,37 +93,45 @@ def test_each_delta_is_uploaded_by_its_learner_once_and_relayed_to_the_committee
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.slow
 def test_a_delta_refused_busy_goes_to_the_next_member_at_once(tmp_path: Path) -> None:
-    """ADR 0046: one member answers every learner's own upload with BUSY (its uplink full).
+    """ADR 0046: the first member each delta is uploaded to answers BUSY (its uplink full).
     Each such delta is then taken by another member of the same committee, uploaded by its
     learner once, and versions certify; before, the learner asked the busy member again."""
-    busy_refused: set[str] = set()
+    refused_by: dict[str, str] = {}  # digest → the member that answered BUSY
+    taken_by: dict[str, str] = {}  # digest → the member that took it from its learner
     own: Counter[str] = Counter()
     run_id = ""
 
     def tap(src: str, dst: str, control: dict[str, Any], frames: list[bytes], reply: Any) -> None:
         mine = control["op"] == "submit" and control.get("relay") is True
         if mine and reply.get("status") == "accepted":
-            own[open_submission(frames[0], run_id=run_id).digest] += 1
+            digest = open_submission(frames[0], run_id=run_id).digest
+            own[digest] += 1
+            taken_by[digest] = dst
 
     async def main() -> None:
         nonlocal run_id
         async with MemoryNetwork(tmp_path, nodes=6, committee_size=4) as net:
             run_id, net.hub.tap = net.run_id, tap
-            jammed = net.nodes[0].peer_id
-            handler, limits, screen = net.hub.handlers[jammed]
+            for node in net.nodes:
+                member = node.peer_id
+                handler, limits, screen = net.hub.handlers[member]
 
-            async def full(op: str, src: str, control: dict[str, Any], frames: list[bytes]) -> Any:
-                if op == "submit" and control.get("relay") is True and src != jammed:
-                    busy_refused.add(open_submission(frames[0], run_id=run_id).digest)
-                    raise RpcRefused(Reason.BUSY, "relay queue full (test)")
-                return await handler(op, src, control, frames)
+                async def first_busy(
+                    op: str, src: str, control: dict[str, Any], frames: list[bytes],
+                    member: str = member, handler: Any = handler,
+                ) -> Any:  # fmt: skip
+                    if op == "submit" and control.get("relay") is True and src != member:
+                        digest = open_submission(frames[0], run_id=run_id).digest
+                        if refused_by.setdefault(digest, member) == member:
+                            raise RpcRefused(Reason.BUSY, "relay queue full (test)")
+                    return await handler(op, src, control, frames)
 
-            net.hub.handlers[jammed] = (full, limits, screen)
+                net.hub.handlers[member] = (first_busy, limits, screen)
             await net.wait_for(lambda: net.min_version() >= 3, 180, "version 3 everywhere")
             check_chains(net)
 
     asyncio.run(main())
-    assert busy_refused, "no learner asked the busy member first"
-    taken = busy_refused & set(own)
-    assert taken, (busy_refused, own)  # another member took what the busy one refused
+    taken = set(refused_by) & set(taken_by)
+    assert taken, (refused_by, taken_by)  # learners off the committee upload to a member
+    assert all(taken_by[d] != refused_by[d] for d in taken), (refused_by, taken_by)
     assert max(own.values()) == 1, own  # still one upload per delta

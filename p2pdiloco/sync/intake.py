@@ -54,7 +54,11 @@ class Intake:
             for names in fragment_plan(self.shapes, self.fragments)
         ]
         self.max_payload = max(self.fragment_max)
-        self.max_inputs = held_cap(self.max_payload)
+
+    @property
+    def max_inputs(self) -> int:
+        """Inputs this member holds a round at most (local: ``round_types.held_cap``)."""
+        return held_cap(self.max_payload)
 
     def _max_payload(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
         codes = sum(self.codec.wire_bytes(max(1, math.prod(s))) for s in shapes.values())
