@@ -41,7 +41,7 @@ CERTIFICATE_KIND = "certificate"
 # Receipts one certificate lists: the most inputs a round may merge (ADR 0047). A receipt is
 # about 172 bytes of JSON (10,000 of them: 1.7 MB), a refusal up to 940 with a reason of 200
 # four-byte characters; at every bound, with 64 signatures, a certificate is 7.0 MB
-# (tests/test_certificates.py). Certificates travel over the sync protocol (``cert``), whose
+# (tests/test_large_certificates.py). Certificates travel over the sync protocol (``cert``), whose
 # reply may be this large, and on gossip only when small (net.gossip.MAX_MESSAGE_BYTES).
 MAX_RECEIPTS = 16_384
 MAX_REFUSALS = 4096

@@ -65,7 +65,7 @@ class RoundParams:
     agree_timeout: float = 20.0  # seconds without a proposal before the next leader takes over
     linger: float = 0.0  # once the quorum of learners is in, wait this long for stragglers
     # Memory bounds (local, not consensus): a full round refuses with BUSY and closes.
-    max_inputs: int = MAX_RECEIPTS  # accepted submissions held (see sync.intake.held_cap)
+    max_inputs: int = MAX_RECEIPTS  # accepted submissions held (a member: ``held_cap``)
     max_dropped: int = 16384  # dropped digests remembered (oldest forgotten first)
     # A later view bound to re-certify a locked content (protocol.view_change): its input set.
     # The round starts agreed on it: no collecting, no proposal, no further attempts.
