@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,25 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> No
             p.wait(10)
 
 
+def _exit_on_sigterm() -> Any:
+    """In the main thread, make SIGTERM raise SystemExit(143), so that a ``with LocalNetwork``
+    stops its processes when the demo or a bench is terminated (Python's default action ends
+    the process at once and left every node running). Returns the handler it replaced (None
+    off the main thread). A forked child that inherited it takes the default action."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    owner = os.getpid()
+
+    def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 class LocalNetwork:
     """A bootstrap server and training nodes as processes on loopback (the demo and the tests).
 
@@ -168,12 +188,18 @@ class LocalNetwork:
         self.boot_addr = ""
         self.run_id = ""
         self.manifest: Any = None
+        self._on_term: Any = None
 
     def __enter__(self) -> LocalNetwork:
+        self._on_term = _exit_on_sigterm()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._on_term is not None:
+                signal.signal(signal.SIGTERM, self._on_term)
 
     def close(self) -> None:
         """Stop every process (idempotent): the nodes together, then the bootstrap (a node's

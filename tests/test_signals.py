@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 SCRIPT = r"""
 import multiprocessing as mp, os, signal, sys
@@ -57,3 +63,33 @@ def test_a_second_ctrl_c_exits_130_at_once_during_a_slow_clean_stop() -> None:
     assert out.returncode == 130, out.stderr
     assert out.stdout.splitlines() == ["stopping"]
     assert "second Ctrl-C: exiting now" in out.stderr
+
+
+LOCAL_NETWORK = r"""
+import sys, threading
+from pathlib import Path
+from p2pdiloco.demo import DemoConfig, LocalNetwork
+
+with LocalNetwork(Path(sys.argv[1]), DemoConfig(nodes=1)) as net:
+    net.start_bootstrap()
+    print(net.boot_proc.pid, flush=True)
+    threading.Event().wait(120)       # the demo or a bench, mid-run
+"""
+
+
+def test_a_terminated_demo_stops_the_processes_it_started(tmp_path: Path) -> None:
+    # Python's default SIGTERM ended the demo at once and left its nodes running.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCAL_NETWORK, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    boot = int(proc.stdout.readline())
+    try:
+        proc.terminate()
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(boot, 0)  # stopped and reaped by the demo
+    finally:
+        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(boot, signal.SIGKILL)  # left behind: the test has failed already
