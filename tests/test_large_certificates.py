@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,7 @@ from p2pdiloco.protocol.certificates import (
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.runtime.transport import P2PTransport
 from p2pdiloco.sync.committee_msgs import (
     MAX_PROPOSAL_BYTES,
@@ -38,6 +40,7 @@ from p2pdiloco.sync.committee_msgs import (
 )
 from p2pdiloco.sync.fetch import fetch_cert
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
+from tests.test_runtime_memory import check_chains
 
 INPUTS = 10_000
 
@@ -143,3 +146,17 @@ def test_a_certificate_goes_on_gossip_and_in_the_dht_only_where_it_fits() -> Non
         publish_certificate(SYNCERS[0], RUN, cert, dht, gossip)  # type: ignore[arg-type]
     assert published == [len(small)] and len(big) > MAX_MESSAGE_BYTES  # the big one: `cert`
     assert len(stored) == 1  # only the small one fits a DHT record
+
+
+def test_nodes_follow_versions_that_gossip_cannot_carry(tmp_path: Path) -> None:
+    # Certificates over a gossip message (rounds of over about 1,400 inputs) are never
+    # gossiped; nodes that train nothing and sit on no committee must still follow the chain,
+    # fetching each certificate from the peers whose heartbeats announce its version.
+    async def main() -> None:
+        net = MemoryNetwork(tmp_path, nodes=6, committee_size=4, learners=4)
+        net.directory.gossip_max = 0
+        async with net:
+            await net.wait_for(lambda: net.min_version() >= 3, 180, "version 3 everywhere")
+            check_chains(net)
+
+    asyncio.run(main())

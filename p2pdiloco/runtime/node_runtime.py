@@ -208,11 +208,24 @@ class NodeRuntime:
             await asyncio.sleep(self.cfg.tick)
 
     async def _heartbeat(self) -> None:
-        """Plane ticks (heartbeats, membership, gossiped certificates) and the status file."""
+        """Plane ticks (heartbeats, membership, gossiped certificates) and the status file. When
+        peers announce a newer version that gossip did not bring (a certificate too large for a
+        gossip message, ADR 0047), its certificate is fetched from them."""
+        follow: asyncio.Task[None] | None = None
         while True:
             try:
-                for raw in await self.plane.tick(self._presence()):
+                heard = await self.plane.tick(self._presence())
+                for raw in heard:
                     self._certs_in.put_nowait((raw, None))
+                polling = follow is not None and not follow.done()
+                idle = (
+                    not (heard or polling or self._apply_lock.locked()) and self._certs_in.empty()
+                )
+                if idle and self.plane.peers_holding(self.chain.version + 1):
+                    if follow is not None:
+                        self._tasks.remove(follow)
+                    follow = asyncio.create_task(self._poll_certificate(self.chain.version + 1))
+                    self._tasks.append(follow)
                 await self.write_status()
             except Exception:  # a failing interval is logged and retried, never fatal
                 log.exception("heartbeat interval failed")

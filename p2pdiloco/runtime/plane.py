@@ -53,6 +53,9 @@ class MemoryDirectory:
     certs: dict[str, bytes] = field(default_factory=dict)  # newest certificate by publisher
     inboxes: dict[str, list[bytes]] = field(default_factory=dict)  # "gossip" not yet ticked
     down: set[str] = field(default_factory=set)
+    # Largest certificate "gossip" carries (net.gossip.MAX_MESSAGE_BYTES on the real plane);
+    # None: any. Larger ones are found as on the real plane: ``cert`` from announcing peers.
+    gossip_max: int | None = None
 
     def plane(self, me: str) -> MemoryPlane:
         self.inboxes.setdefault(me, [])
@@ -85,6 +88,8 @@ class MemoryPlane:
         if self.me in self.dir.down:
             return
         self.dir.certs[self.me] = cert.raw
+        if self.dir.gossip_max is not None and len(cert.raw) > self.dir.gossip_max:
+            return
         for peer, inbox in self.dir.inboxes.items():
             if peer != self.me and len(inbox) < 64:
                 inbox.append(cert.raw)
