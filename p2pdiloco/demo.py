@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.cli.signals import default_in_fork
 from p2pdiloco.demo_summary import DemoResult, summarize
 from p2pdiloco.errors import ConfigError, UserError
 from p2pdiloco.net.dht import DHTPlane
@@ -163,11 +164,8 @@ def _exit_on_sigterm() -> Any:
     owner = os.getpid()
 
     def handler(signum: int, _frame: object) -> None:
-        if os.getpid() != owner:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise SystemExit(128 + signum)
+        if not default_in_fork(owner, signum):
+            raise SystemExit(128 + signum)
 
     return signal.signal(signal.SIGTERM, handler)
 

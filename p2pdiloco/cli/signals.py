@@ -8,6 +8,16 @@ import signal
 import threading
 
 
+def default_in_fork(owner: int, signum: int) -> bool:
+    """For a Python-level handler installed by process ``owner``: in a child forked after it
+    was installed, restore the default action, raise ``signum`` again and return True."""
+    if os.getpid() == owner:
+        return False
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True
+
+
 def stop_event() -> threading.Event:
     """An event set by the first SIGINT or SIGTERM; a second SIGINT exits at once.
 
@@ -20,9 +30,7 @@ def stop_event() -> threading.Event:
     owner = os.getpid()
 
     def handler(signum: int, _frame: object) -> None:
-        if os.getpid() != owner:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if default_in_fork(owner, signum):
             return
         if stop.is_set() and signum == signal.SIGINT:
             os.write(2, b"\nsecond Ctrl-C: exiting now, without saving\n")
