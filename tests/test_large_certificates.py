@@ -39,6 +39,7 @@ from p2pdiloco.sync.committee_msgs import (
     signature_message,
 )
 from p2pdiloco.sync.fetch import fetch_cert
+from p2pdiloco.sync.round_types import MIN_HELD, held_cap
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
 from tests.test_runtime_memory import check_chains
 
@@ -158,5 +159,12 @@ def test_nodes_follow_versions_that_gossip_cannot_carry(tmp_path: Path) -> None:
         async with net:
             await net.wait_for(lambda: net.min_version() >= 3, 180, "version 3 everywhere")
             check_chains(net)
+            # Members hold as many inputs as their memory allows for the run's payload.
+            services = [n.runtime.service for n in net.nodes if n.runtime.service is not None]
+            rounds = [(s, s.round) for s in services if s.round is not None]
+            assert rounds
+            for svc, rnd in rounds:
+                cap = held_cap(svc.intake.max_payload)
+                assert rnd.params.max_inputs == cap and MIN_HELD < cap < MAX_RECEIPTS
 
     asyncio.run(main())
