@@ -3,19 +3,27 @@ page served over HTTP on loopback (parsed with the stdlib HTML parser)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from p2pdiloco.net.bootstrap import read_gossip
+from p2pdiloco.net.cert_records import cert_topic, run_of_cert_topic
+from p2pdiloco.net.gossip import GossipMessage
 from p2pdiloco.net.http_api import HTTPApi
 from p2pdiloco.net.observe import NetworkWatch, NoiseFilter
 from p2pdiloco.net.web_page import render_page
+from p2pdiloco.protocol.certificates import Accepted, assemble, sign_body
+from tests.test_certificates import LEARNERS, SYNCERS, body
+from tests.test_certificates import RUN as CERT_RUN
 
 RUN = "3f9a2c1b" * 8
 P1, P2, P3 = ("12D3KooW" + c * 44 for c in "abc")
@@ -154,3 +162,34 @@ def test_a_bootstrap_and_a_node_on_one_machine_have_their_own_keys(
     assert server.identity_path == tmp_path / "p2pdiloco" / "bootstrap.key"
     assert server.identity.peer_id != node.peer_id
     assert BootstrapServer(BootstrapConfig()).identity.peer_id == server.identity.peer_id  # kept
+
+
+def test_the_leaderboard_counts_certificates_heard_on_gossip() -> None:
+    # A round of 100 inputs has a certificate over a DHT record (16 KiB): gossip brings it.
+    who = [s.peer_id for s in LEARNERS]
+    accepted = sorted(
+        (Accepted(peer_id=who[i % 3], digest=hashlib.sha256(b"%d" % i).hexdigest(), steps=10,
+                  tokens=1000) for i in range(100)),
+        key=lambda a: a.digest,
+    )  # fmt: skip
+    b = body(accepted=accepted)
+    raw = assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS})
+    assert len(raw) > 16 * 1024
+    heard = [
+        GossipMessage(cert_topic(CERT_RUN), raw, "p"),
+        GossipMessage(cert_topic(CERT_RUN), raw, "p"),  # the same version again: counted once
+        GossipMessage(f"p2pdiloco/v1/run/{CERT_RUN}", raw, "p"),  # not the certificate topic
+        GossipMessage(cert_topic(CERT_RUN), b"junk", "p"),
+    ]
+    gossip = SimpleNamespace(get=lambda timeout: heard.pop(0) if heard else None)
+    watch = NetworkWatch()
+    read_gossip(gossip, watch)  # type: ignore[arg-type]
+    board = {row["peer_id"]: row for row in watch.leaderboard(CERT_RUN)}
+    assert {p: (r["accepted"], r["tokens"]) for p, r in board.items()} == {
+        who[0]: (34, 34_000),
+        who[1]: (33, 33_000),
+        who[2]: (33, 33_000),
+    }
+    assert run_of_cert_topic(cert_topic(CERT_RUN)) == CERT_RUN
+    assert run_of_cert_topic(f"p2pdiloco/v1/run/{CERT_RUN}") is None
+    assert run_of_cert_topic("p2pdiloco/v1/run/../certs") is None

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from p2pdiloco import __version__
 from p2pdiloco.net import keys
-from p2pdiloco.net.cert_records import read_certificates
+from p2pdiloco.net.cert_records import cert_topic, read_certificates, run_of_cert_topic
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import NetworkState, collect_state
 from p2pdiloco.net.gossip import GossipError, GossipProcess
@@ -37,6 +37,16 @@ from p2pdiloco.protocol.signing import seal
 log = logging.getLogger(__name__)
 
 ANNOUNCE_TOPIC = "p2pdiloco/v1/announce"
+
+
+def read_gossip(gossip: GossipProcess, watch: NetworkWatch) -> None:
+    """Drain what gossip brought. A bootstrap relays gossip; of what it hears it reads only
+    certificates, for its leaderboard: the DHT holds only those under 16 KiB (rounds of about
+    80 inputs), gossip those under 256 KiB."""
+    while (msg := gossip.get(timeout=0)) is not None:
+        run = run_of_cert_topic(msg.topic)
+        if run is not None:
+            watch.add_certificates(run, [bytes(msg.data)])
 
 
 @dataclass
@@ -187,13 +197,13 @@ class BootstrapServer:
         if self.gossip and self.gossip.alive:
             for run in self._state["runs"]:
                 self.gossip.subscribe(f"p2pdiloco/v1/run/{run['run_id']}")
+                self.gossip.subscribe(cert_topic(run["run_id"]))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.refresh_interval):
             self._refresh()
             if self.gossip is not None:
-                while self.gossip.get(timeout=0) is not None:
-                    pass  # the bootstrap relays gossip; it does not act on it
+                read_gossip(self.gossip, self.watch)
 
     def close(self) -> None:
         """Stop every part (idempotent); the identity key stays on disk."""

@@ -35,6 +35,13 @@ def cert_topic(run_id: str) -> str:
     return f"{keys.PREFIX}/run/{run_id}/certs"
 
 
+def run_of_cert_topic(topic: str) -> str | None:
+    """The run whose certificate topic ``topic`` is (:func:`cert_topic`); None for any other."""
+    head, tail = f"{keys.PREFIX}/run/", "/certs"
+    run = topic[len(head) : -len(tail)] if topic.startswith(head) and topic.endswith(tail) else ""
+    return run if len(run) == 64 and all(c in "0123456789abcdef" for c in run) else None
+
+
 def cert_version(raw: bytes) -> int:
     """The version an (unverified) certificate claims, for ordering only; -1 if unreadable."""
     try:

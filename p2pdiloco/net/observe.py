@@ -134,9 +134,10 @@ class NetworkWatch:
         return lines
 
     def add_certificates(self, run_id: str, raws: Iterable[bytes]) -> None:
-        """Count the receipts of certificates found in the DHT, once per version. Each must
-        carry a quorum of valid committee signatures; the chain back to genesis is not checked
-        here (``status --leaderboard`` does that), so the board is labelled as such."""
+        """Count the receipts of certificates found in the DHT or heard on gossip, once per
+        version. Each must carry a quorum of valid committee signatures; the chain back to
+        genesis is not checked here (``status --leaderboard`` does that), so the board is
+        labelled as such."""
         board = self.board.setdefault(run_id, {})
         for raw in raws:
             try:

@@ -100,9 +100,9 @@ def render_page(state: dict[str, Any]) -> str:
             ),
         ),  # fmt: skip
         "<h2>Leaderboard</h2>",
-        '<p class="dim">Receipts of the certificates this bootstrap saw in the DHT since it '
-        "started (quorum signatures checked; <code>p2pdiloco status --leaderboard</code> "
-        "verifies the whole chain).</p>",
+        '<p class="dim">Receipts of the certificates this bootstrap saw in the DHT or on '
+        "gossip since it started (quorum signatures checked; <code>p2pdiloco status "
+        "--leaderboard</code> verifies the whole chain).</p>",
     ]
     boards = state.get("leaderboards", {})
     for run_id, board in boards.items():
