@@ -423,8 +423,9 @@ class World:
         merged = out.merged if out is not None else ()
         h = self.cfg.inner_steps
         counted = [plausible_claim(self.subs[d].steps, self.subs[d].tokens, h) for d in merged]
-        senders = {d: (s.peer_id, s.steps, s.tokens) for d, s in self.subs.items()
-                   if out is not None and (d in out.screened_out or d in merged)}  # fmt: skip
+        judged = set(merged).union(out.screened_out if out is not None else ())
+        senders = {d: (self.subs[d].peer_id, self.subs[d].steps, self.subs[d].tokens)
+                   for d in self.subs if d in judged}  # fmt: skip
         body = body_of(
             self.run_id, self.manifest, self.version, self.cert, self.committee, done.state_hash,
             senders, list(merged), out.screened_out if out is not None else {}, self.view,
