@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from p2pdiloco.island.fsdp_stretch import island_stretch
-from p2pdiloco.island.shards import rank_rows
+from p2pdiloco.island.shards import enable_checkpointing, rank_rows, small_device
 from p2pdiloco.train.configs import InnerConfig
 from p2pdiloco.train.data import build_corpus, learner_batches
 from p2pdiloco.train.model_specs import get_spec
@@ -52,6 +52,39 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="does not split over 3 ranks"):
         rank_rows(torch.zeros(2, 4, 8), 0, 3)
     assert rank_rows(torch.arange(8).view(1, 4, 2), 1, 2).tolist() == [[[4, 5], [6, 7]]]
+
+
+def test_small_collectives_run_on_the_gpu_of_a_nccl_island(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL reduces CUDA tensors only: the finite flag and the stats go on the rank's GPU there,
+    and stay on the CPU on gloo (a CPU rank, or a GPU rank of a gloo group)."""
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    assert small_device(torch.device("cuda:1")) == torch.device("cuda:1")
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert small_device(torch.device("cuda:1")) == torch.device("cpu")
+    assert small_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_checkpointing_is_enabled_under_either_name_of_transformers() -> None:
+    """transformers 5.17 (a GPU image's) has only ``gradient_checkpointing_enable``; 5.2x names
+    it ``activation_checkpointing_enable``. Either way each layer is checkpointed, non-reentrant."""
+    calls: list[tuple[str, dict]] = []
+
+    class Old(torch.nn.Module):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict) -> None:
+            calls.append(("gradient", gradient_checkpointing_kwargs))
+
+    class New(Old):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict) -> None:
+            calls.append(("activation", activation_checkpointing_kwargs))
+
+    enable_checkpointing(Old())
+    enable_checkpointing(New())
+    assert calls == [
+        ("gradient", {"use_reentrant": False}),
+        ("activation", {"use_reentrant": False}),
+    ]
 
 
 def _rank_with_a_nan(rank: int, world: int, port: int, out: str) -> None:

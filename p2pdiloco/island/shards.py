@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,24 @@ def shard_model(
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if checkpointing:
-        model.activation_checkpointing_enable(  # type: ignore[operator]
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        enable_checkpointing(model)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for layer in model.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return model
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant): the
+    name of transformers 5.2x, or before it ``gradient_checkpointing_enable`` (5.17 has only
+    that one)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
 def rank_rows(batches_TBS: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -58,9 +69,17 @@ def rank_rows(batches_TBS: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batches_TBS[:, rank * per : (rank + 1) * per]
 
 
-def _all_ranks(finite: bool) -> bool:
+def small_device(device: torch.device) -> torch.device:
+    """Where the island's small collectives (the finite flag, the stats) run: NCCL reduces
+    CUDA tensors only, so on a NCCL island this rank's GPU; the CPU on gloo."""
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        return device
+    return torch.device("cpu")
+
+
+def _all_ranks(finite: bool, device: torch.device | None = None) -> bool:
     """True only if every rank's loss is finite (one all-reduce of a flag per step)."""
-    flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if finite else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -95,6 +114,7 @@ class Shards:
         elif cfg.grad_accum > 1 and rows % cfg.grad_accum:
             cfg = replace(cfg, grad_accum=1)
         self.cfg = cfg
+        self.small = small_device(self.device)
         if offload and self.device.type != "cuda":
             raise ValueError("optimizer offload moves state off a GPU: it needs CUDA ranks")
         # Parameters on the meta device until sharded: a rank allocates its shards only, never
@@ -147,10 +167,13 @@ class Shards:
             rank_rows(batches_TBS, self.rank, self.world),
             grad_accum=self.cfg.grad_accum,
             grad_clip=self.cfg.grad_clip,
-            all_finite=_all_ranks,
+            all_finite=partial(_all_ranks, device=self.small),
         )
-        sums = torch.tensor([mine.tokens, mine.loss_mean, mine.loss_last], dtype=torch.float64)
+        sums = torch.tensor(
+            [mine.tokens, mine.loss_mean, mine.loss_last], dtype=torch.float64, device=self.small
+        )
         dist.all_reduce(sums)
+        sums = sums.cpu()
         return InnerStats(
             steps=mine.steps,
             tokens=int(sums[0].item()),
