@@ -33,6 +33,29 @@ def test_a_seed_gives_the_same_run_twice() -> None:
     assert _figures(cfg) == _figures(cfg)
 
 
+def test_overtime_replayed_at_events_gives_the_figures_of_an_event_a_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Learners in overtime (their stretch done, a delta in flight) wake only when something
+    reaches them and replay the chunks since (``sim.learner.Overtime``): the same run as
+    an event a chunk, with failures, churn and fragments (budgeted stretches of a few steps,
+    so most of a learner's time is overtime), in far fewer events."""
+    cfg = replace(SMALL, peers=40, fragments=10, mtbf_hours=2.0, churn_per_hour=0.5,
+                  rules={"grace": 60.0, "linger": 20.0})  # fmt: skip
+    fast, fast_world = simulate_run(cfg)
+    monkeypatch.setattr(SimLearner, "replay_overtime", False)
+    slow, slow_world = simulate_run(cfg)
+    assert fast.versions > 20 and fast.faults > 0, fast
+    assert fast.events < 0.9 * slow.events
+    got, want = fast.to_dict(), slow.to_dict()
+    for key in ("wall_seconds", "events"):
+        got.pop(key), want.pop(key)
+    for key in ("latency_p50", "latency_p95", "latency_p99"):  # sums in another order
+        assert got.pop(key) == pytest.approx(want.pop(key), rel=1e-12)
+    assert got == want
+    assert [c.content for c in fast_world.certs] == [c.content for c in slow_world.certs]
+
+
 def test_without_faults_nearly_all_trained_work_is_certified() -> None:
     result, world = simulate_run(replace(SMALL, duration=3600.0))
     # Each delta is uploaded once, to one member, which relays it (ADR 0028): with nobody

@@ -9,14 +9,16 @@ telling the machine once: as soon as one syncer accepts, or once one refused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.sync.learner_machine import (
     CatchUp,
     LearnerAction,
     LearnerMachine,
+    LearnerPhase,
     Send,
     Train,
     Wait,
@@ -46,6 +48,22 @@ class Pending:
 
 
 @dataclass
+class Overtime:
+    """Chunks of ``steps`` inner steps, ``seconds`` each, back to back from ``start``: what a
+    learner trains while its delta is in flight and its stretch is done. The machine does the
+    same thing at every boundary until a certificate, a reply or its give-up time changes
+    something, so the simulator wakes it only then (``SimLearner.poke``) and replays the
+    boundaries passed meanwhile, instead of an event per chunk (a quarter of the time budget:
+    a step a chunk with budgets of a few seconds, most of a 10,000-peer run's events)."""
+
+    start: float
+    steps: int
+    seconds: float
+    done: int = 0  # chunks replayed
+    wake: int = 0  # the boundary a wake is scheduled for (0: none)
+
+
+@dataclass
 class SimLearner:
     world: World
     index: int
@@ -54,6 +72,10 @@ class SimLearner:
     pending: Pending | None = None
     certs: list[int] = field(default_factory=list)  # versions arrived, applied between chunks
     deltas: int = 0
+    overtime: Overtime | None = None
+    # Overtime without an event a chunk (``Overtime``); off, every chunk is an event, as
+    # ``tests/test_sim.py`` compares.
+    replay_overtime: ClassVar[bool] = True
 
     @property
     def alive(self) -> bool:
@@ -71,7 +93,11 @@ class SimLearner:
             for a in self.machine.next_action(w.clock.now):
                 if isinstance(a, Train):
                     dur = a.steps * self.step_seconds
-                    w.clock.after(dur, self._trained, a.steps, dur)
+                    overtime = self.machine.phase is LearnerPhase.OVERTIME
+                    if overtime and self.replay_overtime and not self.certs:
+                        self._sleep(a.steps, dur)
+                    else:
+                        w.clock.after(dur, self._trained, a.steps, dur)
                     return
                 if isinstance(a, Send):
                     self._send(a)
@@ -79,6 +105,68 @@ class SimLearner:
                     w.clock.after(a.seconds, self._resume)
                     return
         raise RuntimeError("learner machine neither trains nor waits")  # a machine bug
+
+    # -- overtime, replayed ------------------------------------------------------------------
+
+    def _sleep(self, steps: int, seconds: float) -> None:
+        """Train chunks in overtime with no event until something changes (``Overtime``), and
+        wake at the last boundary before the machine's give-up time at the latest."""
+        self.overtime = ot = Overtime(self.world.clock.now, steps, seconds)
+        fly = self.machine.in_flight
+        assert fly is not None
+        due = fly.sent_at + self.machine.give_up_after - ot.start
+        self._wake_at(max(1, math.floor(due / seconds)))
+
+    def _wake_at(self, boundary: int) -> None:
+        ot = self.overtime
+        assert ot is not None
+        if ot.wake and ot.wake <= boundary:
+            return
+        ot.wake = boundary
+        self.world.clock.at(ot.start + boundary * ot.seconds, self._woken, ot, boundary)
+
+    def poke(self) -> None:
+        """Something reaches the learner now (a certificate, a reply): the chunks finished
+        before it are replayed first, and the learner wakes when the chunk under way ends, as
+        it would have looked then."""
+        if self.overtime is None or not self.alive:
+            return
+        self._replay(self.world.clock.now)
+        ot = self.overtime
+        self._wake_at(ot.done + 1)
+
+    def _replay(self, until: float) -> None:
+        """The boundaries up to ``until`` passed with nothing new: their chunks are trained (one
+        ``on_trained`` for them all: the same counts and pace) and the machine asked again,
+        which says to train on (a chunk of another size when its pace estimate moved: the
+        chunks then go on from there)."""
+        ot, w = self.overtime, self.world
+        assert ot is not None
+        while (passed := int((until - ot.start) / ot.seconds + 1e-9) - ot.done) > 0:
+            ot.done += passed
+            self.machine.on_trained(passed * ot.steps, passed * ot.seconds)
+            w.trained_tokens += passed * ot.steps * w.cfg.tokens_per_step
+            again = self.machine.next_action(end := ot.start + ot.done * ot.seconds)
+            if again == [Train(ot.steps)]:
+                return
+            assert len(again) == 1 and isinstance(again[0], Train), again  # still overtime
+            steps = again[0].steps
+            self.overtime = ot = Overtime(end, steps, steps * self.step_seconds)
+
+    def _woken(self, ot: Overtime, boundary: int) -> None:
+        if ot is not self.overtime or ot.wake != boundary or not self.alive:
+            return
+        ot.wake = 0
+        self._replay(self.world.clock.now - 0.5 * ot.seconds)  # the chunks before this one
+        if self.overtime is not ot:  # they changed size: wake at the new chunk's end
+            self._wake_at(self.overtime.done + 1)  # type: ignore[union-attr]
+            return
+        self.overtime = None
+        self._trained(ot.steps, ot.seconds)
+
+    def cert_arrived(self, version: int) -> None:
+        self.poke()
+        self.certs.append(version)
 
     def _resume(self) -> None:
         if self.alive:
@@ -143,6 +231,7 @@ class SimLearner:
         p, w = self.pending, self.world
         if not self.alive or p is None or p.sub.digest != digest:
             return
+        self.poke()
         if not accepted and code is Reason.BUSY:  # the next member at once (ADR 0046)
             p.busy.pop(member, None)
             p.busy[member] = None
@@ -177,6 +266,7 @@ class SimLearner:
 
     def dropped(self, digest: str, code: Reason) -> None:
         if self.alive:
+            self.poke()
             self._after(self.machine.on_dropped(digest, code))
 
     def _after(self, actions: list[LearnerAction]) -> None:

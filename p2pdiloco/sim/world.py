@@ -183,11 +183,15 @@ class World:
         elif f.kind in ("down", "leave") and peer.present:
             if peer.up:
                 peer.up_seconds += self.clock.now - peer.up_since
+            if peer.learner is not None:
+                peer.learner.poke()  # the chunks it finished count as trained
             peer.up, peer.epoch, peer.learner = False, peer.epoch + 1, None
             peer.present = f.kind != "leave"
 
     def finish(self) -> None:
         for peer in self.peers.values():
+            if peer.learner is not None:
+                peer.learner.poke()  # the overtime chunks finished by now count as trained
             if peer.up:
                 peer.up_seconds += self.clock.now - peer.up_since
                 peer.up_since = self.clock.now
@@ -287,7 +291,7 @@ class World:
         size = self.cfg.fragment_update_bytes + self.cert_bytes
         t = self.links.download(learner.index, size, self.clock.now)
         self.learner_down += size
-        self.clock.at(t + self.cfg.apply_seconds, learner.certs.append, self.version)
+        self.clock.at(t + self.cfg.apply_seconds, learner.cert_arrived, self.version)
 
     def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` at ``t``, when a transfer from ``src`` ends; lost if ``src`` crashed or
@@ -452,7 +456,7 @@ class World:
                 size = self.cfg.fragment_update_bytes + self.cert_bytes
                 t = self.links.download(learner.index, size, self.clock.now + peer.profile.latency)
                 self.learner_down += size
-                self.clock.at(t, learner.certs.append, done.version)
+                self.clock.at(t, learner.cert_arrived, done.version)
         self._open_view()
 
     def merged_since(self, version: int, newest: int) -> frozenset[str]:
