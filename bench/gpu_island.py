@@ -223,6 +223,7 @@ def run_cell(name: str, a: argparse.Namespace, device: torch.device) -> dict[str
         "kernels": kernels,
         "plan_one_device_gib": plan.per_device / GiB,  # the plan's figure at N = 1, this shape
         "plan_state_gib": plan.shard / GiB, "plan_activations_gib": plan.activations / GiB,
+        "plan_casts_gib": plan.casts / GiB,  # autocast's bf16 weight copies (not sharded)
     }  # fmt: skip
 
 
@@ -246,9 +247,9 @@ def per_layer(model: str, rows: list[dict[str, Any]], a: argparse.Namespace) -> 
         "checkpointing": a.checkpointing, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
         "layer_parameters": layer_params,
         "measured_per_layer_gib": meas, "measured_state_per_layer_gib": rest,
-        "plan_per_layer_gib": plan,  # with its 10 % allowance
-        # The plan's state counts 24 B per parameter: 16 on the GPU (weights, gradients, AdamW)
-        # and 8 for the DiLoCo base and error feedback, which an island keeps on rank 0's host.
+        "plan_per_layer_gib": plan,  # with its allowance (ADR 0049: 30 %; 10 % before)
+        # The plan's state: 16 B per parameter on the GPU (weights, gradients, AdamW); before
+        # ADR 0049 it also counted the 8 B of DiLoCo base and error feedback kept on the host.
         "plan_state_per_layer_gib": (hi["plan_state_gib"] - lo["plan_state_gib"]) / dl,
         "plan_activations_per_layer_gib": (
             hi["plan_activations_gib"] - lo["plan_activations_gib"]

@@ -6,6 +6,7 @@ import pytest
 
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.island.spec import IslandSpec, check_island_fits, island_spec
+from p2pdiloco.train.island_plan import plan_island
 from p2pdiloco.train.memory import ModelTooLarge
 
 GiB = 2**30
@@ -46,11 +47,26 @@ def test_the_plan_says_how_the_model_trains_or_how_many_devices_it_lacks() -> No
     assert line.startswith("2 ranks; gemma-tiny needs an island of 1 such devices")
     assert not checkpointing
     line, checkpointing = check_island_fits(
-        "gemma-12b", IslandSpec(("cuda:0",) * 8, "nccl"), 80 * GiB
+        "gemma-12b", IslandSpec(("cuda:0",) * 9, "nccl"), 80 * GiB
     )
     assert checkpointing and "activation checkpointing" in line
-    with pytest.raises(ModelTooLarge, match=r"gemma-12b needs an island of 5 devices of 80.0 GiB"):
+    with pytest.raises(ModelTooLarge, match=r"gemma-12b needs an island of 9 devices of 80.0 GiB"):
         check_island_fits("gemma-12b", IslandSpec(("cuda:0", "cuda:1"), "nccl"), 80 * GiB)
+
+
+def test_rank_0s_host_must_hold_the_diloco_state() -> None:
+    """48 B per parameter on rank 0's host (train.island_plan): 526 GiB for gemma-12b."""
+    nine = IslandSpec(("cuda:0",) * 9, "nccl")
+    with pytest.raises(ModelTooLarge, match=r"about 526 GiB of host memory on rank 0"):
+        check_island_fits("gemma-12b", nine, 80 * GiB, host_bytes=512 * GiB)
+    check_island_fits("gemma-12b", nine, 80 * GiB, host_bytes=527 * GiB)
+    # On CPU the ranks share the host with that state (12 GiB for gemma-270m): 2 ranks of
+    # 22 GiB would each hold gemma-270m alone, but not beside 6 GiB of it each.
+    assert plan_island("gemma-270m", "fp32", 22 * GiB) is not None
+    cpu = IslandSpec(("cpu", "cpu"))
+    with pytest.raises(ModelTooLarge, match="gemma-270m needs an island of 5 devices"):
+        check_island_fits("gemma-270m", cpu, 24 * GiB)
+    assert check_island_fits("gemma-270m", cpu, 26 * GiB)[0].startswith("2 ranks; gemma-270m")
 
 
 def test_offload_is_for_cuda_islands_only() -> None:

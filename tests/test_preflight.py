@@ -85,7 +85,12 @@ def test_model_too_large_names_need_and_a_model_that_fits() -> None:
     named = [n for n in model_names() if n != "gemma-12b" and re.search(rf"\b{n}\b", f.fix)]
     assert named, f.fix
     assert all(estimate_memory(n, "fp32").total <= 24 * GiB for n in named)
-    plan = plan_island("gemma-12b", "fp32", 24 * GiB)  # FSDP2-sharded state: see test_island_plan
+    # 24 GiB holds no rank of a gemma-12b island: in fp32 the loss's backward alone keeps
+    # 12 GiB of logits at 1×4096, beside the gathered embedding (see test_island_plan).
+    assert plan_island("gemma-12b", "fp32", 24 * GiB) is None
+    assert "no island of such devices holds gemma-12b" in f.fix
+    f = check_device_memory(PreflightConfig(model="gemma-12b", device="cpu", max_memory_gb=48))
+    plan = plan_island("gemma-12b", "fp32", 48 * GiB)  # FSDP2-sharded state
     assert plan is not None and plan.describe() in f.fix
 
 

@@ -20,7 +20,7 @@ def plan_island_for(model: str, spec: IslandSpec, available: int | None) -> Isla
     island is open to its LAN, which may grow to the size it needs."""
     per_rank = available or _per_rank_memory(spec)
     try:
-        line, checkpointing = check_island_fits(model, spec, per_rank)
+        line, checkpointing = check_island_fits(model, spec, per_rank, _host_memory(spec))
     except UserError as e:
         if not spec.lan:
             raise
@@ -47,6 +47,14 @@ def serve_lan_member(node: Node, leader: Any, device: str, stop: Any) -> None:
     finally:
         membership.stop()
     print(f"stopped (island member {member})", flush=True)
+
+
+def _host_memory(spec: IslandSpec) -> int | None:
+    """What this host (rank 0's) has free for the DiLoCo state beside a GPU island; None on a
+    gloo island, whose ranks' share of the host already counts it."""
+    from p2pdiloco.train.memory import available_memory
+
+    return available_memory(resolve_device("cpu"))[0] if spec.backend == "nccl" else None
 
 
 def _per_rank_memory(spec: IslandSpec) -> int:

@@ -79,22 +79,35 @@ def _rank_devices(
     return ("cpu",) * (ranks or 1)
 
 
-def check_island_fits(model: str, spec: IslandSpec, device_bytes: int) -> tuple[str, bool]:
+def check_island_fits(
+    model: str, spec: IslandSpec, device_bytes: int, host_bytes: int | None = None
+) -> tuple[str, bool]:
     """The plan line, and whether the plan checkpoints activations, if ``model`` trains on
     ``spec`` with ``device_bytes`` per rank (FSDP over all ranks); ModelTooLarge naming the
-    island it would need otherwise."""
-    from p2pdiloco.train.island_plan import plan_island
+    island it would need otherwise, or the host memory rank 0 lacks for the DiLoCo state
+    (``host_bytes``: what rank 0's host has free; None: not checked). On a gloo island the
+    ranks' memory is the host's: each rank's ``device_bytes`` gives up its part of that state."""
+    from p2pdiloco.train.island_plan import plan_island, rank0_host_bytes
     from p2pdiloco.train.memory import ModelTooLarge
 
     precision = "bf16-mixed" if spec.backend == "nccl" else "fp32"
-    plan = plan_island(model, precision, device_bytes)
     per = f"{device_bytes / GiB:.1f} GiB"
+    usable = device_bytes
+    if spec.backend == "gloo":
+        usable -= -(-rank0_host_bytes(model) // spec.ranks)
+        host_bytes = None
+    plan = plan_island(model, precision, usable)
     if plan is None:
         raise ModelTooLarge(f"{model} does not train on devices of {per}, at any island size")
     if plan.devices > spec.ranks:
         raise ModelTooLarge(
             f"{model} needs an island of {plan.devices} devices of {per} "
             f"({plan.devices - spec.ranks} more than the {spec.ranks} ranks here)"
+        )
+    if host_bytes is not None and plan.host > host_bytes:
+        raise ModelTooLarge(
+            f"{model}'s island needs about {plan.host / GiB:.0f} GiB of host memory on rank 0 "
+            f"(the DiLoCo state), but this host has {host_bytes / GiB:.1f} GiB available"
         )
     return f"{spec.ranks} ranks; {model} needs {plan.describe()}", plan.checkpointing
 
