@@ -20,6 +20,7 @@ from p2pdiloco.train.memory import (
     available_memory,
     check_fits,
     estimate_memory,
+    shares_host_memory,
 )
 from p2pdiloco.train.model_specs import get_spec, model_names, parameter_count
 
@@ -43,11 +44,13 @@ def auto_batch_size(model: str, device: torch.device | str, available_bytes: int
     Raises ModelError for an unknown model. The estimate is not a measurement: leave some
     memory out of ``available_bytes`` if other processes share the device.
     """
-    precision = _precision_for(torch.device(device))
+    dev = torch.device(device)
+    precision, on_device = _precision_for(dev), shares_host_memory(dev)
     best = 1
     b = 1
     while b <= MAX_AUTO_BATCH:
-        if estimate_memory(model, precision, micro_batch=b).total > available_bytes:
+        est = estimate_memory(model, precision, micro_batch=b, state_on_device=on_device)
+        if est.total > available_bytes:
             break
         best = b
         b *= 2
@@ -116,10 +119,10 @@ def check_device_memory(cfg: PreflightConfig) -> Finding:
     if isinstance(resolved, Finding):
         return resolved
     dev, have, where = resolved
-    precision = _precision_for(dev)
+    precision, on_device = _precision_for(dev), shares_host_memory(dev)
     auto = cfg.batch_size is None
     batch = auto_batch_size(cfg.model, dev, have) if cfg.batch_size is None else cfg.batch_size
-    est = estimate_memory(cfg.model, precision, micro_batch=batch)
+    est = estimate_memory(cfg.model, precision, micro_batch=batch, state_on_device=on_device)
     shape = f"{precision}, {'auto ' if auto else ''}batch {est.micro_batch}×{est.seq_len}"
     detail = f"{cfg.model} needs about {est.total / GiB:.1f} GiB ({shape}); {where}"
     try:
@@ -129,25 +132,25 @@ def check_device_memory(cfg: PreflightConfig) -> Finding:
             "device memory",
             "error",
             detail,
-            fix=_too_large_fix(cfg.model, precision, est.total, have, auto),
+            fix=_too_large_fix(cfg.model, precision, on_device, have, auto),
         )
     return Finding("device memory", "ok", detail)
 
 
-def _too_large_fix(model: str, precision: str, need: int, have: int, auto: bool) -> str:
+def _too_large_fix(model: str, precision: str, on_device: bool, have: int, auto: bool) -> str:
     if have <= 0:
         return "free some memory on the device (or raise --max-memory)"
+
+    def need(name: str, micro_batch: int | None = None) -> int:
+        est = estimate_memory(name, precision, micro_batch, state_on_device=on_device)
+        return est.total
+
     plan = plan_island(model, precision, have)
-    fitting = [
-        n for n in model_names() if n != model and estimate_memory(n, precision).total <= have
-    ]
+    fitting = [n for n in model_names() if n != model and need(n) <= have]
     options = []
     if fitting:
-        options.append(
-            f"choose --model {fitting[-1]} "
-            f"(about {estimate_memory(fitting[-1], precision).total / GiB:.1f} GiB)"
-        )
-    if not auto and estimate_memory(model, precision, micro_batch=1).total <= have:
+        options.append(f"choose --model {fitting[-1]} (about {need(fitting[-1]) / GiB:.1f} GiB)")
+    if not auto and need(model, 1) <= have:
         options.append("lower --batch-size (or leave it to auto)")
     if plan is not None:
         options.append(f"train {model} on {plan.describe()}")

@@ -1,4 +1,4 @@
-"""What a training island needs in memory, and the refusal when a model does not fit.
+"""What one learner needs in memory on one device, and the refusal when a model does not fit.
 
 The estimate is itemised so that a user can see where the bytes go. Per parameter:
 
@@ -8,12 +8,14 @@ The estimate is itemised so that a user can see where the bytes go. Per paramete
 | bf16-mixed   | 4       | 4     | 8         | 4                | 4  (fp32 master, bf16 autocast) |
 | bf16         | 2       | 2     | 4         | 2                | 2  (pure bf16, for the largest) |
 
-Activations are counted per layer per token for a gated-MLP decoder with a fused attention
-kernel (no S×S score matrix kept): residual + 2 norms in/out ≈ 7h, q/k/v/attn-out ≈ 3q + 2kv,
-MLP gate/up/act/product ≈ 4i, at the activation dtype; plus fp32 logits and their gradient over
-the vocabulary, which dominate for Gemma's 262k vocabulary at small batch. A 10% allowance
-covers allocator fragmentation and framework workspace. It is an estimate for refusing early,
-not a guarantee: the real peak is measured by ``bench/`` on the device.
+A learner keeps its DiLoCo state in host memory: it counts on the CPU and Apple's unified
+memory, not on a CUDA or XLA device (``shares_host_memory``). Beside the state, the step's peak
+is what the island plan counts for one device (``step_memory``, ADR 0049), with nothing
+gathered: autocast's bf16 weight copies, the activations of every layer, the logits (10–12 B
+per token per vocabulary entry, which dominate at Gemma's 262k vocabulary), and ``RESIDENT``.
+On one H200 that lands at or above gemma-1b's and gemma-4b's measured peaks
+(``tests/test_memory.py``); ``OVERHEAD`` covers the caching allocator's reserve above the peak.
+It is an estimate for refusing early, not a guarantee: the real peak is measured by ``bench/``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from p2pdiloco.errors import UserError
-from p2pdiloco.train.model_specs import ModelSpec, get_spec, model_names, parameter_count
+from p2pdiloco.train.model_specs import get_spec, model_names, parameter_count
+from p2pdiloco.train.step_memory import RESIDENT, step_peak
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +39,9 @@ _PER_PARAM = {  # weights, grads, optimizer, base copy, error feedback
     "bf16-mixed": (4, 4, 8, 4, 4),
     "bf16": (2, 2, 4, 2, 2),
 }
-ACT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
+# The caching allocator's reserve above the peak on one GPU without FSDP2 measured 1.5 %
+# (gemma-1b) and 3.8 % (gemma-4b); the island's FSDP2 path took 9–11 % at the same shapes and
+# up to 25 % with 12B-wide layers, which its own allowance covers (``island_plan.ALLOWANCE``).
 OVERHEAD = 0.10
 
 
@@ -46,7 +51,7 @@ class ModelTooLarge(UserError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a learner needs to train one model at one batch, by component."""
+    """Bytes a learner needs on its device to train one model at one batch, by component."""
 
     model: str
     precision: str
@@ -56,9 +61,13 @@ class MemoryEstimate:
     weights: int
     gradients: int
     optimizer: int
-    diloco_state: int
+    diloco_state: int  # base copy and error feedback, where they share the device's memory
+    phase: str  # the step's phase at the peak (``step_memory.StepPeak``)
+    casts: int  # autocast's bf16 weight copies at the peak
+    in_flight: int  # gradients not yet accumulated at the peak (the tied head's, a layer's)
     activations: int
     logits: int
+    resident: int  # buffers and library workspaces (``step_memory.RESIDENT``)
     overhead: int
     total: int
 
@@ -66,10 +75,23 @@ class MemoryEstimate:
         return asdict(self)
 
 
+def shares_host_memory(device: torch.device) -> bool:
+    """Whether ``device`` trains in the host's memory, where the learner keeps its DiLoCo state
+    (the CPU, Apple's unified memory); CUDA and XLA devices have their own."""
+    return device.type not in ("cuda", "xla")
+
+
 def estimate_memory(
-    name: str, precision: str = "fp32", micro_batch: int | None = None, seq_len: int | None = None
+    name: str,
+    precision: str = "fp32",
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    *,
+    state_on_device: bool = True,
 ) -> MemoryEstimate:
-    """Itemised training-memory estimate; raise ValueError for an unknown precision."""
+    """Itemised estimate for the whole model on one device (no FSDP2, no checkpointing);
+    raise ValueError for an unknown precision. ``state_on_device``: count the DiLoCo state in
+    the device's memory (``shares_host_memory``; the simulator keeps it there too)."""
     if precision not in _PER_PARAM:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not '{precision}'")
     spec = get_spec(name)
@@ -77,9 +99,9 @@ def estimate_memory(
     s = seq_len if seq_len is not None else spec.train_seq_len
     p = parameter_count(name)
     w, g, opt, base, ef = (p * k for k in _PER_PARAM[precision])
-    acts = _activation_bytes(spec, b, s, ACT_BYTES[precision])
-    logits = b * s * spec.vocab_size * 4 * 2  # fp32 logits + their gradient
-    subtotal = w + g + opt + base + ef + acts + logits
+    diloco = base + ef if state_on_device else 0
+    peak = step_peak(name, precision, b, s, ckpt=False, fsdp=False)
+    subtotal = w + g + opt + diloco + peak.total + RESIDENT
     overhead = int(subtotal * OVERHEAD)
     return MemoryEstimate(
         model=name,
@@ -90,20 +112,16 @@ def estimate_memory(
         weights=w,
         gradients=g,
         optimizer=opt,
-        diloco_state=base + ef,
-        activations=acts,
-        logits=logits,
+        diloco_state=diloco,
+        phase=peak.phase,
+        casts=peak.casts,
+        in_flight=peak.unsharded,
+        activations=peak.activations,
+        logits=peak.logits,
+        resident=RESIDENT,
         overhead=overhead,
         total=subtotal + overhead,
     )
-
-
-def _activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int) -> int:
-    h, i = spec.hidden_size, spec.intermediate_size
-    q = spec.num_heads * spec.head_dim
-    kv = spec.num_kv_heads * spec.head_dim
-    per_token_layer = 7 * h + 3 * q + 2 * kv + 4 * i
-    return micro_batch * seq_len * spec.num_layers * per_token_layer * act_bytes
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:
@@ -146,10 +164,11 @@ def check_fits(
     The message names what the model needs, what the device has, and the largest registered
     model that would fit (at its own default batch), so a volunteer can act on it at once.
     ``available`` overrides the probe (tests, ``--max-memory``). ``replicas`` counts model
-    copies with their own optimizer state held at once (the simulator keeps one per learner);
-    activations are counted once, as replicas train one after the other.
+    copies with their own optimizer and DiLoCo state held at once on the device (the simulator
+    keeps one per learner); activations are counted once, as replicas train one after the other.
     """
-    est = estimate_memory(name, precision, micro_batch, seq_len)
+    on_device = replicas > 1 or shares_host_memory(device)
+    est = estimate_memory(name, precision, micro_batch, seq_len, state_on_device=on_device)
     per_replica = est.weights + est.gradients + est.optimizer + est.diloco_state
     needed = est.total + int((replicas - 1) * per_replica * (1 + OVERHEAD))
     if available is None:
@@ -159,7 +178,9 @@ def check_fits(
     if needed <= have:
         return est
     fitting = [
-        n for n in model_names() if estimate_memory(n, precision).total <= have and n != name
+        n
+        for n in model_names()
+        if n != name and estimate_memory(n, precision, state_on_device=on_device).total <= have
     ]
     hint = f"; {fitting[-1]} would fit" if fitting else "; no registered model fits this device"
     raise ModelTooLarge(
