@@ -41,10 +41,8 @@ class Relays:
     def push(self, sub: Submission, learner: int, src: int) -> None:
         """Queue copies of ``sub`` (from ``learner``, taken by member ``src``) to the others."""
         w = self.world
-        q = self.queues.setdefault(src, deque())
-        for peer_id in w.committee.members:
-            if (dst := w.by_id[peer_id]) != src:
-                q.append((w.round_key, sub, learner, dst))
+        q, key, by_id = self.queues.setdefault(src, deque()), w.round_key, w.by_id
+        q.extend((key, sub, learner, dst) for m in w.committee.members if (dst := by_id[m]) != src)
         if src not in self.pumping:
             self.pumping.add(src)
             self._pump(src)
@@ -64,17 +62,23 @@ class Relays:
 
     def _pump(self, src: int) -> None:
         w, q = self.world, self.queues[src]
+        # Nothing else happens while this runs: the round and its members are as they are.
+        now_key, member = w.round_key, w.members.get(w.view, {}).get(src)
+        relaying = member is not None and member.alive
+        undecided = relaying and member.round.undecided  # type: ignore[union-attr]
+        live: dict[int, bool] = {}
         while q:
             key, sub, learner, dst = q.popleft()
-            member = w.members.get(w.view, {}).get(src)
-            if key != w.round_key or member is None or not member.alive:
+            if key != now_key or not relaying:
                 continue
-            if not member.round.undecided:
+            if not undecided:
                 self.dropped += 1  # agreed before this copy began: fetched if in the set
                 continue
             # A fellow down, or not in the round yet, takes no payload: the dial fails, or it
             # answers "later" from the header (sync.relay); the payload goes once it is in.
-            size = w.cfg.delta_bytes if w.live_member(dst) is not None else SMALL
+            if (there := live.get(dst)) is None:
+                there = live[dst] = w.live_member(dst) is not None
+            size = w.cfg.delta_bytes if there else SMALL
             t = w.links.transfer(src, dst, size, w.clock.now)
             if size > SMALL:
                 w.relayed += size

@@ -56,10 +56,12 @@ class Member:
     @property
     def alive(self) -> bool:
         w = self.world
+        peer = w.peers[self.index]
         return (
-            w.peers[self.index].up
-            and w.peers[self.index].epoch == self.epoch
-            and (w.round_key == (self.round.params.version, self.view))
+            peer.up
+            and peer.epoch == self.epoch
+            and w.view == self.view
+            and w.version == self.round.params.version
         )
 
     # -- inputs ----------------------------------------------------------------------------

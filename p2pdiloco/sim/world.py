@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from p2pdiloco.net.manifests import create_manifest
@@ -40,6 +41,9 @@ from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
 from p2pdiloco.sync.trust import trust_progress, trusted_count, trusted_peers
 from p2pdiloco.sync.weights import plausible_claim
+
+# A delta is delivered again after each answer: its order among a view's members is the same.
+_intake_order = lru_cache(maxsize=1 << 15)(intake_order)
 
 
 @dataclass
@@ -204,7 +208,7 @@ class World:
         when a member of this view holds it or refused it); the member that accepts it relays
         it to the others (``_relay``). Asking an unreachable one again is ``SimLearner``'s."""
         me = self.peers[learner.index].profile.peer_id
-        order = intake_order(sub.digest, self.committee.members, me)
+        order = _intake_order(sub.digest, self.committee.members, me)
         index = {m: self.by_id[m] for m in order}
         if (p.asked - p.answers.keys() - p.unreachable - p.busy.keys()) & set(index.values()):
             return  # one is answering
