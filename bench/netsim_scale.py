@@ -6,8 +6,13 @@ opening to its certificate (p50/p95/p99), bytes per learner and per syncer, comm
 (view changes, failed merges, wrong or conflicting certificates) and the wall time the
 simulation took. Target: goodput ≥ 90 % at 10,000 peers, the hour simulated in < 10 minutes.
 
+The run syncs 50 Streaming DiLoCo fragments (ADR 0050): each round moves and merges a fiftieth
+of the model, and each row says how often a fragment is synced (the run's effective H in
+seconds of training). ``--fragments 1`` is plain DiLoCo, one round per whole-model sync.
+
     .venv/bin/python bench/netsim_scale.py                          # 100, 1000, 10000 peers
     .venv/bin/python bench/netsim_scale.py --peers 100,1000 --minutes 20 --json
+    .venv/bin/python bench/netsim_scale.py --fragments 1            # plain DiLoCo
 
 ``--shards S`` is a projection, not the protocol: the protocol has one committee per version.
 It simulates what one of the S parameter-shard committees of the proposed ADR 0033 would see
@@ -38,7 +43,7 @@ def main() -> int:
     ap.add_argument("--mtbf", type=float, default=24.0, help="hours between failures per peer")
     ap.add_argument("--payload-mb", type=float, default=1.0, help="one compressed delta")
     ap.add_argument("--linger", type=float, default=20.0)
-    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
+    ap.add_argument("--fragments", type=int, default=50, help="Streaming DiLoCo fragments")
     ap.add_argument("--grace", type=float, help="round grace, s (default: 1.5 stretches, ≥ 60)")
     ap.add_argument("--shards", type=int, default=1, help="project one of S shard committees")
     ap.add_argument("--seed", type=int, default=0)
@@ -55,13 +60,17 @@ def main() -> int:
             rules={"linger": a.linger, **({"grace": a.grace} if a.grace else {})}, seed=a.seed,
         )  # fmt: skip
         r, _ = simulate_run(cfg, baseline=False)
-        rows.append(r.to_dict())
+        # How often each fragment is synced: with P fragments, every P versions (its steps
+        # between syncs, the run's effective H, are this many seconds of training).
+        every = a.fragments * r.duration / max(1, r.versions)
+        rows.append({**r.to_dict(), "fragments": a.fragments, "fragment_sync_seconds": every})
         print(
             f"{n:6d} peers  goodput {r.goodput:6.1%}  versions {r.versions:4d}  "
             f"latency p50/p95/p99 {r.latency_p50:4.0f}/{r.latency_p95:4.0f}/{r.latency_p99:4.0f} s  "
             f"MB/learner/delta {r.learner_bytes_per_delta / 1e6:6.1f}  "
             f"cert max MB {r.certificate_bytes_max / 1e6:4.2f}  "
             f"MB/syncer/round {r.syncer_bytes_per_round / 1e6:8.1f}  views {r.view_changes}  "
+            f"fragment synced every {every:4.0f} s  "
             f"wrong {r.wrong_certificates + r.conflicts}  wall {r.wall_seconds:5.0f} s",
             flush=True,
         )  # fmt: skip
