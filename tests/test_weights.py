@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from p2pdiloco.sync.weights import capped_weights
+from p2pdiloco.sync.trust import cap_probation
+from p2pdiloco.sync.weights import capped_weights, ordered_sum
 
 
 def _reference_cap(weights: list[float], f: float) -> float:
@@ -108,3 +109,20 @@ def test_zero_entries_do_not_zero_everything() -> None:
     # f · n = 1.2 > 1, but only two weights are positive and f · 2 = 0.8 <= 1.
     capped = capped_weights({"a": 1.0, "b": 1.0, "c": 0.0}, 0.4)
     assert capped["a"] == capped["b"] > 0
+
+
+def test_sums_are_the_protocols_not_the_interpreters() -> None:
+    """Python 3.12's ``sum`` compensates (Neumaier); the protocol adds left to right, so a
+    3.11 node and a 3.12 node draw and weigh alike (ADR 0051). This case came out one ulp
+    apart between the two before: 3.12 capped at 0x1.1cd6aaaaaaaacp+16."""
+    assert ordered_sum([1e16, 1.0, 1.0]) == 1e16  # compensated: 1.0000000000000002e16
+    rng = random.Random(174)
+    n = rng.randint(3, 300)
+    raw = {f"p{i}": float(rng.randint(1, 10**6)) / (1 + rng.randint(0, 3)) for i in range(n)}
+    capped = capped_weights(raw, 0.25)
+    assert max(capped.values()).hex() == "0x1.1cd6aaaaaaaadp+16"
+    assert sum(capped[k] != raw[k] for k in raw) == 3
+    low = frozenset(list(raw)[:2])
+    scaled = cap_probation(capped, low, 0.1)
+    share = ordered_sum(scaled[k] for k in low) / ordered_sum(scaled.values())
+    assert share == pytest.approx(0.1, rel=1e-12)

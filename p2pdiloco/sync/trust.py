@@ -31,6 +31,7 @@ from collections.abc import Collection, Iterable, Mapping
 from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.roster import roster_of
+from p2pdiloco.sync.weights import ordered_sum
 
 # Roster identities a round waits for: those with a delta merged (or that joined) in the last
 # this many versions, the roster's whole window before ADR 0045.
@@ -105,8 +106,8 @@ def cap_probation(
     """``weights`` with the probationary entries scaled down together so that they hold at
     most ``share`` of the total (in the mapping's order: every node gets the same floats)."""
     out = dict(weights)
-    low = sum(w for k, w in out.items() if k in probationary)
-    high = sum(w for k, w in out.items() if k not in probationary)
+    low = ordered_sum(w for k, w in out.items() if k in probationary)
+    high = ordered_sum(w for k, w in out.items() if k not in probationary)
     if low <= 0 or share >= 1.0 or low <= share * (low + high):
         return out
     scale = share * high / ((1.0 - share) * low)

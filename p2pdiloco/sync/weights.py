@@ -7,7 +7,7 @@ that claims, or even honestly has, a huge share cannot dominate either.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 
 def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, float]:
@@ -29,14 +29,31 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
         # smallest positive weight (a bisection would converge to all zeros here).
         positive = [w for w in weights.values() if w > 0]
         return {k: min(positive) if positive else 0.0 for k in weights}
-    lo, hi = 0.0, max(weights.values())
+    values = list(weights.values())
+    lo, hi = 0.0, max(values)
     for _ in range(100):
         mid = (lo + hi) / 2
-        if mid <= cap_fraction * sum(min(w, mid) for w in weights.values()):
+        total = 0.0  # ``ordered_sum`` of min(w, mid), inlined: 100 passes over every input
+        for w in values:
+            total += w if w <= mid else mid
+        if mid <= cap_fraction * total:
             lo = mid
         else:
             hi = mid
     return {k: min(w, lo) for k, w in weights.items()}
+
+
+def ordered_sum(values: Iterable[float]) -> float:
+    """The protocol's sum of floats: left to right, one IEEE-754 double add at a time.
+
+    Not the builtin ``sum``: from Python 3.12 it compensates (Neumaier), so a 3.11 node and a
+    3.12 node would weigh one merge, or draw one committee, differently and never agree on the
+    state they sign (ADR 0051). This is what ``sum`` computed before 3.12, on every version.
+    """
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 def merge_weights(entries: Mapping[str, tuple[int, int]], cap_fraction: float) -> dict[str, float]:
