@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from p2pdiloco.sim.config import Profile
 
 SMALL = 512  # bytes of a small signed message (proposal, signature, reply, certificate header)
 UNREACHABLE_AFTER = 1.0  # seconds before a dial to a peer that is down gives up
+COLLECT_EVERY = 3600.0  # simulated seconds between garbage collections (``Clock.run``)
 
 
 class Clock:
@@ -21,6 +23,7 @@ class Clock:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
         self.events = 0
+        self._collect_at = COLLECT_EVERY
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         self._seq += 1
@@ -30,12 +33,26 @@ class Clock:
         self.at(self.now + dt, fn, *args)
 
     def run(self, until: float) -> None:
+        """Every event up to ``until``, without the cyclic garbage collector's pauses: the
+        events make millions of small objects and almost no cycles, so its passes over every
+        live object were 38 % of a 10,000-peer run (ADR 0052). Cycles are collected once per
+        simulated ``COLLECT_EVERY`` seconds instead."""
         heap = self._heap
-        while heap and heap[0][0] <= until:
-            t, _, fn, args = heapq.heappop(heap)
-            self.now = t
-            self.events += 1
-            fn(*args)
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            while heap and heap[0][0] <= until:
+                t, _, fn, args = heapq.heappop(heap)
+                if t >= self._collect_at:
+                    self._collect_at = t + COLLECT_EVERY
+                    if was_on:
+                        gc.collect()
+                self.now = t
+                self.events += 1
+                fn(*args)
+        finally:
+            if was_on:
+                gc.enable()
         self.now = until
 
 

@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from p2pdiloco.protocol.identity import Identity
@@ -74,17 +75,17 @@ class SimConfig:
         """Inner steps per delta: H/P."""
         return self.inner_steps // self.fragments
 
-    @property
+    @cached_property  # read at every transfer; the config is frozen
     def delta_bytes(self) -> int:
         """One delta on the wire: one fragment's share of ``payload_bytes``."""
         return max(1, self.payload_bytes // self.fragments)
 
-    @property
+    @cached_property
     def fragment_update_bytes(self) -> int:
         """One certified update: one fragment's share of ``update_bytes``."""
         return max(1, self.update_bytes // self.fragments)
 
-    @property
+    @cached_property
     def merge_seconds(self) -> float:
         """A syncer's merge time per input of one fragment."""
         return self.merge_seconds_per_input / self.fragments

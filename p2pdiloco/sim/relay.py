@@ -41,8 +41,8 @@ class Relays:
     def push(self, sub: Submission, learner: int, src: int) -> None:
         """Queue copies of ``sub`` (from ``learner``, taken by member ``src``) to the others."""
         w = self.world
-        q, key, by_id = self.queues.setdefault(src, deque()), w.round_key, w.by_id
-        q.extend((key, sub, learner, dst) for m in w.committee.members if (dst := by_id[m]) != src)
+        q, key = self.queues.setdefault(src, deque()), w.round_key
+        q.extend([(key, sub, learner, dst) for dst in w.member_indices if dst != src])
         if src not in self.pumping:
             self.pumping.add(src)
             self._pump(src)
@@ -67,6 +67,8 @@ class Relays:
         relaying = member is not None and member.alive
         undecided = relaying and member.round.undecided  # type: ignore[union-attr]
         live: dict[int, bool] = {}
+        link, epoch, at = w.links.by_index[src], w.peers[src].epoch, w.clock.at
+        delta_bytes = w.cfg.delta_bytes
         while q:
             key, sub, learner, dst = q.popleft()
             if key != now_key or not relaying:
@@ -78,13 +80,21 @@ class Relays:
             # answers "later" from the header (sync.relay); the payload goes once it is in.
             if (there := live.get(dst)) is None:
                 there = live[dst] = w.live_member(dst) is not None
-            size = w.cfg.delta_bytes if there else SMALL
+            size = delta_bytes if there else SMALL
             t = w.links.transfer(src, dst, size, w.clock.now)
             if size > SMALL:
                 w.relayed += size
                 w.syncer_in += size
-            w.sent_by(src, t, self.arrived, sub, learner, src, dst, 0, size > SMALL)
-            free = w.links.by_index[src].up_free
+            # ``World.sent_by``, inlined: lost if ``src`` crashes before the copy is in.
+            at(
+                t,
+                w.if_sender_lived,
+                src,
+                epoch,
+                self.arrived,
+                (sub, learner, src, dst, 0, size > SMALL),
+            )
+            free = link.up_free
             if free > w.clock.now + AHEAD:
                 w.clock.at(free, self._pump, src)
                 return

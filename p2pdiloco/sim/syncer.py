@@ -74,6 +74,8 @@ class Member:
             return True, None, None
         self.senders.setdefault(sub.digest, sender)
         actions = self.round.on_submission(sub, self.world.clock.now)
+        if not actions:  # held, nothing to do (most relayed copies)
+            return True, None, None
         refusal = next((a for a in actions if isinstance(a, Reject) and a.peer_id == sub.peer_id),
                        None)  # fmt: skip
         hint = next((a.to_version for a in actions if isinstance(a, FastForward)), None)

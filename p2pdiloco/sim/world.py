@@ -132,6 +132,7 @@ class World:
         self.trusted: frozenset[str] | None = None
         self.progress: dict[str, int] | None = None  # roster credits (RoundParams.progress)
         self.committee = self._committee(0)
+        self.member_indices = tuple(self.by_id[m] for m in self.committee.members)
         self.prev_agreed: set[int] = set()  # members that computed the last certified state
         self.wrong = hashlib.sha256(b"faulty").hexdigest()
         self._sets: dict[int, frozenset[str]] = {}
@@ -280,7 +281,8 @@ class World:
 
     def live_member(self, index: int) -> Member | None:
         """Peer ``index``'s member of this view's round, if it is up and in it."""
-        m = self.members.get(self.view, {}).get(index)
+        view = self.members.get(self.view)
+        m = view.get(index) if view is not None else None
         return m if m is not None and m.alive else None
 
     def dropped(self, peer_id: str, code: Reason, src: int) -> None:
@@ -302,9 +304,9 @@ class World:
         left before then (its connection broke mid-transfer). For what a sender fires and
         forgets: proposals, signatures, relayed copies."""
         epoch = self.peers[src].epoch
-        self.clock.at(t, self._if_sender_lived, src, epoch, fn, args)
+        self.clock.at(t, self.if_sender_lived, src, epoch, fn, args)
 
-    def _if_sender_lived(
+    def if_sender_lived(
         self, src: int, epoch: int, fn: Callable[..., None], args: tuple[Any, ...]
     ) -> None:
         peer = self.peers.get(src)
@@ -334,6 +336,7 @@ class World:
     def _open_view(self, locked: tuple[str, ...] | None = None) -> None:
         self.view_opened = self.clock.now
         self.committee = self._committee(self.view)
+        self.member_indices = tuple(self.by_id[m] for m in self.committee.members)
         self.locked = locked
         for peer_id in self.committee.members:
             index = self.by_id[peer_id]

@@ -10,6 +10,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.reasons import Reason
@@ -87,11 +88,11 @@ class RoundParams:
     def is_trusted(self, peer_id: str) -> bool:
         return self.trusted is None or peer_id in self.trusted
 
-    @property
+    @cached_property  # read at every submission; the params are frozen
     def trusted_live(self) -> int:
         return self.active_learners if self.trusted_learners is None else self.trusted_learners
 
-    @property
+    @cached_property
     def min_learners(self) -> int:
         """Trusted submissions that close the round ``linger`` later (never more than fit)."""
         wanted = max(1, math.ceil(self.min_fraction * self.trusted_live))
