@@ -35,7 +35,7 @@ def capped_weights(raw: Mapping[str, float], cap_fraction: float) -> dict[str, f
         mid = (lo + hi) / 2
         total = 0.0  # ``ordered_sum`` of min(w, mid), inlined: 100 passes over every input
         for w in values:
-            total += w if w <= mid else mid
+            total += mid if mid < w else w  # exactly min(w, mid), NaN included
         if mid <= cap_fraction * total:
             lo = mid
         else:
