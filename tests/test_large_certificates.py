@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 from hivemind.p2p import P2P
 
+from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer, fetch_unheard, unheard
 from p2pdiloco.net.cert_records import publish_certificate
 from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
+from p2pdiloco.net.observe import NetworkWatch
 from p2pdiloco.net.sync_rpc import RpcError, serve
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
@@ -168,3 +170,83 @@ def test_nodes_follow_versions_that_gossip_cannot_carry(tmp_path: Path) -> None:
                 assert rnd.params.max_inputs == cap and MIN_HELD < cap < MAX_RECEIPTS
 
     asyncio.run(main())
+
+
+def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leaderboard() -> None:
+    # A 10,000-receipt certificate (1.7 MB) is neither in the DHT nor on gossip: the bootstrap
+    # asks the peers that announce its version, newest first. The first serves a certificate
+    # of another version (refused, one try lost); the second serves it and the board counts it.
+    raw, other = _big_certificate(), _certificate(body(version=9, base_version=8))
+    assert len(raw) > MAX_MESSAGE_BYTES
+
+    def serving(cert: bytes) -> Any:
+        async def handler(
+            op: str, peer: str, control: dict[str, Any], frames: list[bytes]
+        ) -> tuple[dict[str, Any], list[bytes]]:
+            assert op == "cert"
+            return {"version": control.get("version")}, [cert]
+
+        return handler
+
+    async def go() -> tuple[Any, list[tuple[str, bytes]], NetworkWatch]:
+        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                                    auto_nat=False, use_relay=False)  # fmt: skip
+        liar, honest, boot = [await P2P.create(**opts) for _ in range(3)]
+        try:
+            await serve(liar, serving(other), request_limits(1 << 20))
+            await serve(honest, serving(raw), request_limits(1 << 20))
+            addrs = {p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
+                     for p in (liar, honest)}  # fmt: skip
+            ids = list(addrs)
+            peers = [dict(run_id=RUN, peer_id=pid, version=v, reachability="direct", island="i")
+                     for pid, v in zip(ids, (9, 8), strict=True)]  # fmt: skip
+            state = {"runs": [{"run_id": RUN, "name": "big"}], "peers": peers}
+            watch = NetworkWatch()
+            watch.update(state)  # version 8 certified: two peers announce it
+            wanted = unheard(watch, state)
+            transport = P2PTransport(boot, boot.peer_id.to_base58(), lambda p: addrs.get(p, []))
+            return wanted, await fetch_unheard(transport, wanted), watch
+        finally:
+            for p in (liar, honest, boot):
+                await p.shutdown()
+
+    wanted, got, watch = asyncio.run(go())
+    assert [v for _, v, _ in wanted] == [8, 7, 6, 5]  # the newest four not counted
+    assert all(len(holders) == 2 for _, _, holders in wanted)
+    assert got == [(RUN, raw)]  # 7, 6, 5: both answered with another version
+    for run_id, cert in got:
+        watch.add_certificates(run_id, [cert])
+    assert sum(row["accepted"] for row in watch.leaderboard(RUN)) == INPUTS
+    assert watch.counted(RUN, 8) and 8 not in watch.unheard(RUN)
+
+
+def test_a_running_bootstrap_fetches_them_beside_its_polls_and_counts_them(tmp_path: Path) -> None:
+    # The server's own wiring: a real DHT and bridge; the fetch runs on the bridge's loop and
+    # the next poll counts what it brought.
+    raw = _big_certificate()
+
+    async def handler(
+        op: str, peer: str, control: dict[str, Any], frames: list[bytes]
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        return {"version": 8}, [raw]
+
+    cfg = BootstrapConfig(host="127.0.0.1", port=0, http_host="127.0.0.1", http_port=0,
+                          identity=tmp_path / "boot.key", refresh_interval=3600.0)  # fmt: skip
+    with BootstrapServer(cfg) as server:
+        assert server.bridge is not None
+        holder = server.bridge.run(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), 30)
+        try:
+            server.bridge.run(serve(holder, handler, request_limits(1 << 20)), 10)
+            addrs = [str(a) for a in server.bridge.run(holder.get_visible_maddrs(), 10)]
+            state = {"runs": [{"run_id": RUN, "name": "big"}],
+                     "peers": [dict(run_id=RUN, peer_id=holder.peer_id.to_base58(), version=8,
+                                    addrs=addrs, reachability="direct", island="i")]}  # fmt: skip
+            server.watch.update(state)
+            server._fetch_unheard(state)  # starts the fetch, returns at once
+            fetching = server._fetching
+            assert fetching is not None and len(fetching.result(timeout=60)) == 1
+            assert server.watch.leaderboard(RUN) == []  # counted by the poll, not the fetch
+            server._fetch_unheard(state)
+            assert sum(row["accepted"] for row in server.watch.leaderboard(RUN)) == INPUTS
+        finally:
+            server.bridge.run(holder.shutdown(), 10)

@@ -10,9 +10,11 @@ nothing of p2pdiloco can bootstrap from it: it is an ordinary DHT node that only
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +31,14 @@ from p2pdiloco.net.http_api import HTTPApi
 from p2pdiloco.net.observe import NetworkWatch, install_noise_filter
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import serve_dialback
+from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.net.web_page import render_page
+from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
-from p2pdiloco.protocol.signing import seal
+from p2pdiloco.protocol.signing import InvalidRecord, seal
+from p2pdiloco.runtime.transport import P2PTransport, Transport
+from p2pdiloco.sync.fetch import fetch_cert
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +48,49 @@ ANNOUNCE_TOPIC = "p2pdiloco/v1/announce"
 def read_gossip(gossip: GossipProcess, watch: NetworkWatch) -> None:
     """Drain what gossip brought. A bootstrap relays gossip; of what it hears it reads only
     certificates, for its leaderboard: the DHT holds only those under 16 KiB (rounds of about
-    80 inputs), gossip those under 256 KiB."""
+    80 inputs), gossip those under 256 KiB; larger ones are fetched (``fetch_unheard``)."""
     while (msg := gossip.get(timeout=0)) is not None:
         run = run_of_cert_topic(msg.topic)
         if run is not None:
             watch.add_certificates(run, [bytes(msg.data)])
+
+
+Wanted = list[tuple[str, int, list[str]]]  # (run id, version, peers that announce it)
+
+
+def unheard(watch: NetworkWatch, state: dict[str, Any]) -> Wanted:
+    """The versions the board has not counted (``watch.unheard``), each with the peers whose
+    heartbeats announce it, newest holder first, three at most."""
+    wanted: Wanted = []
+    for run in state["runs"]:
+        if run.get("incompatible"):
+            continue
+        run_id = run["run_id"]
+        peers = sorted((p for p in state["peers"] if p["run_id"] == run_id),
+                       key=lambda p: (-p["version"], p["peer_id"]))  # fmt: skip
+        for version in watch.unheard(run_id):
+            holders = [p["peer_id"] for p in peers if p["version"] >= version][:3]
+            if holders:
+                wanted.append((run_id, version, holders))
+    return wanted
+
+
+async def fetch_unheard(transport: Transport, wanted: Wanted) -> list[tuple[str, bytes]]:
+    """Each wanted certificate from the first of its peers that serves it with a quorum of
+    valid signatures; a peer that fails or lies costs one try. Returns (run id, bytes)."""
+    got: list[tuple[str, bytes]] = []
+    for run_id, version, peers in wanted:
+        for peer in peers:
+            try:
+                raw = await fetch_cert(transport, peer, version)
+                if parse_certificate(raw, run_id=run_id).body.version != version:
+                    raise InvalidRecord(f"certificate of another version than {version}")
+            except (RpcError, InvalidRecord) as e:
+                log.debug("certificate %d from %s: %s", version, peer, e)
+                continue
+            got.append((run_id, raw))
+            break
+    return got
 
 
 @dataclass
@@ -80,6 +124,7 @@ class BootstrapServer:
         self.bridge: P2PBridge | None = None
         self.http: HTTPApi | None = None
         self._thread: threading.Thread | None = None
+        self._fetching: Future[list[tuple[str, bytes]]] | None = None
         self.registry = CollectorRegistry()
         self.m_peers = Gauge("p2pdiloco_peers", "live peers over all runs", registry=self.registry)
         self.m_runs = Gauge("p2pdiloco_runs", "known runs", registry=self.registry)
@@ -190,6 +235,7 @@ class BootstrapServer:
         }
         for line in self.watch.update(new):
             log.info("%s", line)
+        self._fetch_unheard(new)
         self._state = new
         self.m_runs.set(len(self._state["runs"]))
         self.m_peers.set(len(self._state["peers"]))
@@ -198,6 +244,29 @@ class BootstrapServer:
             for run in self._state["runs"]:
                 self.gossip.subscribe(f"p2pdiloco/v1/run/{run['run_id']}")
                 self.gossip.subscribe(cert_topic(run["run_id"]))
+
+    def _fetch_unheard(self, state: dict[str, Any]) -> None:
+        """Count what the last fetch brought, and start the next one: certificates neither the
+        DHT nor gossip could carry, fetched on the bridge's loop while this thread goes on
+        (one fetch at a time; the board is this thread's alone)."""
+        done = self._fetching
+        if done is not None and not done.done():
+            return
+        if done is not None:
+            try:
+                for run_id, raw in done.result():
+                    self.watch.add_certificates(run_id, [raw])
+            except Exception:  # the next poll asks again
+                log.exception("fetching certificates failed")
+        self._fetching = None
+        wanted = unheard(self.watch, state)
+        if self.bridge is None or not wanted:
+            return
+        addrs = {p["peer_id"]: p["addrs"] for p in state["peers"]}
+        transport = P2PTransport(self.bridge.p2p, self.identity.peer_id,
+                                 lambda peer: addrs.get(peer, []))  # fmt: skip
+        coro = fetch_unheard(transport, wanted)
+        self._fetching = asyncio.run_coroutine_threadsafe(coro, self.bridge.loop)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.refresh_interval):

@@ -19,6 +19,12 @@ from typing import Any
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.signing import InvalidRecord
 
+# Certificates neither the DHT (16 KiB) nor gossip (256 KiB) carries, a round of over about
+# 1,400 inputs, a bootstrap fetches from the peers that announce them: this many a poll, of
+# the newest this many versions (``NetworkWatch.unheard``).
+UNHEARD_PER_POLL = 4
+UNHEARD_DEPTH = 256
+
 # Messages of hivemind, p2pd and py-libp2p that report one failed dial or connection each.
 NOISE = (
     "Failed to open TCP stream",
@@ -152,6 +158,16 @@ class NetworkWatch:
                 entry = board.setdefault(a.peer_id, {"accepted": 0, "tokens": 0})
                 entry["accepted"] += 1
                 entry["tokens"] += a.tokens
+
+    def counted(self, run_id: str, version: int) -> bool:
+        return (run_id, version) in self._seen
+
+    def unheard(self, run_id: str, limit: int = UNHEARD_PER_POLL) -> list[int]:
+        """Certified versions (announced by two peers, ``update``) whose certificate the board
+        has not counted, newest first: at most ``limit`` of the newest ``UNHEARD_DEPTH``."""
+        top = self._versions.get(run_id, 0)
+        low = max(1, top - UNHEARD_DEPTH + 1)
+        return [v for v in range(top, low - 1, -1) if (run_id, v) not in self._seen][:limit]
 
     def leaderboard(self, run_id: str) -> list[dict[str, Any]]:
         rows = sorted(self.board.get(run_id, {}).items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))
