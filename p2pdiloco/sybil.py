@@ -9,8 +9,10 @@ could; the nodes are real processes (``p2pdiloco.demo.LocalNetwork``).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,20 @@ class FloodReport:
     @property
     def accepted(self) -> int:
         return sum(r.get("status") == "accepted" for r in self.replies)
+
+
+async def _submit(
+    bridge: P2PBridge, target: str, addrs: list[str], frames: list[bytes]
+) -> dict[str, Any]:
+    try:
+        reply, _ = await call(bridge.p2p, target, "submit", frames=frames, addrs=addrs, timeout=60)
+    except RpcError as e:
+        return {"status": "refused", "reason": str(e)}
+    return reply
+
+
+async def _all(sends: list[Coroutine[Any, Any, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*sends))
 
 
 def _versions(nodes: list[NodeProc]) -> int:
@@ -104,22 +120,19 @@ def flood(
             while (base := _versions(nodes)) < until:
                 if time.monotonic() > deadline:
                     raise UserError(f"the nodes did not reach version {until} during the flood")
-                for ident, payload in sybils if base not in sent_for else []:
-                    ref = FragmentRef(index=0, digest=payload_digest(payload), nbytes=len(payload))
-                    header = SubmissionHeader(
-                        peer_id=ident.peer_id, base_version=base, steps=steps, tokens=tokens,
-                        loss=1.0, codec=m.compression, fragments=[ref],
-                    )  # fmt: skip
-                    raw = seal_submission(ident, run_id, header)
-                    for target, addrs in targets.items():
-                        try:
-                            reply, _ = bridge.run(
-                                call(bridge.p2p, target, "submit", frames=[raw, payload],
-                                     addrs=addrs), 60,
-                            )  # fmt: skip
-                        except RpcError as e:
-                            reply = {"status": "refused", "reason": str(e)}
-                        report.replies.append(reply)
+                if base not in sent_for:  # every copy at once: a round closes in a second
+                    sends = []
+                    for ident, payload in sybils:
+                        ref = FragmentRef(index=0, digest=payload_digest(payload),
+                                          nbytes=len(payload))  # fmt: skip
+                        header = SubmissionHeader(
+                            peer_id=ident.peer_id, base_version=base, steps=steps, tokens=tokens,
+                            loss=1.0, codec=m.compression, fragments=[ref],
+                        )  # fmt: skip
+                        raw = seal_submission(ident, run_id, header)
+                        sends += [_submit(bridge, target, addrs, [raw, payload])
+                                  for target, addrs in targets.items()]  # fmt: skip
+                    report.replies += bridge.run(_all(sends), 120)
                 sent_for.add(base)
                 for n in nodes:
                     if n.proc.poll() is not None:
