@@ -163,8 +163,9 @@ class NetworkWatch:
         return (run_id, version) in self._seen
 
     def unheard(self, run_id: str, limit: int = UNHEARD_PER_POLL) -> list[int]:
-        """Certified versions (announced by two peers, ``update``) whose certificate the board
-        has not counted, newest first: at most ``limit`` of the newest ``UNHEARD_DEPTH``."""
+        """Versions up to the newest ``update`` believes certified (two peers announce it; the
+        only peer of a one-peer run) whose certificate the board has not counted, newest
+        first: at most ``limit`` of the newest ``UNHEARD_DEPTH``."""
         top = self._versions.get(run_id, 0)
         low = max(1, top - UNHEARD_DEPTH + 1)
         return [v for v in range(top, low - 1, -1) if (run_id, v) not in self._seen][:limit]
