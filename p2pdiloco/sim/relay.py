@@ -21,11 +21,11 @@ from p2pdiloco.sync.sending import LATER_EVERY
 if TYPE_CHECKING:
     from p2pdiloco.sim.world import World
 
-RELAY_TRIES = 4
+RELAY_TRIES = 4  # a relayed copy answered with another retryable code is sent again this often
 # Copies that begin within this many seconds of now are sent in one go: an event per copy
 # otherwise, most of a 10,000-peer run's events. Whether the round still collects and the
 # fellow is in it is then judged up to this much before the copy begins.
-AHEAD = 0.05  # a relayed copy answered with another retryable code is sent again this often
+AHEAD = 0.05
 
 
 @dataclass
@@ -67,8 +67,7 @@ class Relays:
         relaying = member is not None and member.alive
         undecided = relaying and member.round.undecided  # type: ignore[union-attr]
         live: dict[int, bool] = {}
-        link, epoch, at = w.links.by_index[src], w.peers[src].epoch, w.clock.at
-        delta_bytes = w.cfg.delta_bytes
+        link, delta_bytes = w.links.by_index[src], w.cfg.delta_bytes
         while q:
             key, sub, learner, dst = q.popleft()
             if key != now_key or not relaying:
@@ -85,15 +84,7 @@ class Relays:
             if size > SMALL:
                 w.relayed += size
                 w.syncer_in += size
-            # ``World.sent_by``, inlined: lost if ``src`` crashes before the copy is in.
-            at(
-                t,
-                w.if_sender_lived,
-                src,
-                epoch,
-                self.arrived,
-                (sub, learner, src, dst, 0, size > SMALL),
-            )
+            w.sent_by(src, t, self.arrived, sub, learner, src, dst, 0, size > SMALL)
             free = link.up_free
             if free > w.clock.now + AHEAD:
                 w.clock.at(free, self._pump, src)

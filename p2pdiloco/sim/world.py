@@ -304,9 +304,9 @@ class World:
         left before then (its connection broke mid-transfer). For what a sender fires and
         forgets: proposals, signatures, relayed copies."""
         epoch = self.peers[src].epoch
-        self.clock.at(t, self.if_sender_lived, src, epoch, fn, args)
+        self.clock.at(t, self._if_sender_lived, src, epoch, fn, args)
 
-    def if_sender_lived(
+    def _if_sender_lived(
         self, src: int, epoch: int, fn: Callable[..., None], args: tuple[Any, ...]
     ) -> None:
         peer = self.peers.get(src)
