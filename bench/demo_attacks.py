@@ -16,7 +16,7 @@ import json
 import sys
 
 from p2pdiloco.demo import DemoConfig, run_demo
-from p2pdiloco.sync.attacks import ATTACKS
+from p2pdiloco.train.attacks import ATTACKS
 
 
 def main() -> int:

@@ -21,6 +21,8 @@ import time
 import tracemalloc
 from typing import Any
 
+from p2pdiloco.core.roster import MAX_ROSTER, committee_of_roster, genesis_roster, next_roster
+from p2pdiloco.core.trust import trusted_of_roster
 from p2pdiloco.protocol.certificates import (
     Accepted,
     CertificateBody,
@@ -31,8 +33,6 @@ from p2pdiloco.protocol.certificates import (
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest, run_id_of
 from p2pdiloco.protocol.signing import canonical_json
-from p2pdiloco.sync.roster import MAX_ROSTER, committee_of_roster, genesis_roster, next_roster
-from p2pdiloco.sync.trust import trusted_of_roster
 
 # A certificate's most receipts, and its byte limit, when ADR 0044 was measured: ADR 0047 has
 # since raised them to 16,384 and 8 MiB. Kept, so the table of ADR 0044 is what this prints.

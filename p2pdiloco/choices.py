@@ -1,6 +1,6 @@
 """The names a run manifest and the command line choose among, without the code behind them.
 
-``p2pdiloco.aggregate``, ``p2pdiloco.compress`` and ``p2pdiloco.sync.attacks`` import torch;
+``p2pdiloco.aggregate``, ``p2pdiloco.compress`` and ``p2pdiloco.train.attacks`` import torch;
 ``--help`` and the checks of a user's flags need only these names, so they live here
 (``tests/test_cli_startup.py`` checks each registry lists exactly these), with the one check of
 which choices go together that a run's creator gets before anything heavy is imported.
@@ -25,7 +25,7 @@ CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "topk2")
 # Codecs of the certified update (SyncRules.update_codec, ADR 0029): dense ones only. A sparse
 # update would need error feedback on the committee's side, which a learner cannot recompute.
 UPDATE_CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4")
-# Attacks a test or demo node can play (p2pdiloco.sync.attacks).
+# Attacks a test or demo node can play (p2pdiloco.train.attacks).
 ATTACKS: tuple[str, ...] = (
     "sign-flip",
     "scale",

@@ -33,8 +33,8 @@ from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.sync.attacks import ATTACKS
 from p2pdiloco.sync.rules import check_supported
+from p2pdiloco.train.attacks import ATTACKS
 from p2pdiloco.train.models import get_spec
 
 

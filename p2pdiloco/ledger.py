@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pdiloco.core.roster import verify_successor
 from p2pdiloco.protocol.certificates import Certificate, body_digest, parse_certificate
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.sync.roster import verify_successor
 
 
 @dataclass

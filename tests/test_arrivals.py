@@ -6,8 +6,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from p2pdiloco.core.arrivals import FACTOR, ROUNDS_KEPT, ArrivalWindow
 from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.sync.arrivals import FACTOR, ROUNDS_KEPT, ArrivalWindow
 
 
 def window(grace_min: float | None = 2.0, grace: float = 60.0) -> ArrivalWindow:

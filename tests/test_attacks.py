@@ -7,7 +7,7 @@ import torch
 
 from p2pdiloco.aggregate import screen
 from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.sync.attacks import AttackConfig, Attacker, mimic_target
+from p2pdiloco.train.attacks import AttackConfig, Attacker, mimic_target
 
 SHAPES = {"w": (3, 4), "b": (5,)}
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.protocol.certificates import MAX_RECEIPTS
-from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
-from p2pdiloco.sync.round import (
+from p2pdiloco.core.bounded import BoundedLog, ReplayGuard
+from p2pdiloco.core.round import (
     Aggregate,
     Dropped,
     Propose,
@@ -17,7 +15,9 @@ from p2pdiloco.sync.round import (
     Submission,
     SyncerRound,
 )
-from p2pdiloco.sync.round_types import HELD_BYTES, MIN_HELD, held_cap
+from p2pdiloco.core.round_types import HELD_BYTES, MIN_HELD, held_cap
+from p2pdiloco.protocol.certificates import MAX_RECEIPTS
+from p2pdiloco.protocol.reasons import Reason
 
 N = 100_000
 STALENESS = 2

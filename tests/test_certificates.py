@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.committee import beacon
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
     Accepted,
@@ -22,7 +23,6 @@ from p2pdiloco.protocol.certificates import (
 )
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
-from p2pdiloco.sync.committee import beacon
 
 RUN = "ab" * 32
 SYNCERS = [Identity.from_seed(bytes([i]) * 32) for i in range(4)]

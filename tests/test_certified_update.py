@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.core.roster import committee_for, with_roster
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, assemble, parse_certificate, sign_body
@@ -30,7 +31,6 @@ from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of, request_limits
 from p2pdiloco.sync.fetch import SyncError, download_state, follow_update, follow_updates
-from p2pdiloco.sync.roster import committee_for, with_roster
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError, hash_update, pack_update, update_codec
 from p2pdiloco.train.configs import OuterConfig

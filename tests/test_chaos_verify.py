@@ -21,6 +21,7 @@ from bench.chaos_verify import (
     most_out_at_once,
     verify_state_dir,
 )
+from p2pdiloco.core.roster import committee_for, next_roster, roster_of, with_roster
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import (
     Accepted,
@@ -34,7 +35,6 @@ from p2pdiloco.protocol.certificates import (
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.roster import committee_for, next_roster, roster_of, with_roster
 from p2pdiloco.train.outer import MOMENTUM_PREFIX
 
 KEYS = [Identity.from_seed(hashlib.sha256(b"chaos%d" % i).digest()) for i in range(4)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.sync.round import Clipped, RoundParams, Submission, SyncerRound
-from p2pdiloco.sync.weights import plausible_claim
+from p2pdiloco.core.round import Clipped, RoundParams, Submission, SyncerRound
+from p2pdiloco.core.weights import plausible_claim
 
 H, TOKENS_PER_STEP = 20, 128
 

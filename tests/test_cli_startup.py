@@ -35,7 +35,7 @@ def test_the_light_name_lists_are_the_registries() -> None:
     from p2pdiloco import choices
     from p2pdiloco.aggregate import RULES
     from p2pdiloco.compress import CODECS
-    from p2pdiloco.sync.attacks import ATTACKS
+    from p2pdiloco.train.attacks import ATTACKS
 
     assert (choices.RULES, choices.CODECS, choices.ATTACKS) == (RULES, CODECS, ATTACKS)
 

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from p2pdiloco.sync.committee import (
+from p2pdiloco.core.committee import (
     Candidate,
     CommitteeRules,
     beacon,

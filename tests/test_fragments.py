@@ -17,6 +17,8 @@ import torch
 
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.core.bounded import ReplayGuard
+from p2pdiloco.core.roster import committee_for, with_roster
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, assemble, parse_certificate, sign_body
 from p2pdiloco.protocol.identity import Identity
@@ -31,12 +33,10 @@ from p2pdiloco.protocol.submissions import (
 )
 from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.aggregator import MergeInput
-from p2pdiloco.sync.bounded import ReplayGuard
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_names
 from p2pdiloco.sync.intake import Intake
-from p2pdiloco.sync.roster import committee_for, with_roster
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError
 from p2pdiloco.train.configs import OuterConfig

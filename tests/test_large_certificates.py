@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hivemind.p2p import P2P
 
+from p2pdiloco.core.round_types import MIN_HELD, held_cap
 from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer, fetch_unheard, unheard
 from p2pdiloco.net.cert_records import publish_certificate
 from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
@@ -41,7 +42,6 @@ from p2pdiloco.sync.committee_msgs import (
     signature_message,
 )
 from p2pdiloco.sync.fetch import fetch_cert
-from p2pdiloco.sync.round_types import MIN_HELD, held_cap
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
 from tests.test_runtime_memory import check_chains
 

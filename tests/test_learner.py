@@ -12,7 +12,7 @@ from p2pdiloco.compress.wire import unpack_deltas
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.sync.attacks import AttackConfig
+from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.data import PackedCorpus, build_corpus
 from p2pdiloco.train.inner import lr_factor
 from p2pdiloco.train.learner import Learner, Outgoing, data_seed, inner_config

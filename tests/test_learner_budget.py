@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pdiloco.sync.learner_machine import LearnerMachine, LearnerPhase, Rebase, Send, Train
+from p2pdiloco.core.learner import LearnerMachine, LearnerPhase, Rebase, Send, Train
 from tests.test_learner_machine import H, machine
 
 

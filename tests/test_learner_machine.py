@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.sync.learner_machine import (
+from p2pdiloco.core.learner import (
     CatchUp,
     Drop,
     LearnerMachine,
@@ -18,6 +17,7 @@ from p2pdiloco.sync.learner_machine import (
     Wait,
     round_pace,
 )
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 
 H = 10
 CHUNK = 4

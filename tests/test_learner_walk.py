@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sync.learner_machine import (
+from p2pdiloco.core.learner import (
     CatchUp,
     Drop,
     LearnerAction,
@@ -16,6 +15,7 @@ from p2pdiloco.sync.learner_machine import (
     Send,
     Train,
 )
+from p2pdiloco.protocol.reasons import Reason
 
 # -- invariants under random events ------------------------------------------------------------
 

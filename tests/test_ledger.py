@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from p2pdiloco.core.roster import committee_for, next_roster, roster_of, with_roster
 from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import (
@@ -18,7 +19,6 @@ from p2pdiloco.protocol.certificates import (
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sync.roster import committee_for, next_roster, roster_of, with_roster
 from tests.netutil import run_cli as forked_cli
 
 SYNCERS = [Identity.from_seed(hashlib.sha256(b"ledger%d" % i).digest()) for i in range(4)]

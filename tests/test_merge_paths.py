@@ -17,12 +17,12 @@ import p2pdiloco.train.learner as learner_mod
 import p2pdiloco.train.simulate as simulate_mod
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import unpack_deltas
+from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
-from p2pdiloco.sync.attacks import AttackConfig, Attacker
-from p2pdiloco.sync.weights import merge_weights
+from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.data import build_corpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import build_model, get_spec, param_state

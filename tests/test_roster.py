@@ -9,6 +9,18 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core import committee
+from p2pdiloco.core.roster import (
+    MAX_ROSTER,
+    ROSTER_WINDOW,
+    CommitteeInfo,
+    beacon_of,
+    committee_for,
+    genesis_roster,
+    next_roster,
+    roster_of,
+    verify_successor,
+)
 from p2pdiloco.protocol.certificates import (
     Accepted,
     Certificate,
@@ -23,18 +35,6 @@ from p2pdiloco.protocol.certificates import (
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest, run_id_of
 from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.sync import committee
-from p2pdiloco.sync.roster import (
-    MAX_ROSTER,
-    ROSTER_WINDOW,
-    CommitteeInfo,
-    beacon_of,
-    committee_for,
-    genesis_roster,
-    next_roster,
-    roster_of,
-    verify_successor,
-)
 
 RUN = "ab" * 32
 IDS = [Identity.from_seed(hashlib.sha256(b"roster%d" % i).digest()) for i in range(12)]

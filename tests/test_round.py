@@ -6,8 +6,7 @@ import hashlib
 
 import pytest
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.sync.round import (
+from p2pdiloco.core.round import (
     Aggregate,
     Done,
     Dropped,
@@ -23,6 +22,7 @@ from p2pdiloco.sync.round import (
     SubmissionStatus,
     SyncerRound,
 )
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 
 RUN = "run"
 COMMITTEE = ("s0", "s1", "s2", "s3")

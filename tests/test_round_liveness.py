@@ -3,7 +3,7 @@ unreachable leader, a quorum out of reach) and what it does with proposals passe
 
 from __future__ import annotations
 
-from p2pdiloco.sync.round import Fetch, Phase, SyncerRound
+from p2pdiloco.core.round import Fetch, Phase, SyncerRound
 from tests.test_round import Committee, params, sub
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.runtime.memnet import MemoryNetwork
-from p2pdiloco.sync.weights import merge_weights
 from tests.test_runtime_memory import check_chains
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]

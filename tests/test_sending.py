@@ -109,7 +109,7 @@ def test_what_a_send_found_is_told_to_the_round_current_on_the_same_base() -> No
     """A vote sent as view 0 ends goes to the next view's committee: a failure to reach that
     view's leader is told to the round the member opened for the next view, since it is on the
     same base version, and never to a round on another base (``heard_from``)."""
-    from p2pdiloco.sync.round import RoundParams, SyncerRound
+    from p2pdiloco.core.round import RoundParams, SyncerRound
     from p2pdiloco.sync.sending import heard_from
 
     def rnd(version: int, committee: tuple[str, ...]) -> SyncerRound:

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from p2pdiloco.core.roster import committee_for
+from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.config import Fault, fault_schedule, profiles
 from p2pdiloco.sim.dp import data_parallel, up_seconds
 from p2pdiloco.sim.learner import Pending, SimLearner
-from p2pdiloco.sync.roster import committee_for
-from p2pdiloco.sync.round import Submission
 
 SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
                   rules={"grace": 30.0, "agree_timeout": 10.0})  # fmt: skip

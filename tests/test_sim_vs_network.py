@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 
+from p2pdiloco.core.trust import trusted_count, trusted_peers
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.submissions import open_submission
@@ -23,7 +24,6 @@ from p2pdiloco.sim.config import identity
 from p2pdiloco.sim.world import World
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.service import SyncService
-from p2pdiloco.sync.trust import trusted_count, trusted_peers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from p2pdiloco.core.trust import probation_room, trusted_peers
 from p2pdiloco.demo import LocalNetwork
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sybil import flood
-from p2pdiloco.sync.trust import probation_room, trusted_peers
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates, verified_certificates
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from p2pdiloco.core.learner import LearnerMachine
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.runtime.trainer import Certified, Reply, Submission, Trainer
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.learner_machine import LearnerMachine
 from p2pdiloco.train.data import build_corpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import build_model, get_spec, param_state

@@ -11,12 +11,9 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import screen
-from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.protocol.records import SyncRules
-from p2pdiloco.sync.aggregator import MergeInput, merge_round
-from p2pdiloco.sync.roster import committee_for
-from p2pdiloco.sync.round import Aggregate, Phase, Propose, Reject, RoundParams, SyncerRound
-from p2pdiloco.sync.trust import (
+from p2pdiloco.core.roster import committee_for
+from p2pdiloco.core.round import Aggregate, Phase, Propose, Reject, RoundParams, SyncerRound
+from p2pdiloco.core.trust import (
     AWAITED_VERSIONS,
     cap_probation,
     learners_awaited,
@@ -24,6 +21,9 @@ from p2pdiloco.sync.trust import (
     trusted_count,
     trusted_peers,
 )
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.train.outer import OuterConfig
 from tests.test_roster import PEERS, RUN, certificate, entry, manifest
 from tests.test_round import sub

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.roster import committee_for, next_roster, roster_of, verify_successor
+from p2pdiloco.core.views import ViewState
 from p2pdiloco.protocol.certificates import (
     Certificate,
     CertificateBody,
@@ -26,8 +28,6 @@ from p2pdiloco.protocol.view_change import (
     sign_vote,
     timeout_lock,
 )
-from p2pdiloco.sync.roster import committee_for, next_roster, roster_of, verify_successor
-from p2pdiloco.sync.views import ViewState
 from tests.test_roster import BY_PEER, IDS, PEERS, RUN, manifest, receipt, successor
 
 H1, H2 = "11" * 32, "22" * 32

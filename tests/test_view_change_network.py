@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.roster import committee_for, roster_of
 from p2pdiloco.demo import LocalNetwork, NodeProc
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
-from p2pdiloco.sync.roster import committee_for, roster_of
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates, verified_certificates
 

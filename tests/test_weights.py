@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from p2pdiloco.sync.trust import cap_probation
-from p2pdiloco.sync.weights import capped_weights, ordered_sum
+from p2pdiloco.core.trust import cap_probation
+from p2pdiloco.core.weights import capped_weights, ordered_sum
 
 
 def _reference_cap(weights: list[float], f: float) -> float:

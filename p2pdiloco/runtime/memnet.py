@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from p2pdiloco.core.learner import LearnerMachine
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
@@ -28,8 +29,7 @@ from p2pdiloco.runtime.node_runtime import NodeRuntime, RuntimeConfig
 from p2pdiloco.runtime.plane import MemoryDirectory
 from p2pdiloco.runtime.trainer import Trainer
 from p2pdiloco.runtime.transport import MemoryHub
-from p2pdiloco.sync.attacks import AttackConfig
-from p2pdiloco.sync.learner_machine import LearnerMachine
+from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.data import PackedCorpus, build_corpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import get_spec

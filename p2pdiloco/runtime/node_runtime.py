@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.aio import cancel_and_wait
+from p2pdiloco.core.roster import committee_for
 from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.cert_records import cert_version, signed_claims
 from p2pdiloco.net.sync_rpc import TRAFFIC, RpcError, RpcRefused
@@ -44,7 +45,6 @@ from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
 from p2pdiloco.sync.fetch import SyncError, catch_up, fetch_cert
-from p2pdiloco.sync.roster import committee_for
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.data import PackedCorpus
 

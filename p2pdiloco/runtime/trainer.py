@@ -20,20 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2pdiloco.island.leader import IslandBroken
-from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.submissions import (
-    FragmentRef,
-    SubmissionHeader,
-    payload_digest,
-    seal_submission,
-)
-from p2pdiloco.sync.attacks import INFLATED_STEPS
-from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.fragments import round_fragment, round_names
-from p2pdiloco.sync.learner_machine import (
+from p2pdiloco.core.learner import (
     CatchUp,
     Drop,
     LearnerAction,
@@ -45,7 +32,20 @@ from p2pdiloco.sync.learner_machine import (
     Wait,
     round_pace,
 )
-from p2pdiloco.sync.weights import plausible_claim
+from p2pdiloco.core.weights import plausible_claim
+from p2pdiloco.island.leader import IslandBroken
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.submissions import (
+    FragmentRef,
+    SubmissionHeader,
+    payload_digest,
+    seal_submission,
+)
+from p2pdiloco.sync.certified import CertifiedState
+from p2pdiloco.sync.fragments import round_fragment, round_names
+from p2pdiloco.train.attacks import INFLATED_STEPS
 from p2pdiloco.train.learner import Learner, Outgoing, rebase_anchor
 
 log = logging.getLogger(__name__)

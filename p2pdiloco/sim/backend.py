@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.core.round import Aggregate, Submission
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.submissions import (
     FragmentRef,
@@ -30,7 +31,6 @@ from p2pdiloco.sync.aggregator import MergeError, MergeInput
 from p2pdiloco.sync.certified import CertifiedState, genesis_state, next_state
 from p2pdiloco.sync.fragments import round_fragment, round_shapes
 from p2pdiloco.sync.intake import Intake
-from p2pdiloco.sync.round import Aggregate, Submission
 from p2pdiloco.train.outer import OuterConfig
 
 

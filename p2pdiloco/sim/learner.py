@@ -13,8 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.sync.learner_machine import (
+from p2pdiloco.core.learner import (
     CatchUp,
     LearnerAction,
     LearnerMachine,
@@ -23,7 +22,8 @@ from p2pdiloco.sync.learner_machine import (
     Train,
     Wait,
 )
-from p2pdiloco.sync.round import Submission
+from p2pdiloco.core.round import Submission
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 
 if TYPE_CHECKING:
     from p2pdiloco.sim.world import World

@@ -13,9 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import RETRYABLE
 from p2pdiloco.sim.clock import SMALL
-from p2pdiloco.sync.round import Submission
 from p2pdiloco.sync.sending import LATER_EVERY
 
 if TYPE_CHECKING:

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from p2pdiloco.core.learner import LearnerMachine
+from p2pdiloco.core.roster import CommitteeInfo, committee_for, with_roster
+from p2pdiloco.core.round import Done, Submission
+from p2pdiloco.core.round_types import held_cap
+from p2pdiloco.core.trust import trust_progress, trusted_count, trusted_peers
+from p2pdiloco.core.weights import plausible_claim
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, assemble, content_digest
 from p2pdiloco.protocol.identity import Identity
@@ -33,14 +39,8 @@ from p2pdiloco.sim.learner import Pending, SimLearner
 from p2pdiloco.sim.relay import Relays
 from p2pdiloco.sim.syncer import TICK, Member, open_member
 from p2pdiloco.sync.committee_msgs import body_of
-from p2pdiloco.sync.learner_machine import LearnerMachine
-from p2pdiloco.sync.roster import CommitteeInfo, committee_for, with_roster
-from p2pdiloco.sync.round import Done, Submission
-from p2pdiloco.sync.round_types import held_cap
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
-from p2pdiloco.sync.trust import trust_progress, trusted_count, trusted_peers
-from p2pdiloco.sync.weights import plausible_claim
 
 # A delta is delivered again after each answer: its order among a view's members is the same.
 _intake_order = lru_cache(maxsize=1 << 15)(intake_order)

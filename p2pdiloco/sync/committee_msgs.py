@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from p2pdiloco.core.roster import CommitteeInfo, roster_after
+from p2pdiloco.core.weights import plausible_claim
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
     MAX_RECEIPTS,
@@ -28,8 +30,6 @@ from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envel
 from p2pdiloco.protocol.submissions import SubmissionHeader
 from p2pdiloco.protocol.view_change import MAX_VIEWS
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.roster import CommitteeInfo, roster_after
-from p2pdiloco.sync.weights import plausible_claim
 
 PROPOSAL_KIND = "proposal"
 MAX_PROPOSAL_DIGESTS = MAX_RECEIPTS  # an input set is merged whole: one receipt per input

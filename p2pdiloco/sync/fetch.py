@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from p2pdiloco.core.roster import verify_successor
 from p2pdiloco.net.cert_records import cert_version
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.certificates import MAX_CERTIFICATE_BYTES, Certificate, parse_certificate
@@ -28,7 +29,6 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState, apply_update
-from p2pdiloco.sync.roster import verify_successor
 from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
 from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update, max_update_bytes, update_codec
 from p2pdiloco.train.configs import OuterConfig

@@ -19,14 +19,14 @@ import torch
 
 from p2pdiloco.compress import CodecError, Encoded, get_codec
 from p2pdiloco.compress.wire import MAGIC, unpack_deltas
+from p2pdiloco.core.bounded import ReplayGuard
+from p2pdiloco.core.round_types import held_cap
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission, payload_digest
-from p2pdiloco.sync.bounded import ReplayGuard
 from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_shapes
-from p2pdiloco.sync.round_types import held_cap
 
 Refusal = tuple[Reason, str]
 Reject = Callable[[str, str | None, Reason, str], None]  # (peer, digest, code, text): log it

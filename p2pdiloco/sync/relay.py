@@ -34,8 +34,8 @@ from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 if TYPE_CHECKING:
+    from p2pdiloco.core.round import SyncerRound
     from p2pdiloco.sync.intake import Intake
-    from p2pdiloco.sync.round import SyncerRound
 
 log = logging.getLogger(__name__)
 

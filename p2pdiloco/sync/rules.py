@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from p2pdiloco.aggregate import RULES, get_rule
 from p2pdiloco.choices import SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
+from p2pdiloco.core.roster import CommitteeInfo
+from p2pdiloco.core.round_types import RoundParams
+from p2pdiloco.core.trust import trust_progress, trusted_peers
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.sync.certified import CertifiedState
-from p2pdiloco.sync.roster import CommitteeInfo
-from p2pdiloco.sync.round_types import RoundParams
-from p2pdiloco.sync.trust import trust_progress, trusted_peers
 
 
 class UnsupportedManifest(UserError):

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Collection
 from functools import partial
 from typing import Any
 
+from p2pdiloco.core.round import Phase, SyncerRound
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.sync.round import Phase, SyncerRound
 
 log = logging.getLogger(__name__)
 

@@ -21,31 +21,10 @@ from typing import Any
 
 from p2pdiloco import failpoints
 from p2pdiloco.aio import cancel_and_wait
-from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
-from p2pdiloco.protocol.certificates import content_digest
-from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
-from p2pdiloco.runtime.delivery import fetch_order
-from p2pdiloco.runtime.transport import Transport
-from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
-from p2pdiloco.sync.arrivals import ArrivalWindow
-from p2pdiloco.sync.bounded import BoundedLog, ReplayGuard
-from p2pdiloco.sync.certified import CertifiedState, next_state
-from p2pdiloco.sync.committee_msgs import (
-    BadMessage,
-    certificate_body,
-    open_proposal,
-    open_signature,
-    seal_proposal,
-)
-from p2pdiloco.sync.fetch import fetch_submission
-from p2pdiloco.sync.intake import Held, Intake, Refusal
-from p2pdiloco.sync.relay import Relayer
-from p2pdiloco.sync.roster import CommitteeInfo, with_roster
-from p2pdiloco.sync.round import (
+from p2pdiloco.core.arrivals import ArrivalWindow
+from p2pdiloco.core.bounded import BoundedLog, ReplayGuard
+from p2pdiloco.core.roster import CommitteeInfo, with_roster
+from p2pdiloco.core.round import (
     Action,
     Aggregate,
     Clipped,
@@ -59,10 +38,31 @@ from p2pdiloco.sync.round import (
     Submission,
     SyncerRound,
 )
+from p2pdiloco.core.trust import learners_awaited
+from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
+from p2pdiloco.protocol.certificates import content_digest
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.signing import InvalidRecord
+from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
+from p2pdiloco.runtime.delivery import fetch_order
+from p2pdiloco.runtime.transport import Transport
+from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
+from p2pdiloco.sync.certified import CertifiedState, next_state
+from p2pdiloco.sync.committee_msgs import (
+    BadMessage,
+    certificate_body,
+    open_proposal,
+    open_signature,
+    seal_proposal,
+)
+from p2pdiloco.sync.fetch import fetch_submission
+from p2pdiloco.sync.intake import Held, Intake, Refusal
+from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
 from p2pdiloco.sync.sending import Fellows, still_proposing, still_signing
 from p2pdiloco.sync.signatures import RoundSignatures, refusal_of
-from p2pdiloco.sync.trust import learners_awaited
 from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
 

@@ -5,7 +5,7 @@ hands it the ``vote`` requests fellow nodes send. The driver signs this node's v
 view times out (the round then signs nothing more in that view), sends it to the committees of
 the view and of the next one, and tells the service when the node has moved to a new view, so
 the service opens that view's round. The protocol is in ``protocol/view_change.py``; the
-sans-IO state in ``sync/views.py``.
+sans-IO state in ``core/views.py``.
 
 Vote message (one frame, canonical JSON, at most ``MAX_VOTE_BYTES``):
 ``{"version": v + 1, "view": j, "voter": peer id, "vote": {"signed", "sig"},
@@ -21,6 +21,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+from p2pdiloco.core.round import SyncerRound
+from p2pdiloco.core.views import ViewState
 from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
@@ -35,8 +37,6 @@ from p2pdiloco.protocol.view_change import (
     sign_vote,
 )
 from p2pdiloco.sync.committee_msgs import MAX_VOTE_BYTES, BadMessage
-from p2pdiloco.sync.round import SyncerRound
-from p2pdiloco.sync.views import ViewState
 
 log = logging.getLogger(__name__)
 

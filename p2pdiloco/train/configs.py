@@ -59,7 +59,7 @@ class SimulateConfig:
     # round-timing fields do not apply in one process).
     rules: SyncRules = field(default_factory=SyncRules)
     adversaries: int = 0  # the last N learners poison their deltas
-    attack: str = "sign-flip"  # p2pdiloco.sync.attacks.ATTACKS
+    attack: str = "sign-flip"  # p2pdiloco.train.attacks.ATTACKS
     # Each attacker adds its own noise of this × the honest per-coordinate std (AttackConfig
     # .jitter): copies that stay apart from one another, to measure clone folding's limit.
     attack_jitter: float = 0.0

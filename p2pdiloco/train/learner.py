@@ -37,7 +37,7 @@ import torch
 from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.sync.attacks import AttackConfig, Attacker
+from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.data import PackedCorpus, learner_batches
 from p2pdiloco.train.inner import (
     InnerConfig,

@@ -31,12 +31,12 @@ import torch
 from p2pdiloco.aggregate import get_rule
 from p2pdiloco.choices import UPDATE_CODECS
 from p2pdiloco.compress import ErrorFeedback, get_codec
+from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
-from p2pdiloco.sync.attacks import AttackConfig, Attacker
 from p2pdiloco.sync.update import update_codec
-from p2pdiloco.sync.weights import merge_weights
+from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
 from p2pdiloco.train.data import (
     PackedCorpus,

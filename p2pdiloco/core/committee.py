@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from p2pdiloco.sync.weights import capped_weights
+from p2pdiloco.core.weights import capped_weights
 
 BEACON_DOMAIN = b"p2pdiloco/beacon/v1\x00"
 _SCORE_DOMAIN = b"p2pdiloco/committee/v1\x00"

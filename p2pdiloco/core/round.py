@@ -6,7 +6,7 @@ be, a fellow syncer signed, time passed) and carries out the actions it returns 
 log, fast-forward a stale learner, propose, fetch, aggregate, forget dropped payloads, sign,
 publish a certificate). The asyncio node, the multi-process tests and a discrete-event
 simulator of thousands of peers all drive this class. Its vocabulary lives in
-``sync/round_types.py`` and is re-exported here.
+``core/round_types.py`` and is re-exported here.
 
 Phases of the round that turns certified version v into v+1:
 
@@ -28,7 +28,7 @@ error) calls ``on_merge_failed``: it signs nothing for that set, drops its submi
 are refused if sent again) and opens attempt n+1 in COLLECTING with a fresh grace period.
 Committee member n mod k, and only it, leads attempt n: no rotation by time (members whose
 clocks disagree on whose turn it is would each sign their own set); a silent leader
-(``leader_silent``) makes the driver vote for the next view (``sync/views.py``, ADR 0012), and
+(``leader_silent``) makes the driver vote for the next view (``core/views.py``, ADR 0012), and
 a round of a later view may be ``locked`` to the input set an earlier view may have certified.
 Proposals name their attempt; one for another attempt is refused with NO_OPEN_ROUND
 (retryable), never adopted. Signatures do not name the attempt, so they count in every phase:
@@ -54,9 +54,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
-from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sync.reach import Reach
-from p2pdiloco.sync.round_types import (
+from p2pdiloco.core.reach import Reach
+from p2pdiloco.core.round_types import (
     Action,
     Aggregate,
     Clipped,
@@ -73,9 +72,11 @@ from p2pdiloco.sync.round_types import (
     Submission,
     SubmissionStatus,
 )
-from p2pdiloco.sync.screening import Refusal, screen
-from p2pdiloco.sync.trust import cap_probation, probation_room
-from p2pdiloco.sync.weights import merge_weights, plausible_claim
+from p2pdiloco.core.trust import cap_probation, probation_room
+from p2pdiloco.core.weights import merge_weights, plausible_claim
+from p2pdiloco.protocol.reasons import Reason
+
+Refusal = tuple[Reason, str]  # why a submission is refused: code and one line
 
 __all__ = [
     "Action",
@@ -299,7 +300,7 @@ class SyncerRound:
         return [Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)]
 
     def abandon(self) -> str | None:
-        """This syncer votes to hand the version to the next view (``sync/views.py``): from
+        """This syncer votes to hand the version to the next view (``core/views.py``): from
         now on it signs nothing in this round. Returns the state it signed here, if any, which
         its vote must report."""
         self.abandoned = True
@@ -395,7 +396,47 @@ class SyncerRound:
     # -- internals -------------------------------------------------------------------------
 
     def _screen(self, sub: Submission, allow_after_close: bool = False) -> Refusal | None:
-        return screen(self, sub, allow_after_close)
+        """Why this round refuses ``sub`` (code and one line), or None to hold it. The checks,
+        in order: the run; a digest dropped earlier (its code again); the phase (after the
+        close only fetched members of the agreed set pass, ``allow_after_close``); the base
+        version (newer than certified, or older than the staleness allows: STALE, and the
+        driver fast-forwards the learner); the token claim (steps × batch × seq_len); a
+        duplicate digest; then, for a learner's own copy only, one submission per learner,
+        ``max_inputs`` and the probationary room (BUSY)."""
+        p = self.params
+        if sub.run_id != p.run_id:
+            return Reason.WRONG_RUN, "submission for another run"
+        if sub.digest in self.dropped:
+            return self.dropped[sub.digest], "submission was dropped from this round earlier"
+        if self.phase is not Phase.COLLECTING and not allow_after_close:
+            return Reason.ROUND_CLOSED, f"round for version {p.version + 1} is already closed"
+        if sub.base_version > p.version:
+            text = f"base version {sub.base_version} is newer than the certified {p.version}"
+            return Reason.BASE_TOO_NEW, text
+        if sub.base_version < p.version - p.staleness:
+            text = f"stale: base version {sub.base_version} is older than {p.version - p.staleness}"
+            return Reason.STALE, text
+        if sub.steps < 1 or sub.tokens < 1:
+            return Reason.BAD_CLAIM, "a submission must report at least one step and one token"
+        if sub.tokens > sub.steps * p.max_tokens_per_step:
+            text = (
+                f"token claim {sub.tokens} exceeds steps × batch × seq_len "
+                f"({sub.steps} × {p.max_tokens_per_step})"
+            )
+            return Reason.BAD_CLAIM, text
+        if sub.digest in self.accepted:
+            return Reason.DUPLICATE, "duplicate submission"
+        if allow_after_close:
+            return None
+        if sub.peer_id in self.by_peer:
+            return Reason.DUPLICATE, "a second submission from the same learner in one round"
+        if len(self.accepted) >= p.max_inputs:
+            return Reason.BUSY, f"round already holds {p.max_inputs} submissions"
+        if not p.is_trusted(sub.peer_id):
+            room = max(1, int(p.max_inputs * p.probation_share))
+            if self.probationary >= room:
+                return Reason.BUSY, f"round already holds {room} probationary submissions"
+        return None
 
     def _accept(self, sub: Submission) -> Submission:
         """Hold ``sub`` with its claim clipped to one delta's steps; return what is held."""

@@ -1,7 +1,7 @@
 """The values a ``SyncerRound`` takes and returns: parameters, inputs, actions, status.
 
-Kept apart from the state machine (``sync/round.py``) so that drivers and the simulator can
-import the vocabulary without the logic; ``sync/round.py`` re-exports every name here.
+Kept apart from the state machine (``core/round.py``) so that drivers and the simulator can
+import the vocabulary without the logic; ``core/round.py`` re-exports every name here.
 """
 
 from __future__ import annotations

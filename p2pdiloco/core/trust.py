@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping
 
+from p2pdiloco.core.roster import roster_of
+from p2pdiloco.core.weights import ordered_sum
 from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.sync.roster import roster_of
-from p2pdiloco.sync.weights import ordered_sum
 
 # Roster identities a round waits for: those with a delta merged (or that joined) in the last
 # this many versions, the roster's whole window before ADR 0045.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2pdiloco.core.roster import CommitteeInfo, committee_for
 from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import (
@@ -34,7 +35,6 @@ from p2pdiloco.protocol.view_change import (
     timeout_cert_of,
     timeout_lock,
 )
-from p2pdiloco.sync.roster import CommitteeInfo, committee_for
 
 
 @dataclass

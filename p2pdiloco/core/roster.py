@@ -10,7 +10,7 @@ genesis committee (or the run creator alone) is the roster.
 
 A peer stays on the roster for the manifest's ``rules.roster_window`` versions after its last
 accepted delta, so the roster follows the learners actually contributing; its counters
-(accepted deltas, tokens) are the eligibility and weight of :func:`p2pdiloco.sync.committee.elect`.
+(accepted deltas, tokens) are the eligibility and weight of :func:`p2pdiloco.core.committee.elect`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from p2pdiloco.core import committee
 from p2pdiloco.protocol.certificates import (
     Accepted,
     Certificate,
@@ -29,7 +30,6 @@ from p2pdiloco.protocol.certificates import (
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, timeout_lock
-from p2pdiloco.sync import committee
 
 __all__ = [
     "MAX_ROSTER",
