@@ -23,6 +23,7 @@ from p2pdiloco.protocol.certificates import (
     MAX_RECEIPTS,
     MAX_REFUSALS,
     Accepted,
+    Certificate,
     CertificateBody,
     Rejected,
     assemble,
@@ -43,6 +44,10 @@ from p2pdiloco.sync.committee_msgs import (
 )
 from p2pdiloco.sync.fetch import fetch_cert
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
+from tests.test_ledger import LEARNERS as CHAIN_LEARNERS
+from tests.test_ledger import MANIFEST as CHAIN_MANIFEST
+from tests.test_ledger import RUN_ID as CHAIN_RUN
+from tests.test_ledger import receipt, successor
 from tests.test_runtime_memory import check_chains
 
 INPUTS = 10_000
@@ -172,11 +177,37 @@ def test_nodes_follow_versions_that_gossip_cannot_carry(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def _chain_to_big() -> list[Certificate]:
+    """A chain the bootstrap verifies from genesis: versions 1 to 7 of three receipts each, then
+    version 8, a round of ``INPUTS`` receipts (1.7 MB)."""
+    chain: list[Certificate] = []
+    for v in range(1, 8):
+        chain.append(
+            successor(chain[-1] if chain else None, [receipt(p, 100, v) for p in CHAIN_LEARNERS])
+        )
+    big = [Accepted(peer_id=CHAIN_LEARNERS[i % 3], digest=d, steps=500, tokens=500 * 2048)
+           for i, d in enumerate(_digests(INPUTS))]  # fmt: skip
+    chain.append(successor(chain[-1], big))
+    return chain
+
+
+def _following(chain: list[Certificate]) -> NetworkWatch:
+    """A watch that follows the chain's run and has counted all but its last version."""
+    watch = NetworkWatch()
+    watch.follow(CHAIN_RUN, CHAIN_MANIFEST)
+    watch.add_certificates(CHAIN_RUN, [c.raw for c in chain[:-1]])
+    assert watch.version(CHAIN_RUN) == len(chain) - 1
+    return watch
+
+
 def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leaderboard() -> None:
     # A 10,000-receipt certificate (1.7 MB) is neither in the DHT nor on gossip: the bootstrap
     # asks the peers that announce its version, newest first. The first serves a certificate
     # of another version (refused, one try lost); the second serves it and the board counts it.
-    raw, other = _big_certificate(), _certificate(body(version=9, base_version=8))
+    # The first also announces version 9 and serves a forged one for it: fetched, never counted.
+    chain = _chain_to_big()
+    raw = chain[-1].raw
+    other = _certificate(body(run=CHAIN_RUN, version=9, base_version=8))
     assert len(raw) > MAX_MESSAGE_BYTES
 
     def serving(cert: bytes) -> Any:
@@ -198,11 +229,11 @@ def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leader
             addrs = {p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
                      for p in (liar, honest)}  # fmt: skip
             ids = list(addrs)
-            peers = [dict(run_id=RUN, peer_id=pid, version=v, reachability="direct", island="i")
-                     for pid, v in zip(ids, (9, 8), strict=True)]  # fmt: skip
-            state = {"runs": [{"run_id": RUN, "name": "big"}], "peers": peers}
-            watch = NetworkWatch()
-            watch.update(state)  # version 8 certified: two peers announce it
+            peers = [dict(run_id=CHAIN_RUN, peer_id=pid, version=v, reachability="direct",
+                          island="i") for pid, v in zip(ids, (9, 8), strict=True)]  # fmt: skip
+            state = {"runs": [{"run_id": CHAIN_RUN, "name": "big"}], "peers": peers}
+            watch = _following(chain)
+            watch.update(state)
             wanted = unheard(watch, state)
             transport = P2PTransport(boot, boot.peer_id.to_base58(), lambda p: addrs.get(p, []))
             return wanted, await fetch_unheard(transport, wanted), watch
@@ -211,19 +242,20 @@ def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leader
                 await p.shutdown()
 
     wanted, got, watch = asyncio.run(go())
-    assert [v for _, v, _ in wanted] == [8, 7, 6, 5]  # the newest four not counted
-    assert all(len(holders) == 2 for _, _, holders in wanted)
-    assert got == [(RUN, raw)]  # 7, 6, 5: both answered with another version
+    assert [(v, len(holders)) for _, v, holders in wanted] == [(8, 2), (9, 1)]  # lowest first
+    assert got == [(CHAIN_RUN, raw), (CHAIN_RUN, other)]  # 8 from the second peer
     for run_id, cert in got:
         watch.add_certificates(run_id, [cert])
-    assert sum(row["accepted"] for row in watch.leaderboard(RUN)) == INPUTS
-    assert watch.counted(RUN, 8) and 8 not in watch.unheard(RUN)
+    assert sum(row["accepted"] for row in watch.leaderboard(CHAIN_RUN)) == INPUTS + 7 * 3
+    assert watch.counted(CHAIN_RUN, 8) and watch.unheard(CHAIN_RUN) == [9]
+    assert watch.version(CHAIN_RUN) == 8 and not watch.counted(CHAIN_RUN, 9)  # 9 is forged
 
 
 def test_a_running_bootstrap_fetches_them_beside_its_polls_and_counts_them(tmp_path: Path) -> None:
     # The server's own wiring: a real DHT and bridge; the fetch runs on the bridge's loop and
     # the next poll counts what it brought.
-    raw = _big_certificate()
+    chain = _chain_to_big()
+    raw = chain[-1].raw
 
     async def handler(
         op: str, peer: str, control: dict[str, Any], frames: list[bytes]
@@ -234,19 +266,22 @@ def test_a_running_bootstrap_fetches_them_beside_its_polls_and_counts_them(tmp_p
                           identity=tmp_path / "boot.key", refresh_interval=3600.0)  # fmt: skip
     with BootstrapServer(cfg) as server:
         assert server.bridge is not None
+        server.watch = _following(chain)
         holder = server.bridge.run(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), 30)
         try:
             server.bridge.run(serve(holder, handler, request_limits(1 << 20)), 10)
             addrs = [str(a) for a in server.bridge.run(holder.get_visible_maddrs(), 10)]
-            state = {"runs": [{"run_id": RUN, "name": "big"}],
-                     "peers": [dict(run_id=RUN, peer_id=holder.peer_id.to_base58(), version=8,
+            state = {"runs": [{"run_id": CHAIN_RUN, "name": "big"}],
+                     "peers": [dict(run_id=CHAIN_RUN, peer_id=holder.peer_id.to_base58(), version=8,
                                     addrs=addrs, reachability="direct", island="i")]}  # fmt: skip
             server.watch.update(state)
             server._fetch_unheard(state)  # starts the fetch, returns at once
             fetching = server._fetching
             assert fetching is not None and len(fetching.result(timeout=60)) == 1
-            assert server.watch.leaderboard(RUN) == []  # counted by the poll, not the fetch
+            counted = sum(row["accepted"] for row in server.watch.leaderboard(CHAIN_RUN))
+            assert counted == 7 * 3  # the fetch is counted by the poll, not by itself
             server._fetch_unheard(state)
-            assert sum(row["accepted"] for row in server.watch.leaderboard(RUN)) == INPUTS
+            counted = sum(row["accepted"] for row in server.watch.leaderboard(CHAIN_RUN))
+            assert counted == INPUTS + 7 * 3
         finally:
             server.bridge.run(holder.shutdown(), 10)

@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from p2pdiloco.core.ledger import build_ledger
 from p2pdiloco.core.roster import committee_for, next_roster, roster_of, with_roster
-from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import (
     Accepted,

@@ -16,8 +16,8 @@ import torch
 
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.core.ledger import verified_chain
 from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
-from p2pdiloco.ledger import verified_chain
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import read_peers
 from p2pdiloco.net.p2p_bridge import P2PBridge

@@ -66,10 +66,9 @@ def bootstrap(
         if server.gossip is not None:
             for addr in server.gossip.maddrs:
                 print(f"gossip: {addr}", flush=True)
-        print(
-            f"HTTP: http://{http_host}:{server.http.port}/healthz  /api/v1/state  /metrics",
-            flush=True,
-        )
+        web = f"http://{http_host}:{server.http.port}"
+        print(f"web page: {web}/  (runs, peers, the verified leaderboard)", flush=True)
+        print(f"HTTP API: {web}/healthz  {web}/api/v1/state  {web}/metrics", flush=True)
         stop.wait()
         print("stopping", flush=True)
     finally:

@@ -103,7 +103,7 @@ def _state_from_api(url: str, timeout: float = 10.0) -> dict[str, Any]:
 
 def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
     """From a node's kept certificates and the signed manifest it saved."""
-    from p2pdiloco.ledger import build_ledger
+    from p2pdiloco.core.ledger import build_ledger
     from p2pdiloco.protocol.records import parse_manifest
     from p2pdiloco.protocol.signing import InvalidRecord, open_envelope
 
@@ -123,7 +123,7 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.cli.net_common import dht_client
-    from p2pdiloco.ledger import build_ledger
+    from p2pdiloco.core.ledger import build_ledger
     from p2pdiloco.net.cert_records import read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge

@@ -229,13 +229,16 @@ class BootstrapServer:
         new = state.to_dict()
         for run in state.runs:
             if not run.incompatible:
+                self.watch.follow(run.run_id, run.manifest)
                 self.watch.add_certificates(run.run_id, read_certificates(self.dht, run.run_id))
+        self._fetch_unheard(new)
+        for r in new["runs"]:  # the run's version is its verified chain's, never a heartbeat's
+            r["certified_version"] = self.watch.version(r["run_id"])
         new["leaderboards"] = {
             r["run_id"]: self.watch.leaderboard(r["run_id"]) for r in new["runs"]
         }
         for line in self.watch.update(new):
             log.info("%s", line)
-        self._fetch_unheard(new)
         self._state = new
         self.m_runs.set(len(self._state["runs"]))
         self.m_peers.set(len(self._state["peers"]))

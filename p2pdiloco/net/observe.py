@@ -1,5 +1,5 @@
 """What a bootstrap server says about the network: one log line per meaningful event, noise
-aggregated, and a leaderboard gathered from the certificate records it sees.
+aggregated, and each run's version and leaderboard from its verified certificate chain.
 
 ``NetworkWatch.update(state)`` compares two successive ``/api/v1/state`` snapshots and returns
 one line per event (run published, peer joined or left, version certified). It is a pure
@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from p2pdiloco.core.ledger import ChainFollower
 from p2pdiloco.protocol.certificates import parse_certificate
+from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 
-# Certificates neither the DHT (16 KiB) nor gossip (256 KiB) carries, a round of over about
-# 1,400 inputs, a bootstrap fetches from the peers that announce them: this many a poll, of
-# the newest this many versions (``NetworkWatch.unheard``).
+# Certificates the chain lacks (neither the DHT, 16 KiB, nor gossip, 256 KiB, carries a round
+# of over about 1,400 inputs) a bootstrap fetches from the peers that announce them: this many
+# a poll (``NetworkWatch.unheard``); at most this many versions above the verified tip wait.
 UNHEARD_PER_POLL = 4
 UNHEARD_DEPTH = 256
 
@@ -91,15 +93,38 @@ def short(peer_id: str) -> str:
 
 
 class NetworkWatch:
-    """Events between successive network-state snapshots, and verified contributions."""
+    """Events between successive network-state snapshots, and the contributions of each run's
+    verified certificate chain.
+
+    A run's version and leaderboard come from its chain alone: each certificate the bootstrap
+    reads (DHT, gossip, fetched from peers) is verified as a successor from genesis
+    (``ledger.ChainFollower``), so a self-appointed committee, a forged receipt or a heartbeat
+    announcing a version nobody certified changes nothing here. Announcements only say which
+    versions to fetch next (``unheard``). Memory is bounded: ``MAX_RUNS`` runs followed, a
+    window of pending versions per run, the board only of verified receipts.
+    """
+
+    MAX_RUNS = 64  # runs followed at once; a manifest flood cannot grow the bootstrap
 
     def __init__(self) -> None:
         self._runs: dict[str, str] = {}  # run id → name
         self._peers: set[tuple[str, str]] = set()  # (run id, peer id)
-        self._versions: dict[str, int] = {}  # run id → newest version announced by ≥ 2 peers
-        self._seen: set[tuple[str, int]] = set()  # (run id, version) counted in the board
+        self._chains: dict[str, ChainFollower] = {}  # run id → its verified chain
+        self._reported: dict[str, int] = {}  # run id → newest certified version logged
+        self._announced: dict[str, int] = {}  # run id → newest version a live peer announces
         self.board: dict[str, dict[str, dict[str, int]]] = {}  # run → peer → counts
         self._started = False
+
+    def follow(self, run_id: str, manifest: RunManifest) -> None:
+        """Verify this run's certificates from now on (its signed manifest elects the
+        committees). A no-op for a run already followed or past ``MAX_RUNS``."""
+        if run_id not in self._chains and len(self._chains) < self.MAX_RUNS:
+            self._chains[run_id] = ChainFollower(run_id, manifest, ahead=UNHEARD_DEPTH, keep=2)
+
+    def version(self, run_id: str) -> int:
+        """The newest version of the run's verified chain (0: none yet)."""
+        chain = self._chains.get(run_id)
+        return chain.version if chain is not None else 0
 
     def update(self, state: dict[str, Any]) -> list[str]:
         """One line per event since the previous snapshot; the first one gives a summary."""
@@ -121,18 +146,13 @@ class NetworkWatch:
                 name = runs.get(run_id, self._runs.get(run_id, run_id[:12]))
                 lines.append(f"peer {short(peer)} left run {name}")
         for run_id, name in runs.items():
-            held = sorted(
-                (p["version"] for (r, _), p in peers.items() if r == run_id), reverse=True
+            self._announced[run_id] = max(
+                (p["version"] for (r, _), p in peers.items() if r == run_id), default=0
             )
-            # A version one peer claims is a claim; one that two announce was certified (a
-            # single peer of a run is believed, as it is all there is to see).
-            version = held[min(1, len(held) - 1)] if held else 0
-            if version > self._versions.get(run_id, 0) and not first:
-                lines.append(
-                    f"run {name}: version {version} certified "
-                    f"(announced by {sum(v >= version for v in held)} of {len(held)} peers)"
-                )
-            self._versions[run_id] = max(version, self._versions.get(run_id, 0))
+            version = self.version(run_id)
+            if version > self._reported.get(run_id, 0) and not first:
+                lines.append(f"run {name}: version {version} certified (chain verified)")
+            self._reported[run_id] = max(version, self._reported.get(run_id, 0))
         if first:
             lines.append(f"watching {len(runs)} run(s) with {len(peers)} live peer(s)")
         self._runs.update(runs)
@@ -140,35 +160,37 @@ class NetworkWatch:
         return lines
 
     def add_certificates(self, run_id: str, raws: Iterable[bytes]) -> None:
-        """Count the receipts of certificates found in the DHT or heard on gossip, once per
-        version. Each must carry a quorum of valid committee signatures; the chain back to
-        genesis is not checked here (``status --leaderboard`` does that), so the board is
-        labelled as such."""
+        """Count the receipts of the certificates that extend the run's verified chain, once
+        each. A certificate of a run not followed, one without a quorum of valid signatures,
+        or one that does not verify where it fits in the chain is dropped."""
+        chain = self._chains.get(run_id)
+        if chain is None:
+            return
         board = self.board.setdefault(run_id, {})
         for raw in raws:
             try:
                 cert = parse_certificate(raw, run_id=run_id)
             except InvalidRecord:
                 continue
-            key = (run_id, cert.body.version)
-            if key in self._seen or len(self._seen) > 100_000:
-                continue
-            self._seen.add(key)
-            for a in cert.body.accepted:
-                entry = board.setdefault(a.peer_id, {"accepted": 0, "tokens": 0})
-                entry["accepted"] += 1
-                entry["tokens"] += a.tokens
+            for grown in chain.offer(cert):
+                for a in grown.body.accepted:
+                    entry = board.setdefault(a.peer_id, {"accepted": 0, "tokens": 0})
+                    entry["accepted"] += 1
+                    entry["tokens"] += a.tokens
 
     def counted(self, run_id: str, version: int) -> bool:
-        return (run_id, version) in self._seen
+        return 1 <= version <= self.version(run_id)
 
     def unheard(self, run_id: str, limit: int = UNHEARD_PER_POLL) -> list[int]:
-        """Versions up to the newest ``update`` believes certified (two peers announce it; the
-        only peer of a one-peer run) whose certificate the board has not counted, newest
-        first: at most ``limit`` of the newest ``UNHEARD_DEPTH``."""
-        top = self._versions.get(run_id, 0)
-        low = max(1, top - UNHEARD_DEPTH + 1)
-        return [v for v in range(top, low - 1, -1) if (run_id, v) not in self._seen][:limit]
+        """The next versions the chain needs, lowest first: at most ``limit`` of those above
+        its tip up to the newest a live peer announces (an announcement is only a hint of what
+        to fetch, never counted). Versions waiting in the chain are asked for again: what
+        waits there may be forged."""
+        chain = self._chains.get(run_id)
+        if chain is None:
+            return []
+        top = min(self._announced.get(run_id, 0), chain.version + limit)
+        return list(range(chain.version + 1, top + 1))
 
     def leaderboard(self, run_id: str) -> list[dict[str, Any]]:
         rows = sorted(self.board.get(run_id, {}).items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))

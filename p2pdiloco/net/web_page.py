@@ -27,7 +27,17 @@ def _e(value: object) -> str:
 
 
 def _table(table_id: str, head: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    numeric = {"peers", "version", "tokens/s", "rank", "accepted", "tokens", "share", "seen"}
+    numeric = {
+        "peers",
+        "certified",
+        "says version",
+        "tokens/s",
+        "rank",
+        "accepted",
+        "tokens",
+        "share",
+        "seen",
+    }
     out = [f'<table id="{table_id}"><thead><tr>']
     out += [f"<th>{_e(h)}</th>" for h in head]
     out.append("</tr></thead><tbody>")
@@ -67,14 +77,14 @@ def render_page(state: dict[str, Any]) -> str:
         f"<h2>Runs ({len(runs)})</h2>",
         _table(
             "runs",
-            ("run", "name", "model", "peers", "version", "tokens/s", "note"),
+            ("run", "name", "model", "peers", "certified", "tokens/s", "note"),
             (
                 (
                     r["run_id"][:12],
                     r.get("name", "?"),
                     r.get("model", "?"),
                     r.get("peers", 0),
-                    r.get("latest_version", 0),
+                    r.get("certified_version", 0),
                     f"{r.get('throughput_tps', 0.0):.0f}",
                     r.get("incompatible") or _stalled(r),
                 )
@@ -84,7 +94,7 @@ def render_page(state: dict[str, Any]) -> str:
         f"<h2>Peers ({len(peers)})</h2>",
         _table(
             "peers",
-            ("peer", "run", "roles", "island", "reach", "version", "tokens/s", "seen"),
+            ("peer", "run", "roles", "island", "reach", "says version", "tokens/s", "seen"),
             (
                 (
                     "…" + p["peer_id"][-8:],
@@ -100,9 +110,9 @@ def render_page(state: dict[str, Any]) -> str:
             ),
         ),  # fmt: skip
         "<h2>Leaderboard</h2>",
-        '<p class="dim">Receipts of the certificates this bootstrap saw in the DHT or on '
-        "gossip since it started (quorum signatures checked; <code>p2pdiloco status "
-        "--leaderboard</code> verifies the whole chain).</p>",
+        '<p class="dim">Receipts of each run\'s certificate chain, verified from genesis as '
+        "<code>p2pdiloco status --leaderboard</code> does: a certificate counts only once it "
+        "follows the elected committee's previous one.</p>",
     ]
     boards = state.get("leaderboards", {})
     for run_id, board in boards.items():

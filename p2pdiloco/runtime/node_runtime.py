@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.aio import cancel_and_wait
+from p2pdiloco.core.ledger import build_ledger
 from p2pdiloco.core.roster import committee_for
-from p2pdiloco.ledger import build_ledger
 from p2pdiloco.net.cert_records import cert_version, signed_claims
 from p2pdiloco.net.sync_rpc import TRAFFIC, RpcError, RpcRefused
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate

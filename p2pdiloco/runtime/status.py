@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.ledger import Ledger
+from p2pdiloco.core.ledger import Ledger
 from p2pdiloco.protocol.certificates import Certificate
 
 log = logging.getLogger("p2pdiloco.runtime")
