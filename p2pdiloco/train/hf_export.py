@@ -102,7 +102,7 @@ def model_from_params(model: str, params: Mapping[str, torch.Tensor]) -> torch.n
 def save_hf_dir(model: str, params: Mapping[str, torch.Tensor], out: Path, card: str) -> None:
     """Write ``params`` of run model ``model`` as a Hugging Face directory at ``out`` (created;
     it must not hold files), with its tokenizer and ``card`` as ``README.md``."""
-    net = model_from_params(model, params)
+    net: Any = model_from_params(model, params)  # a Gemma3ForCausalLM
     net.config.use_cache = True  # training turns the cache off; generation wants it
     tokenizer = hf_tokenizer(model)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def load_hf_dir(path: Path) -> tuple[torch.nn.Module, Any]:
 
 @torch.no_grad()
 def sample(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     prompt: str,
     *,
@@ -131,7 +131,7 @@ def sample(
     top_k: int = 0,
     seed: int = 0,
 ) -> str:
-    """The text ``model`` continues ``prompt`` with (a document's start: ``<bos>`` first), up to
+    """The text ``model`` (a transformers causal LM) continues ``prompt`` with (a document's start: ``<bos>`` first), up to
     ``max_new_tokens`` tokens or the end of a document. ``temperature`` 0 is greedy; above 0
     samples, from the ``top_k`` likeliest tokens when ``top_k`` > 0, reproducibly for ``seed``."""
     enc = tokenizer(prompt, return_tensors="pt")
