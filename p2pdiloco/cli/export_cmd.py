@@ -62,6 +62,16 @@ def _certified(run: str | None, state_dir: Path | None, version: int | None) -> 
     return load_certified(state_dir_of(run, state_dir), run, version)
 
 
+def _plain_modes(directory: Path) -> None:
+    """The modes a plain ``mkdir`` and ``open`` give under the umask: ``mkdtemp`` makes the
+    directory private (0700), and a shared model directory should not be."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
 @user_errors
 def export(
     out: Annotated[Path, typer.Option("--out", metavar="DIR", help="New or empty directory.")],
@@ -90,6 +100,7 @@ def export(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_hf_dir(cv.manifest.model, cv.params, tmp, model_card(cv))
+        _plain_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

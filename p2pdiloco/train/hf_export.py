@@ -13,6 +13,7 @@ Published members export the tokenizer they were trained with (``ModelSpec.token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -102,20 +103,39 @@ def model_from_params(model: str, params: Mapping[str, torch.Tensor]) -> torch.n
 def save_hf_dir(model: str, params: Mapping[str, torch.Tensor], out: Path, card: str) -> None:
     """Write ``params`` of run model ``model`` as a Hugging Face directory at ``out`` (created;
     it must not hold files), with its tokenizer and ``card`` as ``README.md``."""
+    import_transformers()
+    from transformers.utils import logging as hf_logging
+
     net: Any = model_from_params(model, params)  # a Gemma3ForCausalLM
-    net.config.use_cache = True  # training turns the cache off; generation wants it
+    # Training turns the cache off; whoever generates from the export wants it.
+    net.config.use_cache = net.generation_config.use_cache = True
     tokenizer = hf_tokenizer(model)
+    if get_spec(model).tokenizer == "byte":
+        tokenizer.model_max_length = net.config.max_position_embeddings
     out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # the command prints its own one-line summary
     net.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     (out / "README.md").write_text(card, encoding="utf-8")
+    if get_spec(model).tokenizer == "byte":
+        _plain_tokenizer_class(out / "tokenizer_config.json")
+
+
+def _plain_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer class every transformers release knows (5 writes its own
+    ``TokenizersBackend``, which 4.x cannot load; both load ``PreTrainedTokenizerFast``)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def load_hf_dir(path: Path) -> tuple[torch.nn.Module, Any]:
     """The causal LM and tokenizer of an exported directory (``save_hf_dir``), in eval mode."""
     import_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(str(path))
 
