@@ -15,7 +15,16 @@ from p2pdiloco.cli.app import COMMANDS, app
 HEAVY = ("torch", "hivemind", "transformers", "libp2p", "numpy")
 
 
-LIGHT = ["app", "status_cmd", "models_cmd", "simulate_cmd", "run_cmd", "join_cmd", "netsim_cmd"]
+LIGHT = [
+    "app",
+    "status_cmd",
+    "models_cmd",
+    "simulate_cmd",
+    "run_cmd",
+    "join_cmd",
+    "netsim_cmd",
+    "export_cmd",
+]
 
 
 @pytest.mark.parametrize("module", [f"p2pdiloco.cli.{m}" for m in LIGHT])

@@ -48,6 +48,12 @@ COMMANDS: dict[str, LazyCommand] = {
     "status": LazyCommand(
         "p2pdiloco.cli.status_cmd", "status", "Show runs and peers, or the leaderboard."
     ),
+    "export": LazyCommand(
+        "p2pdiloco.cli.export_cmd", "export", "Write a certified version as a Hugging Face model."
+    ),
+    "sample": LazyCommand(
+        "p2pdiloco.cli.export_cmd", "sample", "Generate text from a run's newest certified model."
+    ),
     "keys": LazyCommand("p2pdiloco.cli.keys_cmd", "app", "Create or show this node's key."),
     "run": LazyCommand("p2pdiloco.cli.run_cmd", "app", "Create and publish training runs."),
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -16,6 +16,7 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
 from p2pdiloco.train.configs import InnerConfig, OuterConfig
+from p2pdiloco.train.schedule import DEFAULT_LEARNERS, plan_run, schedule_of
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
 _i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
@@ -49,6 +50,21 @@ def create(
             "this long or H steps, whichever comes first [default: H steps only].",
         ),
     ] = None,
+    tokens: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Planned tokens, every learner together: sets the inner warm-up and cosine "
+            "horizon (ADR 0053) [default: 100 warm-up steps, a 10,000-step horizon].",
+        ),
+    ] = None,
+    rounds: Annotated[
+        int | None,
+        typer.Option(metavar="N", help="Planned rounds (certified versions), instead of --tokens."),
+    ] = None,
+    learners: Annotated[
+        int, typer.Option(help="Learners a round is planned to merge (turns --tokens into rounds).")
+    ] = DEFAULT_LEARNERS,
     inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
     batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
@@ -151,6 +167,18 @@ def create(
         agree_timeout=agree_timeout,
         update_codec=update_compression,
     )
+    inner: dict[str, Any] = {"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len}
+    plan = None
+    if tokens is not None or rounds is not None:
+        plan = plan_run(
+            inner_steps=inner_steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            rounds=rounds,
+            tokens=tokens,
+            learners=learners,
+        )
+        inner["warmup_steps"], inner["total_steps"] = schedule_of(plan, inner_steps)
     creator = Identity.load_or_create(identity or default_identity_path())
     fields = dict(
         name=name,
@@ -161,12 +189,14 @@ def create(
         time_budget=time_budget,
         committee_size=committee_size,
         quorum=quorum if quorum is not None else default_quorum(committee_size),
-        inner={"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len},
+        inner=inner,
         outer={"lr": outer_lr, "momentum": outer_momentum, "fragments": fragments},
         compression=compression,
         rules=rules.model_dump(),
         genesis_committee=genesis_committee or [],
     )
+    if plan is not None:  # a run without a plan signs the very bytes of before (ADR 0053)
+        fields["plan"] = plan.model_dump()
     try:
         draft = RunManifest.model_validate(
             {"protocol_version": PROTOCOL_VERSION, "creator": creator.peer_id, "created_at": 0.0}

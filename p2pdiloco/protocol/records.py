@@ -13,7 +13,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -248,6 +250,18 @@ class SyncRules(_Strict):
         return max(4 * (self.grace + self.agree_timeout), 3 * self.view_timeout_s)
 
 
+class RunPlan(_Strict):
+    """The planned size of a run, as its creator stated it (``run create --tokens`` or
+    ``--rounds``). The inner schedule is derived from it and signed beside it
+    (``train.schedule``, ADR 0053): ``inner.total_steps`` is ``rounds × inner_steps``, the
+    global step a learner's lr follows when the run certifies its last planned version."""
+
+    rounds: int = Field(ge=1, le=10**7)  # planned certified versions (outer rounds)
+    # Planned tokens, every learner together: rounds × learners × H × batch_size × seq_len.
+    tokens: NonNegInt
+    learners: int = Field(ge=1, le=1_000_000)  # learners a round is planned to merge
+
+
 class RunManifest(_Strict):
     """Body of a ``manifest`` record: everything that defines a training run.
 
@@ -275,6 +289,18 @@ class RunManifest(_Strict):
     # The committee of round 1, when no certificate exists yet to draw one from; empty means
     # the creator alone. Also the fallback if a certified roster ever empties.
     genesis_committee: list[PeerIdStr] = Field(default_factory=list, max_length=64)
+    # The planned size behind the inner schedule (ADR 0053); None: a run made without one,
+    # which keeps the default schedule (and the bytes, run id and signature of before).
+    plan: RunPlan | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_plan(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A manifest without a plan serialises, hashes and signs exactly as before plans
+        # existed: its run id stays the one every node already knows.
+        data: dict[str, Any] = handler(self)
+        if self.plan is None:
+            data.pop("plan", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -289,6 +315,15 @@ class RunManifest(_Strict):
     def _quorum_fits(self) -> Self:
         if self.quorum > self.committee_size:
             raise ValueError(f"quorum {self.quorum} exceeds committee size {self.committee_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _plan_sets_the_horizon(self) -> Self:
+        if self.plan is not None and self.inner.total_steps != self.plan.rounds * self.inner_steps:
+            raise ValueError(
+                f"inner.total_steps {self.inner.total_steps} is not the plan's "
+                f"{self.plan.rounds} rounds × {self.inner_steps} inner steps"
+            )
         return self
 
     @field_validator("genesis_committee")

@@ -47,6 +47,7 @@ from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.fragments import round_fragment, round_names
 from p2pdiloco.train.attacks import INFLATED_STEPS
 from p2pdiloco.train.learner import Learner, Outgoing, rebase_anchor
+from p2pdiloco.train.schedule import past_horizon
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,10 @@ class Trainer:
         self._owed_pause = 0.0  # of the compute share, cut short and added to the next pause
         self._thread: threading.Thread | None = None
         self._shapes = {n: tuple(t.shape) for n, t in state.params.items()}
+        self._past_horizon = False  # said once: the lr schedule ended (ADR 0053)
         pace = _pace(state)
         if pace is not None:  # joining mid-run: train at the run's lr, not a fresh warmup's
-            learner.seek(state.version * pace + machine.trained)
+            self._seek(state.version * pace + machine.trained, state.version)
 
     # -- lifecycle (called from the main thread) ---------------------------------------------
 
@@ -278,7 +280,7 @@ class Trainer:
             anchor = sent if action.anchor_sent and not carry else None
             self.learner.rebase(new.params, self.state.params, anchor)
             if action.seek_step is not None:  # follow the run's lr schedule, not our own count
-                self.learner.seek(action.seek_step)
+                self._seek(action.seek_step, new.version)
             self.state, self._sent = new, None
             self._event(f"rebased onto version {new.version}")
         elif isinstance(action, Drop):
@@ -411,6 +413,18 @@ class Trainer:
         )
         raw = seal_submission(self.identity, self.run_id, header)
         return Submission(hashlib.sha256(raw).hexdigest(), raw, out.payload, out.base_version)
+
+    def _seek(self, step: int, version: int) -> None:
+        """Put the inner lr schedule at the run's global ``step`` (at certified ``version``); the
+        first time that is past the run's horizon, say so once in the log and the events."""
+        self.learner.seek(step)
+        cfg = self.learner.cfg
+        if not self._past_horizon and past_horizon(step, cfg.total_steps):
+            self._past_horizon = True
+            self._event(
+                f"version {version}: past the run's planned lr schedule ({cfg.total_steps} inner "
+                f"steps); the inner lr stays at {cfg.min_lr_ratio:g} × its peak from here on"
+            )
 
     def _event(self, text: str) -> None:
         log.info(text)
