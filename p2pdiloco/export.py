@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.core.ledger import Ledger, build_ledger, verified_chain
 from p2pdiloco.errors import UserError
-from p2pdiloco.ledger import Ledger, build_ledger, verified_chain
 from p2pdiloco.protocol.certificates import Certificate, body_digest
 from p2pdiloco.protocol.records import RunManifest, parse_manifest
 from p2pdiloco.protocol.signing import InvalidRecord, open_envelope
