@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,6 +164,34 @@ def test_run_create_refuses_rules_before_signing_or_network(
     assert out.returncode == 2 and "Traceback" not in out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and needle in errors[0], out.stderr
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: (d / "blob").write_bytes(b"\x7fELF\x00\x01" * 4096) and d / "blob",
+         "is not text"),
+        (lambda d: (d / "empty").mkdir() or d / "empty", "no "),
+        (lambda d: "hf:", "expected hf:NAME"),
+    ],
+)  # fmt: skip
+def test_run_create_checks_its_data_before_signing(tmp_path: Path, make: Any, needle: str) -> None:
+    # A run whose --data no volunteer can train on is refused in one line, before anything is
+    # signed or published (issue 39).
+    data = make(tmp_path)
+    t0 = time.monotonic()
+    out = run_cli(
+        "run", "create", "--name", "x", "--model", "gemma-tiny", "--data", str(data),
+        "--identity", str(tmp_path / "key"),
+        "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAsa7ZiGkhWgeGvQnAU2A1sdCFVMWXxihKGxzhJE1nYbe",
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], out.stderr
+    assert not (tmp_path / "key").exists()  # refused before the identity was made
+    print(f"refused in {took:.2f} s: {errors[0]}")
 
 
 def test_run_create_and_simulate_help_list_the_sync_rules() -> None:

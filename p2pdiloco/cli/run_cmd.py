@@ -179,6 +179,7 @@ def create(
             learners=learners,
         )
         inner["warmup_steps"], inner["total_steps"] = schedule_of(plan, inner_steps)
+    check_data(data)
     creator = Identity.load_or_create(identity or default_identity_path())
     fields = dict(
         name=name,
@@ -231,3 +232,21 @@ def create(
     print(json.dumps(signed, indent=2, sort_keys=True))
     what = "signed (dry run: not published)" if dry_run else "published"
     print(f"run {manifest.name} ({manifest.model}) {what}\nrun id {run_id}")
+
+
+def check_data(source: str) -> None:
+    """Refuse, before anything is signed, a ``--data`` path no volunteer could train on: a
+    missing or unreadable path, a binary file, a directory without text (DataError, one line).
+    ``embedded`` needs no check; ``hf:`` names are checked for form only (no download here)."""
+    from p2pdiloco.train.sources import DataError, iter_documents
+
+    if source == "embedded":
+        return
+    if source.startswith("hf:"):
+        if not source[len("hf:") :].partition("@")[0].partition(":")[0]:
+            raise DataError(f"--data '{source}': expected hf:NAME[:CONFIG][@SPLIT]")
+        return
+    try:
+        next(iter(iter_documents(source, max_bytes=1 << 16)))
+    except StopIteration:
+        raise DataError(f"--data '{source}' holds no text to train on") from None
