@@ -187,3 +187,13 @@ def test_too_large_model_is_refused_with_need_have_and_alternative() -> None:
     assert "gemma-small would fit" in msg
     assert "\n" not in msg
     assert check_fits("gemma-tiny", torch.device("cpu"), available=24 * GiB).model == "gemma-tiny"
+
+
+def test_an_unknown_model_is_refused_with_the_closest_name() -> None:
+    from p2pdiloco.train.model_specs import ModelError, get_spec
+
+    with pytest.raises(ModelError, match="unknown model 'gema-tiny'; did you mean 'gemma-tiny'\\?"):
+        get_spec("gema-tiny")
+    with pytest.raises(ModelError) as err:
+        get_spec("llama")
+    assert "did you mean" not in str(err.value) and "gemma-12b" in str(err.value)

@@ -6,6 +6,7 @@ it in milliseconds. Building a model from a spec lives in ``p2pdiloco.train.mode
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,8 +205,10 @@ def get_spec(name: str) -> ModelSpec:
     try:
         return REGISTRY[name]
     except KeyError:
+        close = difflib.get_close_matches(name.lower(), model_names(), n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'? " if close else ""
         raise ModelError(
-            f"unknown model '{name}'; known models: {', '.join(model_names())}"
+            f"unknown model '{name}'; {hint}known models: {', '.join(model_names())}"
         ) from None
 
 
