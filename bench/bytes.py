@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
 

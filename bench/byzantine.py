@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from p2pdiloco.choices import RULES
+from p2pdiloco.harness.simulate import run_simulation
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
-from p2pdiloco.train.simulate import run_simulation
 
 # inflate lies in the signed header, which the simulator does not have: bench/demo_attacks.py.
 ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "mimic", "collude")

@@ -1,6 +1,6 @@
 """Chaos on real processes: a local network trains while random nodes are SIGKILLed and restarted.
 
-A bootstrap and N ``p2pdiloco join`` nodes (``p2pdiloco.demo.LocalNetwork``: separate processes,
+A bootstrap and N ``p2pdiloco join`` nodes (``p2pdiloco.harness.demo.LocalNetwork``: separate processes,
 each with its own key, DHT daemon and gossip host, on loopback) train gemma-tiny. Once every node
 applied version 1, the chaos begins: every 20-40 s (seeded) a random live node's whole process
 group is SIGKILLed, and 5-15 s later it is restarted with the same key and state directory; the
@@ -54,7 +54,8 @@ from bench.chaos_verify import (
     stall_allowance,
     verify_state_dir,
 )
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc, _spawn
+from p2pdiloco.harness.demo import LocalNetwork, _spawn
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.identity import Identity
 
 FOREVER = 10**6  # --until-version: the nodes train until stopped

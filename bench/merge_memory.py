@@ -29,7 +29,8 @@ def _measure(a: argparse.Namespace) -> dict:
     from p2pdiloco.aggregate import get_rule
     from p2pdiloco.protocol.records import SyncRules
     from p2pdiloco.sync.aggregator import MergeInput, merge_round
-    from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
+    from p2pdiloco.testing.outer import OuterOptimizer
+    from p2pdiloco.train.outer import OuterConfig
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """Download bytes per certified version of a node off the committee: the certified update
 against the full state (ADR 0029).
 
-Whole nodes in one process (``runtime.memnet.MemoryNetwork``, gemma-tiny): four learners form
+Whole nodes in one process (``testing.memnet.MemoryNetwork``, gemma-tiny): four learners form
 the committee, a fifth node trains nothing, so it is never elected and follows every version
 as a learner outside the committee does. Its bytes are counted at the in-memory transport
 (every frame it received: replies to its requests, and the few requests peers sent it),
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.memnet import MemoryNetwork
-from p2pdiloco.runtime.transport import MemoryHub
+from p2pdiloco.testing.memnet import MemoryNetwork
 
 
 def refuse_updates(hub: MemoryHub) -> None:

@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-from p2pdiloco.demo import DemoConfig, run_demo
+from p2pdiloco.harness.demo import run_demo
+from p2pdiloco.harness.demo_config import DemoConfig
 
 TARGET = 0.97
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
 from p2pdiloco.protocol.identity import Identity
 from tests.test_runtime_budget import check_slow_learner
 from tests.test_sync_network import SMALL, certificates

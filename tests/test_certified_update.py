@@ -3,7 +3,7 @@ encoded merged pseudo-gradient instead of the state, applies the outer step itse
 exactly the certified state; anything that does not match falls back to the full download.
 
 Real gemma-tiny tensors and real committee signatures, in process; the last test runs whole
-nodes over the in-memory transport (``runtime/memnet.py``)."""
+nodes over the in-memory transport (``testing/memnet.py``)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.core.roster import committee_for, with_roster
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.certificates import Certificate, assemble, parse_certificate, sign_body
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.runtime.chain import ChainStore
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of, request_limits
@@ -266,7 +266,7 @@ def corrupt_updates(hub: MemoryHub, peers: list[str]) -> None:
 def test_a_node_off_the_committee_follows_by_updates_and_falls_back_on_lies(
     tmp_path: Path,
 ) -> None:
-    from p2pdiloco.runtime.memnet import MemoryNetwork
+    from p2pdiloco.testing.memnet import MemoryNetwork
 
     async def main() -> None:
         async with MemoryNetwork(

@@ -271,7 +271,7 @@ def test_models_and_keys_json_keys(tmp_path: Path) -> None:
 def test_json_documents_keep_the_keys_of_docs_cli_md() -> None:
     """The documents behind ``--json`` of status --leaderboard, demo and doctor (``simulate``,
     ``status``, ``models`` and ``keys show`` are checked end to end)."""
-    from p2pdiloco.demo import DemoResult
+    from p2pdiloco.harness.demo_summary import DemoResult
     from p2pdiloco.ledger import Ledger, LedgerEntry
     from p2pdiloco.preflight import Finding
 

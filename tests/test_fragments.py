@@ -4,7 +4,7 @@ certified update to exactly the certified state, a syncer refuses another fragme
 a learner's delta holds one fragment while the rest of its progress stays for later rounds.
 
 Real gemma-tiny tensors and committee signatures in process; the last test runs four whole
-nodes over the in-memory transport (``runtime/memnet.py``)."""
+nodes over the in-memory transport (``testing/memnet.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
-from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.aggregator import MergeInput
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of
@@ -39,6 +38,7 @@ from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_names
 from p2pdiloco.sync.intake import Intake
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError
+from p2pdiloco.testing.memnet import MemoryNetwork
 from p2pdiloco.train.configs import OuterConfig
 from p2pdiloco.train.learner import Outgoing, rebase_anchor
 

@@ -1,7 +1,7 @@
 """Issue 14 attacks on real processes: squatted DHT slots, a junk 10**9 certificate, and 60
 concurrent big submit streams. Each test states the outcome it proves.
 
-Nodes are real ``p2pdiloco`` processes (``p2pdiloco.demo.LocalNetwork``) with their own p2pd
+Nodes are real ``p2pdiloco`` processes (``p2pdiloco.harness.demo.LocalNetwork``) with their own p2pd
 daemons; the attacker is a DHT client and a P2P peer of the test process.
 """
 
@@ -20,7 +20,8 @@ import pytest
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.net import keys
 from p2pdiloco.net.cert_records import certs_key
 from p2pdiloco.net.dht import DHTPlane

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import NodeProc
 from p2pdiloco.protocol.identity import Identity
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates

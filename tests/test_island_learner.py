@@ -19,7 +19,7 @@ from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.runtime.memnet import _small_corpus
+from p2pdiloco.testing.memnet import _small_corpus
 from p2pdiloco.train.data import PackedCorpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import build_model, param_state

@@ -1,4 +1,4 @@
-"""An island in a run: whole nodes in one process (``runtime.memnet``), one of them an island
+"""An island in a run: whole nodes in one process (``testing.memnet``), one of them an island
 whose member is a real process (gloo, FSDP2). The committee's certificates credit the island
 as one learner with all its ranks' tokens; SIGKILLing the member mid-stretch makes rank 0
 re-form alone and go on, and the run never waits for it (issue 13, CPU part)."""
@@ -14,7 +14,7 @@ import pytest
 
 from p2pdiloco.island.learner import IslandLearner
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
+from p2pdiloco.testing.memnet import MemNode, MemoryNetwork
 from tests.test_runtime_memory import check_chains
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.identity import Identity
 from tests.netutil import run_cli as forked_cli
 from tests.netutil import wait_for

@@ -14,10 +14,11 @@ from hivemind.p2p import P2P
 
 from p2pdiloco.core.round_types import MIN_HELD, held_cap
 from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer, fetch_unheard, unheard
-from p2pdiloco.net.cert_records import publish_certificate
-from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
+from p2pdiloco.net.cert_records import fetch_cert, publish_certificate
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
 from p2pdiloco.net.observe import NetworkWatch
 from p2pdiloco.net.sync_rpc import RpcError, serve
+from p2pdiloco.net.transport import P2PTransport
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
     MAX_RECEIPTS,
@@ -30,8 +31,6 @@ from p2pdiloco.protocol.certificates import (
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.runtime.memnet import MemoryNetwork
-from p2pdiloco.runtime.transport import P2PTransport
 from p2pdiloco.sync.committee_msgs import (
     MAX_PROPOSAL_BYTES,
     BadMessage,
@@ -41,7 +40,7 @@ from p2pdiloco.sync.committee_msgs import (
     seal_proposal,
     signature_message,
 )
-from p2pdiloco.sync.fetch import fetch_cert
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
 from tests.test_runtime_memory import check_chains
 

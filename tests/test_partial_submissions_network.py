@@ -4,7 +4,7 @@ Committee k = q = 3. Before attempt-numbered leaders and the view change, two va
 submissions sent to one committee member only made it propose a set the others refused
 ("proposal from a syncer that is not the current leader"): the states split, 2 signatures
 against 1, and the run was stuck for good. Here two extra identities send valid (zero) deltas to
-one member only, for every version from 1 to 6 (``p2pdiloco.sybil.flood`` with ``only``).
+one member only, for every version from 1 to 6 (``p2pdiloco.harness.sybil.flood`` with ``only``).
 
 And the stuck round "one failed fetch during leader rotation": that member also refuses the
 first two fetches asked of it (``P2PDILOCO_FAILPOINTS``, as dropped streams would). Before
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.sybil import flood
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sybil import flood
 from tests.test_sync_network import SMALL, certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]

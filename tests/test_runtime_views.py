@@ -15,8 +15,8 @@ import pytest
 
 from p2pdiloco.core.roster import committee_for, roster_of
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.committee_msgs import open_proposal
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains, run
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow, pytest.mark.solo]

@@ -11,6 +11,7 @@ import torch
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.submissions import (
@@ -19,7 +20,6 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.certified import genesis_state
 from p2pdiloco.sync.service import SyncService
 

@@ -14,10 +14,10 @@ import asyncio
 import pytest
 
 from p2pdiloco.core.trust import trusted_count, trusted_peers
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.submissions import open_submission
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sim import SimConfig, simulate_run
 from p2pdiloco.sim.backend import TensorMerge
 from p2pdiloco.sim.config import identity

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
 
 from p2pdiloco.dashboard.live import DashboardSnapshot, json_line, plain_line, render
-from p2pdiloco.node_metrics import _NodeCollector
+from p2pdiloco.runtime.node_metrics import _NodeCollector
 from p2pdiloco.runtime.status import Tally, stall_text
 
 A, B, C = "12D3KooW" + "a" * 36 + "a1b2c3d4", "12D3KooW" + "b" * 44, "12D3KooW" + "c" * 44

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import get_rule, screen
-from p2pdiloco.aggregate.base import sq_norms64
+from p2pdiloco.aggregate.exact import sq_norms64
 from p2pdiloco.aggregate.rows import WINDOW, RowSet
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
-from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
+from p2pdiloco.testing.outer import OuterOptimizer
+from p2pdiloco.train.outer import OuterConfig
 
 # Tensors that straddle window boundaries (WINDOW = 262,144 columns), one tiny, one empty-ish.
 SHAPES = {"a": (300_001,), "b.w": (5,), "c": (500, 501), "d": (3, 4096)}

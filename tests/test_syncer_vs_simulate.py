@@ -2,7 +2,7 @@
 
 A real ``SyncService`` (committee of one, real signatures, the in-memory transport) receives
 three learners' signed, int8-compressed deltas of gemma-tiny and certifies version 1; the
-simulator's merge step (``train.simulate.merge_fragment``) gets the same decoded deltas and
+simulator's merge step (``harness.simulate.merge_fragment``) gets the same decoded deltas and
 token counts. Parameters and outer momentum must match bit for bit.
 """
 
@@ -15,7 +15,9 @@ import torch
 
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
+from p2pdiloco.harness.simulate import merge_fragment
 from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.submissions import (
     FragmentRef,
@@ -24,11 +26,9 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import merge_fragment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from p2pdiloco.core.roster import committee_for, roster_of
-from p2pdiloco.demo import LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import NodeProc
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
 from tests.netutil import wait_for

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.runtime.status import Tally
-from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.fetch import SyncError, download_state, follow_updates
 from p2pdiloco.sync.update import UpdateError

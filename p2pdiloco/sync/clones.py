@@ -24,7 +24,7 @@ time grows as M², memory stays within a quarter of a row (ADR 0036 has the figu
 
 from __future__ import annotations
 
-from p2pdiloco.aggregate.base import median_of
+from p2pdiloco.aggregate.exact import median_of
 from p2pdiloco.aggregate.rows import RowSet
 
 

@@ -23,12 +23,12 @@ import torch
 
 from p2pdiloco.core.learner import LearnerMachine
 from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.net.plane import MemoryDirectory
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.runtime.node_runtime import NodeRuntime, RuntimeConfig
-from p2pdiloco.runtime.plane import MemoryDirectory
 from p2pdiloco.runtime.trainer import Trainer
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.data import PackedCorpus, build_corpus
 from p2pdiloco.train.learner import Learner
