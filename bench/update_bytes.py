@@ -31,8 +31,9 @@ from p2pdiloco.testing.memnet import MemoryNetwork
 def refuse_updates(hub: MemoryHub) -> None:
     for peer, (handler, limits, screen) in list(hub.handlers.items()):
 
-        async def no_update(op: str, src: str, control: dict[str, Any], frames: list[bytes],
-                            handler: Any = handler) -> Any:  # fmt: skip
+        async def no_update(
+            op: str, src: str, control: dict[str, Any], frames: list[bytes], handler: Any = handler
+        ) -> Any:
             if op == "update":
                 raise RpcRefused(Reason.NOT_FOUND, "updates off (bench)")
             return await handler(op, src, control, frames)
@@ -83,8 +84,10 @@ def main() -> None:
         return
     print(f"{'mode':>7} {'codec':>6} {'versions':>8} {'MB/version':>10} {'state MB':>9}")
     for r in rows:
-        print(f"{r['mode']:>7} {r['update_codec']:>6} {r['versions']:>8} "
-              f"{r['bytes_per_version'] / 1e6:>10.3f} {r['state_bytes'] / 1e6:>9.3f}")  # fmt: skip
+        print(
+            f"{r['mode']:>7} {r['update_codec']:>6} {r['versions']:>8} "
+            f"{r['bytes_per_version'] / 1e6:>10.3f} {r['state_bytes'] / 1e6:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,22 +31,36 @@ EVIL = '<script>alert("x")</script>'
 
 
 def peer(pid: str, version: int, tps: float = 1500.0, island: str = "home") -> dict[str, Any]:
-    return {"peer_id": pid, "run_id": RUN, "island": island, "roles": ["learner"],
-            "reachability": "direct", "version": version, "throughput_tps": tps,
-            "last_seen_s": 1.0}  # fmt: skip
+    return {
+        "peer_id": pid,
+        "run_id": RUN,
+        "island": island,
+        "roles": ["learner"],
+        "reachability": "direct",
+        "version": version,
+        "throughput_tps": tps,
+        "last_seen_s": 1.0,
+    }
 
 
 def state(*peers: dict[str, Any]) -> dict[str, Any]:
     return {
         "time": 1.8e9,
-        "runs": [{"run_id": RUN, "name": "demo", "model": "gemma-tiny", "peers": len(peers),
-                  "latest_version": max((p["version"] for p in peers), default=0),
-                  "throughput_tps": sum(p["throughput_tps"] for p in peers),
-                  "incompatible": None}],
+        "runs": [
+            {
+                "run_id": RUN,
+                "name": "demo",
+                "model": "gemma-tiny",
+                "peers": len(peers),
+                "latest_version": max((p["version"] for p in peers), default=0),
+                "throughput_tps": sum(p["throughput_tps"] for p in peers),
+                "incompatible": None,
+            }
+        ],
         "peers": list(peers),
         "bootstraps": [],
         "rejected_records": [],
-    }  # fmt: skip
+    }
 
 
 def test_noise_is_one_line_then_one_summary_per_period() -> None:
@@ -118,14 +132,20 @@ class Tables(HTMLParser):
 def test_web_page_served_at_root_shows_runs_peers_throughput_and_leaderboard() -> None:
     st = state(peer(P1, 4, 1200.0, island=EVIL), peer(P2, 4, 800.0))
     st["server"] = {"peer_id": P3, "version": "0.1.0", "uptime_s": 12.0}
-    st["leaderboards"] = {RUN: [
-        {"rank": 1, "peer_id": P1, "accepted": 3, "tokens": 6144, "share": 0.75},
-        {"rank": 2, "peer_id": P2, "accepted": 1, "tokens": 2048, "share": 0.25},
-    ]}  # fmt: skip
+    st["leaderboards"] = {
+        RUN: [
+            {"rank": 1, "peer_id": P1, "accepted": 3, "tokens": 6144, "share": 0.75},
+            {"rank": 2, "peer_id": P2, "accepted": 1, "tokens": 2048, "share": 0.25},
+        ]
+    }
     api = HTTPApi(
-        "127.0.0.1", 0, healthy=lambda: True, state=lambda: st, registry=CollectorRegistry(),
+        "127.0.0.1",
+        0,
+        healthy=lambda: True,
+        state=lambda: st,
+        registry=CollectorRegistry(),
         page=render_page,
-    )  # fmt: skip
+    )
     api.start()
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{api.port}/", timeout=10) as r:
@@ -168,10 +188,17 @@ def test_the_leaderboard_counts_certificates_heard_on_gossip() -> None:
     # A round of 100 inputs has a certificate over a DHT record (16 KiB): gossip brings it.
     who = [s.peer_id for s in LEARNERS]
     accepted = sorted(
-        (Accepted(peer_id=who[i % 3], digest=hashlib.sha256(b"%d" % i).hexdigest(), steps=10,
-                  tokens=1000) for i in range(100)),
+        (
+            Accepted(
+                peer_id=who[i % 3],
+                digest=hashlib.sha256(b"%d" % i).hexdigest(),
+                steps=10,
+                tokens=1000,
+            )
+            for i in range(100)
+        ),
         key=lambda a: a.digest,
-    )  # fmt: skip
+    )
     b = body(accepted=accepted)
     raw = assemble(b, {s.peer_id: sign_body(s, b) for s in SYNCERS})
     assert len(raw) > 16 * 1024

@@ -59,8 +59,9 @@ def test_an_island_is_one_learner_in_the_certificate_and_re_forms_when_a_member_
             await net.wait_for(re_formed, 60, "rank 0 re-forms alone")
             await net.wait_for(
                 lambda: len(_credits(net, island.peer_id, after=killed_at + 1)) >= 1,
-                120, "a credit for the re-formed island",
-            )  # fmt: skip
+                120,
+                "a credit for the re-formed island",
+            )
             assert learner.world == 1
             for _, steps, tokens in _credits(net, island.peer_id, after=killed_at + 1):
                 assert tokens == steps * per_step

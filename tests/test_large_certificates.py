@@ -53,8 +53,12 @@ def _digests(n: int) -> list[str]:
 
 def _big_body() -> CertificateBody:
     who = [s.peer_id for s in LEARNERS]
-    return body(accepted=[Accepted(peer_id=who[i % 3], digest=d, steps=500, tokens=500 * 2048)
-                          for i, d in enumerate(_digests(INPUTS))])  # fmt: skip
+    return body(
+        accepted=[
+            Accepted(peer_id=who[i % 3], digest=d, steps=500, tokens=500 * 2048)
+            for i, d in enumerate(_digests(INPUTS))
+        ]
+    )
 
 
 def _certificate(b: CertificateBody) -> bytes:
@@ -70,10 +74,14 @@ def test_a_certificate_at_every_bound_fits_its_byte_limit() -> None:
     # reasons of 200 four-byte characters, 64 members who all sign: under MAX_CERTIFICATE_BYTES.
     digests = _digests(MAX_RECEIPTS + MAX_REFUSALS)
     who = [s.peer_id for s in LEARNERS]
-    accepted = [Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
-                for i, d in enumerate(digests[:MAX_RECEIPTS])]  # fmt: skip
-    refused = [Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
-               for i, d in enumerate(digests[MAX_RECEIPTS:])]  # fmt: skip
+    accepted = [
+        Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
+        for i, d in enumerate(digests[:MAX_RECEIPTS])
+    ]
+    refused = [
+        Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
+        for i, d in enumerate(digests[MAX_RECEIPTS:])
+    ]
     members = [Identity.from_seed(bytes([i, 7]) * 16) for i in range(64)]
     b = body(accepted=accepted, rejected=refused, committee=[m.peer_id for m in members], quorum=43)
     raw = assemble(b, {m.peer_id: sign_body(m, b) for m in members})
@@ -113,8 +121,12 @@ def test_a_certificate_over_a_mebibyte_is_fetched_over_real_streams() -> None:
         return {"version": 8}, [raw]
 
     async def go() -> tuple[bytes, str]:
-        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                    auto_nat=False, use_relay=False)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=False,
+        )
         server, client = await P2P.create(**opts), await P2P.create(**opts)
         try:
             await serve(server, handler, request_limits(1 << 20))
@@ -188,17 +200,25 @@ def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leader
         return handler
 
     async def go() -> tuple[Any, list[tuple[str, bytes]], NetworkWatch]:
-        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                    auto_nat=False, use_relay=False)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=False,
+        )
         liar, honest, boot = [await P2P.create(**opts) for _ in range(3)]
         try:
             await serve(liar, serving(other), request_limits(1 << 20))
             await serve(honest, serving(raw), request_limits(1 << 20))
-            addrs = {p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
-                     for p in (liar, honest)}  # fmt: skip
+            addrs = {
+                p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
+                for p in (liar, honest)
+            }
             ids = list(addrs)
-            peers = [dict(run_id=RUN, peer_id=pid, version=v, reachability="direct", island="i")
-                     for pid, v in zip(ids, (9, 8), strict=True)]  # fmt: skip
+            peers = [
+                dict(run_id=RUN, peer_id=pid, version=v, reachability="direct", island="i")
+                for pid, v in zip(ids, (9, 8), strict=True)
+            ]
             state = {"runs": [{"run_id": RUN, "name": "big"}], "peers": peers}
             watch = NetworkWatch()
             watch.update(state)  # version 8 certified: two peers announce it
@@ -229,17 +249,33 @@ def test_a_running_bootstrap_fetches_them_beside_its_polls_and_counts_them(tmp_p
     ) -> tuple[dict[str, Any], list[bytes]]:
         return {"version": 8}, [raw]
 
-    cfg = BootstrapConfig(host="127.0.0.1", port=0, http_host="127.0.0.1", http_port=0,
-                          identity=tmp_path / "boot.key", refresh_interval=3600.0)  # fmt: skip
+    cfg = BootstrapConfig(
+        host="127.0.0.1",
+        port=0,
+        http_host="127.0.0.1",
+        http_port=0,
+        identity=tmp_path / "boot.key",
+        refresh_interval=3600.0,
+    )
     with BootstrapServer(cfg) as server:
         assert server.bridge is not None
         holder = server.bridge.run(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), 30)
         try:
             server.bridge.run(serve(holder, handler, request_limits(1 << 20)), 10)
             addrs = [str(a) for a in server.bridge.run(holder.get_visible_maddrs(), 10)]
-            state = {"runs": [{"run_id": RUN, "name": "big"}],
-                     "peers": [dict(run_id=RUN, peer_id=holder.peer_id.to_base58(), version=8,
-                                    addrs=addrs, reachability="direct", island="i")]}  # fmt: skip
+            state = {
+                "runs": [{"run_id": RUN, "name": "big"}],
+                "peers": [
+                    dict(
+                        run_id=RUN,
+                        peer_id=holder.peer_id.to_base58(),
+                        version=8,
+                        addrs=addrs,
+                        reachability="direct",
+                        island="i",
+                    )
+                ],
+            }
             server.watch.update(state)
             server._fetch_unheard(state)  # starts the fetch, returns at once
             fetching = server._fetching

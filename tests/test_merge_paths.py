@@ -138,10 +138,16 @@ def test_learner_and_simulate_use_the_same_attack_transform() -> None:
     # A network learner's payload is exactly Attacker.transform of its honest delta, with the
     # honest spread estimated from its own deltas (no honest deltas passed), round after round.
     _, manifest, _ = create_manifest(
-        Identity.generate(), name="t", model="gemma-tiny", data="embedded", seed=0,
-        inner_steps=2, committee_size=1, compression="none",
+        Identity.generate(),
+        name="t",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=2,
+        committee_size=1,
+        compression="none",
         inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 1, "total_steps": 20},
-    )  # fmt: skip
+    )
     corpus = build_corpus(
         "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**20
     )

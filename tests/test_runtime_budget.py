@@ -35,9 +35,14 @@ def test_a_three_times_slower_learner_contributes_to_most_rounds_by_its_tokens(
 ) -> None:
     async def main() -> None:
         async with MemoryNetwork(
-            tmp_path, nodes=4, inner_steps=10_000, time_budget=BUDGET, slowdown={3: 3.0},
-            rules={"weight_cap": CAP, "linger": LINGER}, compute_share=SHARE,
-        ) as net:  # fmt: skip
+            tmp_path,
+            nodes=4,
+            inner_steps=10_000,
+            time_budget=BUDGET,
+            slowdown={3: 3.0},
+            rules={"weight_cap": CAP, "linger": LINGER},
+            compute_share=SHARE,
+        ) as net:
             await net.wait_for(lambda: net.min_version() >= 6, 240, "version 6 everywhere")
             check_chains(net)
             slow = net.nodes[3].peer_id

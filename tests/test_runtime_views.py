@@ -125,8 +125,11 @@ def test_a_syncer_that_restarts_mid_round_does_not_freeze_a_two_node_run(tmp_pat
                 lambda: bool(svc.views.state and svc.views.state.voted), 2 * VIEW_TIMEOUT + 30
             )
             back = await net.restart(gone)
-            await net.wait_for(lambda: net.min_version() >= start + 2, 6 * VIEW_TIMEOUT + 60,
-                               "two more versions on both")  # fmt: skip
+            await net.wait_for(
+                lambda: net.min_version() >= start + 2,
+                6 * VIEW_TIMEOUT + 60,
+                "two more versions on both",
+            )
             check_chains(net)
             assert all(len(h) == 1 for h in signed_per_view(net).values())
             assert back.version >= start + 2

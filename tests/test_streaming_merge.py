@@ -135,10 +135,25 @@ def test_a_merge_of_m_deltas_stays_within_m_plus_3_fragments(rule: str, params: 
     # sums its distances window by window before it merges the rows it chose (ADR 0030).
     m = 8
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--learners", str(m), "--tensors", "12",
-         "--numel", "1000000", "--rule", rule, "--params", json.dumps(params)],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH),
+            "--learners",
+            str(m),
+            "--tensors",
+            "12",
+            "--numel",
+            "1000000",
+            "--rule",
+            rule,
+            "--params",
+            json.dumps(params),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     r = json.loads(out.stdout)
     print(f"{rule}: the merge added {r['added_mb']:.0f} MiB = {r['added_fragments']:.2f} fragments")
     assert r["kept"] == m

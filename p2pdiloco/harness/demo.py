@@ -147,15 +147,20 @@ class LocalNetwork:
         boot = _spawn(
             [
                 "bootstrap",
-                "--host", "127.0.0.1",
-                "--port", str(port),
-                "--http-host", "127.0.0.1",
-                "--http-port", "0",
-                "--identity", str(self.workdir / "bootstrap.key"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--identity",
+                str(self.workdir / "bootstrap.key"),
             ],
             log,
             self.env,
-        )  # fmt: skip
+        )
         self.procs.append(boot)
         self.boot_proc = boot
         self.boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_key.peer_id}"
@@ -229,18 +234,26 @@ class LocalNetwork:
             key.save(d / "identity.key")
         args = [
             "join",
-            "--run", self.run_id,
-            "--bootstrap", self.boot_addr,
-            "--identity", str(d / "identity.key"),
-            "--host", "127.0.0.1",
+            "--run",
+            self.run_id,
+            "--bootstrap",
+            self.boot_addr,
+            "--identity",
+            str(d / "identity.key"),
+            "--host",
+            "127.0.0.1",
             "--no-tui",
-            "--state-dir", str(d / "state"),
-            "--threads", "1",
-            "--until-version", str(until_version),
-            "--heartbeat-interval", "2",
+            "--state-dir",
+            str(d / "state"),
+            "--threads",
+            "1",
+            "--until-version",
+            str(until_version),
+            "--heartbeat-interval",
+            "2",
             *(["--compute-share", str(share)] if (share := self.cfg.compute_share) < 1 else []),
             *extra,  # after: a node's own flags win (the last of a repeated option counts)
-        ]  # fmt: skip
+        ]
         if adversary:
             args += ["--adversary", adversary]
         log_name = "node.log" if not (d / "node.log").exists() else f"node.{len(self.procs)}.log"

@@ -124,15 +124,23 @@ def flood(
                 if base not in sent_for:  # every copy at once: a round closes in a second
                     sends = []
                     for ident, payload in sybils:
-                        ref = FragmentRef(index=0, digest=payload_digest(payload),
-                                          nbytes=len(payload))  # fmt: skip
+                        ref = FragmentRef(
+                            index=0, digest=payload_digest(payload), nbytes=len(payload)
+                        )
                         header = SubmissionHeader(
-                            peer_id=ident.peer_id, base_version=base, steps=steps, tokens=tokens,
-                            loss=1.0, codec=m.compression, fragments=[ref],
-                        )  # fmt: skip
+                            peer_id=ident.peer_id,
+                            base_version=base,
+                            steps=steps,
+                            tokens=tokens,
+                            loss=1.0,
+                            codec=m.compression,
+                            fragments=[ref],
+                        )
                         raw = seal_submission(ident, run_id, header)
-                        sends += [_submit(bridge, target, addrs, [raw, payload])
-                                  for target, addrs in targets.items()]  # fmt: skip
+                        sends += [
+                            _submit(bridge, target, addrs, [raw, payload])
+                            for target, addrs in targets.items()
+                        ]
                     report.replies += bridge.run(_all(sends), 120)
                 sent_for.add(base)
                 for n in nodes:

@@ -65,8 +65,10 @@ def unheard(watch: NetworkWatch, state: dict[str, Any]) -> Wanted:
         if run.get("incompatible"):
             continue
         run_id = run["run_id"]
-        peers = sorted((p for p in state["peers"] if p["run_id"] == run_id),
-                       key=lambda p: (-p["version"], p["peer_id"]))  # fmt: skip
+        peers = sorted(
+            (p for p in state["peers"] if p["run_id"] == run_id),
+            key=lambda p: (-p["version"], p["peer_id"]),
+        )
         for version in watch.unheard(run_id):
             holders = [p["peer_id"] for p in peers if p["version"] >= version][:3]
             if holders:
@@ -262,8 +264,9 @@ class BootstrapServer:
         if self.bridge is None or not wanted:
             return
         addrs = {p["peer_id"]: p["addrs"] for p in state["peers"]}
-        transport = P2PTransport(self.bridge.p2p, self.identity.peer_id,
-                                 lambda peer: addrs.get(peer, []))  # fmt: skip
+        transport = P2PTransport(
+            self.bridge.p2p, self.identity.peer_id, lambda peer: addrs.get(peer, [])
+        )
         coro = fetch_unheard(transport, wanted)
         self._fetching = asyncio.run_coroutine_threadsafe(coro, self.bridge.loop)
 

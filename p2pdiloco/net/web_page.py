@@ -80,7 +80,7 @@ def render_page(state: dict[str, Any]) -> str:
                 )
                 for r in runs
             ),
-        ),  # fmt: skip
+        ),
         f"<h2>Peers ({len(peers)})</h2>",
         _table(
             "peers",
@@ -98,7 +98,7 @@ def render_page(state: dict[str, Any]) -> str:
                 )
                 for p in peers
             ),
-        ),  # fmt: skip
+        ),
         "<h2>Leaderboard</h2>",
         '<p class="dim">Receipts of the certificates this bootstrap saw in the DHT or on '
         "gossip since it started (quorum signatures checked; <code>p2pdiloco status "
@@ -121,7 +121,7 @@ def render_page(state: dict[str, Any]) -> str:
                     )
                     for b in board
                 ),
-            )  # fmt: skip
+            )
         )
     if not boards:
         parts.append("<p>no certificate seen yet</p>")

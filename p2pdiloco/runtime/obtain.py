@@ -73,8 +73,10 @@ async def _follow_updates(
         code = e.code.value if isinstance(e, UpdateError) else "unavailable"
         log.warning(
             "version %d: no usable update [%s] (%s); downloading the state",
-            chain[-1].body.version, code, e,
-        )  # fmt: skip
+            chain[-1].body.version,
+            code,
+            e,
+        )
         tally.update_fallbacks += 1
         return None
     tally.updates += len(chain)

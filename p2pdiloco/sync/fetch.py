@@ -272,8 +272,12 @@ async def follow_updates(
         if cert.body.update_hash is None or cert.body.version != state.version + 1:
             raise SyncError(f"no update certified from version {state.version}")
         state, peer = await follow_update(transport, manifest, state, cert, holders(cert))
-        log.info("version %d made from its certified update (%d bytes from %s)",
-                 state.version, len(state.update or b""), peer[-8:])  # fmt: skip
+        log.info(
+            "version %d made from its certified update (%d bytes from %s)",
+            state.version,
+            len(state.update or b""),
+            peer[-8:],
+        )
     return state
 
 
@@ -298,8 +302,12 @@ async def download_update(
             return raw, peer
         log.warning(
             "update of version %d from %s refused [%s]: its %d bytes do not match the "
-            "certified update hash", version, peer, Reason.DIGEST_MISMATCH.value, len(raw),
-        )  # fmt: skip
+            "certified update hash",
+            version,
+            peer,
+            Reason.DIGEST_MISMATCH.value,
+            len(raw),
+        )
         errors.append(f"{peer[-8:]}: {Reason.DIGEST_MISMATCH.value}")
     raise SyncError(f"no peer served the update of version {version} ({'; '.join(errors)[:300]})")
 
