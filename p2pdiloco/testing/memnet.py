@@ -154,14 +154,15 @@ class MemoryNetwork:
                 from p2pdiloco.island.spec import IslandSpec
 
                 spec = IslandSpec(("cpu",) * self.islands[index], threads=1, timeout_s=60)
+                manifest, corpus = self.manifest, self.corpus  # narrowed above, for the lambda
                 learner: Learner = await asyncio.get_running_loop().run_in_executor(
                     None,
                     lambda: IslandLearner(
-                        self.manifest,
-                        self.corpus,
+                        manifest,
+                        corpus,
                         me,
                         state.params,
-                        spec=spec,  # type: ignore[arg-type]
+                        spec=spec,
                         log_dir=self.workdir / name,
                         **kw,
                     ),
