@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
 
@@ -46,10 +47,17 @@ def param_count(model: str) -> int:
 
 def measure(a: argparse.Namespace, codec: str, workdir: Path) -> dict[str, Any]:
     cfg = DemoConfig(
-        nodes=a.nodes, inner_steps=a.inner_steps, compression=codec, batch_size=4, seq_len=64,
-        grace=30.0, agree_timeout=10.0, committee_size=min(a.committee_size, a.nodes),
-        fragments=a.fragments, update_compression=a.update_codec,
-    )  # fmt: skip
+        nodes=a.nodes,
+        inner_steps=a.inner_steps,
+        compression=codec,
+        batch_size=4,
+        seq_len=64,
+        grace=30.0,
+        agree_timeout=10.0,
+        committee_size=min(a.committee_size, a.nodes),
+        fragments=a.fragments,
+        update_compression=a.update_codec,
+    )
     t0 = time.monotonic()
     with LocalNetwork(workdir, cfg) as net:
         net.start_bootstrap()
@@ -85,11 +93,14 @@ def measure(a: argparse.Namespace, codec: str, workdir: Path) -> dict[str, Any]:
             off_down.append(
                 (s1["learner_bytes_down"] - s0["learner_bytes_down"]) / off * a.fragments
             )
-    return {"codec": codec, **{k: statistics.mean(v) for k, v in per.items()},
-            "off_committee_up": statistics.mean(off_up) if off_up else 0.0,
-            "off_committee_down": statistics.mean(off_down) if off_down else 0.0,
-            "off_committee_learners": len(off_up),
-            "seconds": time.monotonic() - t0}  # fmt: skip
+    return {
+        "codec": codec,
+        **{k: statistics.mean(v) for k, v in per.items()},
+        "off_committee_up": statistics.mean(off_up) if off_up else 0.0,
+        "off_committee_down": statistics.mean(off_down) if off_down else 0.0,
+        "off_committee_learners": len(off_up),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 # Row key → status.json field (runtime.status).
@@ -146,14 +157,18 @@ def main() -> int:
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{a.model} ({p:,} parameters), {n} nodes, k = {min(a.committee_size, n)}, "
-          f"H = {a.inner_steps}, F = {a.fragments}; per node per round of H steps")  # fmt: skip
+    print(
+        f"{a.model} ({p:,} parameters), {n} nodes, k = {min(a.committee_size, n)}, "
+        f"H = {a.inner_steps}, F = {a.fragments}; per node per round of H steps"
+    )
     print(f"bf16 data-parallel ring all-reduce: {dp / 1e6:.2f} MB each way")
     print(f"{'codec':8} {'':8} {'up MB':>9} {'down MB':>9} {'DP/up':>8} {'DP/down':>8}")
     for r in rows:
-        for label, (up, down) in (("off-comm", ("off_committee_up", "off_committee_down")),
-                                  ("learner", ("learner_up", "learner_down")),
-                                  ("all", ("up", "down"))):  # fmt: skip
+        for label, (up, down) in (
+            ("off-comm", ("off_committee_up", "off_committee_down")),
+            ("learner", ("learner_up", "learner_down")),
+            ("all", ("up", "down")),
+        ):
             print(
                 f"{r['codec']:8} {label:8} {r[up] / 1e6:9.3f} {r[down] / 1e6:9.3f} "
                 f"{_ratio(r[up + '_vs_dp']):>8} {_ratio(r[down + '_vs_dp']):>8}"

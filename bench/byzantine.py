@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from p2pdiloco.choices import RULES
+from p2pdiloco.harness.simulate import run_simulation
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
-from p2pdiloco.train.simulate import run_simulation
 
 # inflate lies in the signed header, which the simulator does not have: bench/demo_attacks.py.
 ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "replay", "mimic", "collude")
@@ -82,20 +82,32 @@ def rule_label(name: str, params: dict[str, Any]) -> str:
     return name + (f"({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
 
 
-def run_cell(a: argparse.Namespace, rule: tuple[str, dict[str, Any]], attack: str | None,
-             attackers: int, clone: float | None = None,
-             jitter: float = 0.0) -> dict[str, Any]:  # fmt: skip
+def run_cell(
+    a: argparse.Namespace,
+    rule: tuple[str, dict[str, Any]],
+    attack: str | None,
+    attackers: int,
+    clone: float | None = None,
+    jitter: float = 0.0,
+) -> dict[str, Any]:
     name, params = rule
     m = a.learners
     cfg = SimulateConfig(
-        learners=m, inner_steps=a.inner_steps, rounds=a.rounds, data=a.data,
-        seed=a.seed, baseline=False, eval_batches=a.eval_batches, compression=a.compression,
+        learners=m,
+        inner_steps=a.inner_steps,
+        rounds=a.rounds,
+        data=a.data,
+        seed=a.seed,
+        baseline=False,
+        eval_batches=a.eval_batches,
+        compression=a.compression,
         rules=SyncRules(aggregation=name, aggregation_params=params, clone_factor=clone),
-        adversaries=attackers, attack=attack or "sign-flip",
+        adversaries=attackers,
+        attack=attack or "sign-flip",
         attack_jitter=jitter,
         inner=InnerConfig(lr=a.lr, warmup_steps=2, batch_size=a.batch_size, seq_len=a.seq_len),
         outer=OuterConfig(lr=0.7, momentum=0.5),  # short-run momentum: docs/adr/0006
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     res = run_simulation(cfg)
     bad = set(res.adversaries)
@@ -193,16 +205,25 @@ def plot_heatmap(report: dict[str, Any], stem: Path) -> None:
     )
     cell = {(r["rule"], r["attack"], r["fraction"]): r for r in rows}
     for ax, rule in zip(axes[0], rules, strict=True):
-        grid = [[cell.get((rule, at, fr), {}).get("loss_ratio", float("nan")) for fr in fracs]
-                for at in attacks]  # fmt: skip
+        grid = [
+            [cell.get((rule, at, fr), {}).get("loss_ratio", float("nan")) for fr in fracs]
+            for at in attacks
+        ]
         ax.imshow(grid, cmap="RdYlGn_r", vmin=0.97, vmax=1.15, aspect="auto")
         for i, at in enumerate(attacks):
             for j, fr in enumerate(fracs):
                 r = cell.get((rule, at, fr))
                 if r is not None:
                     mark = "" if r["met"] else " ✗"
-                    ax.text(j, i, f"{r['loss_ratio']:.3f}{mark}", ha="center", va="center",
-                            fontsize=7, color="white" if r["loss_ratio"] > 1.09 else "black")  # fmt: skip
+                    ax.text(
+                        j,
+                        i,
+                        f"{r['loss_ratio']:.3f}{mark}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if r["loss_ratio"] > 1.09 else "black",
+                    )
         ax.set_xticks(range(len(fracs)), fracs)
         ax.set_yticks(range(len(attacks)), attacks if ax is axes[0][0] else [""] * len(attacks))
         ax.set_title(rule, fontsize=8)
@@ -236,8 +257,13 @@ def plot_curves(report: dict[str, Any], stem: Path) -> None:
         ax.plot(range(1, len(clean) + 1), clean, color="black", lw=1.5, label="clean")
         for r in rows:
             if r["rule"] == rule and r["attack"] == attack:
-                ax.plot(range(1, len(r["eval_losses"]) + 1), r["eval_losses"], lw=1,
-                        marker=".", label=r["fraction"])  # fmt: skip
+                ax.plot(
+                    range(1, len(r["eval_losses"]) + 1),
+                    r["eval_losses"],
+                    lw=1,
+                    marker=".",
+                    label=r["fraction"],
+                )
         ax.set_title(attack, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("round", fontsize=7)
@@ -267,8 +293,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--compression", default="none")
     ap.add_argument("--clone-factor", default="0.25", help="comma list: none or a number")
-    ap.add_argument("--jitter", type=float, default=0.0,
-                    help="each attacker adds noise of this × the honest std (clone evasion)")  # fmt: skip
+    ap.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="each attacker adds noise of this × the honest std (clone evasion)",
+    )
     ap.add_argument("--data", default="embedded")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)

@@ -1,10 +1,10 @@
 """Chaos on real processes: a local network trains while random nodes are SIGKILLed and restarted.
 
-A bootstrap and N ``p2pdiloco join`` nodes (``p2pdiloco.demo.LocalNetwork``: separate processes,
-each with its own key, DHT daemon and gossip host, on loopback) train gemma-tiny. Once every node
-applied version 1, the chaos begins: every 20-40 s (seeded) a random live node's whole process
-group is SIGKILLed, and 5-15 s later it is restarted with the same key and state directory; the
-bootstrap is killed and restarted (same key and port) once. After ``--minutes`` the schedule
+A bootstrap and N ``p2pdiloco join`` nodes (``p2pdiloco.harness.demo.LocalNetwork``: separate
+processes, each with its own key, DHT daemon and gossip host, on loopback) train gemma-tiny. Once
+every node applied version 1, the chaos begins: every 20-40 s (seeded) a random live node's whole
+process group is SIGKILLed, and 5-15 s later it is restarted with the same key and state directory;
+the bootstrap is killed and restarted (same key and port) once. After ``--minutes`` the schedule
 stops, the nodes get ``--settle`` seconds to agree on the newest version, they are stopped
 (SIGTERM), and every state directory is verified against its certificates.
 
@@ -54,7 +54,8 @@ from bench.chaos_verify import (
     stall_allowance,
     verify_state_dir,
 )
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc, _spawn
+from p2pdiloco.harness.demo import LocalNetwork, _spawn
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.identity import Identity
 
 FOREVER = 10**6  # --until-version: the nodes train until stopped
@@ -98,8 +99,13 @@ class Watch:
                 text = n.text()
                 errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
                 life.ended = now
-                life.exit = {"node": n.name, "t": round(now - self.t0, 1), "code": n.proc.returncode,
-                             "error": errors[-1] if errors else None, "tail": text[-3000:]}  # fmt: skip
+                life.exit = {
+                    "node": n.name,
+                    "t": round(now - self.t0, 1),
+                    "code": n.proc.returncode,
+                    "error": errors[-1] if errors else None,
+                    "tail": text[-3000:],
+                }
                 self.exits.append(life.exit)
             path = n.dir / "state" / "status.json"
             try:
@@ -134,10 +140,22 @@ def restart_bootstrap(net: LocalNetwork, n: int) -> subprocess.Popen[bytes]:
     assert port is not None
     log = net.workdir / f"bootstrap.{n}.log"
     proc = _spawn(
-        ["bootstrap", "--host", "127.0.0.1", "--port", port.group(1), "--http-host", "127.0.0.1",
-         "--http-port", "0", "--identity", str(net.workdir / "bootstrap.key")],
-        log, net.env,
-    )  # fmt: skip
+        [
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port.group(1),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--identity",
+            str(net.workdir / "bootstrap.key"),
+        ],
+        log,
+        net.env,
+    )
     net.procs.append(proc)
     return proc
 
@@ -149,9 +167,17 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    cfg = DemoConfig(nodes=a.nodes, model=a.model, inner_steps=a.inner_steps, grace=a.grace,
-                     agree_timeout=a.agree_timeout, batch_size=a.batch_size, seq_len=a.seq_len,
-                     committee_size=a.committee_size, fragments=a.fragments)  # fmt: skip
+    cfg = DemoConfig(
+        nodes=a.nodes,
+        model=a.model,
+        inner_steps=a.inner_steps,
+        grace=a.grace,
+        agree_timeout=a.agree_timeout,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        committee_size=a.committee_size,
+        fragments=a.fragments,
+    )
     seconds = a.minutes * 60
     names = [f"node{i}" for i in range(a.nodes)]
     schedule = [] if a.no_chaos else make_schedule(a.seed, seconds, names, a.every, a.down)
@@ -201,8 +227,15 @@ def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 if life.exit is not None and due and n.name not in watch.down:
                     now = time.time()
                     say(f"{n.name} exited on its own ({life.exit['error']}); restarting it")
-                    done.append({"t": None, "target": n.name, "action": "restart",
-                                 "t_actual": round(now - t0, 2), "by": "supervisor"})  # fmt: skip
+                    done.append(
+                        {
+                            "t": None,
+                            "target": n.name,
+                            "action": "restart",
+                            "t_actual": round(now - t0, 2),
+                            "by": "supervisor",
+                        }
+                    )
                     net.start_node(n.name, by_name[n.name], until_version=FOREVER)
                     watch.lives[n.name].append(Life(n.name, now))
             time.sleep(0.5)
@@ -279,10 +312,14 @@ def analyse(
     restarts = []
     for name, lives in watch.lives.items():
         for life in lives[1:]:
-            restarts.append({"node": name, "t": round(life.started - t0, 1),
-                             "until": round((life.ended or t_end) - t0, 1),
-                             "rejoin_s": round(life.caught_up - life.started, 1)
-                             if life.caught_up else None})  # fmt: skip
+            restarts.append(
+                {
+                    "node": name,
+                    "t": round(life.started - t0, 1),
+                    "until": round((life.ended or t_end) - t0, 1),
+                    "rejoin_s": round(life.caught_up - life.started, 1) if life.caught_up else None,
+                }
+            )
     node_logs: dict[str, dict[str, Any]] = {}
     for path, text in sorted(logs.items()):
         tb = text.find("Traceback")
@@ -314,7 +351,7 @@ def analyse(
             "view_timeout": rules.view_timeout_s,
             "min_quorum_fraction": rules.min_quorum_fraction,
             "linger": rules.linger,
-        },  # fmt: skip
+        },
         "run_id": run_id,
         "chaos_seconds": round(seconds, 1),
         "schedule": [asdict(e) for e in schedule],
@@ -325,7 +362,7 @@ def analyse(
             "at_end": v_end,
             "certified": v_end - v_start,
             "after_settle": max(watch.applied.values(), default=0),
-        },  # fmt: skip
+        },
         "cert_times": {str(v): round(t - t0, 2) for v, t in sorted(times.items())},
         "stall_allowance_s": allowance,
         "max_gap_s": max(g.seconds for g in all_gaps),
@@ -335,7 +372,7 @@ def analyse(
             asdict(g)
             | {"most_nodes_out": most_out_at_once(out, t0 + g.start, t0 + g.start + g.seconds)}
             for g in stalls
-        ],  # fmt: skip
+        ],
         "lost_versions": lost["lost"],
         "forks": lost["forks"],
         "forgotten": lost["forgotten"],
@@ -381,8 +418,13 @@ def analyse(
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).parent)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
@@ -402,8 +444,12 @@ def main() -> int:
     ap.add_argument("--down", type=pair, default=(5.0, 15.0), help="s until the restart: LO,HI")
     ap.add_argument("--no-chaos", action="store_true", help="the same run, nobody killed")
     ap.add_argument("--settle", type=float, default=120.0, help="s to agree after the chaos")
-    ap.add_argument("--supervisor-delay", type=float, default=5.0,
-                    help="s before a node that exited on its own is started again")  # fmt: skip
+    ap.add_argument(
+        "--supervisor-delay",
+        type=float,
+        default=5.0,
+        help="s before a node that exited on its own is started again",
+    )
     ap.add_argument("--model", default="gemma-tiny")
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -428,16 +474,22 @@ def main() -> int:
         print(json.dumps(res, indent=1))
         return 0 if res["targets"]["met"] else 1
     t, gp, v = res["targets"], res["goodput"], res["versions"]
-    print(f"{a.nodes} nodes, {res['chaos_seconds']:.0f} s of chaos, "
-          f"{sum(e['action'] == 'kill' for e in res['executed'])} kills; logs in {workdir}")  # fmt: skip
+    print(
+        f"{a.nodes} nodes, {res['chaos_seconds']:.0f} s of chaos, "
+        f"{sum(e['action'] == 'kill' for e in res['executed'])} kills; logs in {workdir}"
+    )
     print(f"versions certified     {v['certified']} ({v['at_start']} -> {v['at_end']})")
-    print(f"stalls past grace      {t['stalls_past_grace']} (longest gap {res['max_gap_s']:.1f} s, "
-          f"allowance {res['stall_allowance_s']:.0f} s)")  # fmt: skip
+    print(
+        f"stalls past grace      {t['stalls_past_grace']} (longest gap {res['max_gap_s']:.1f} s, "
+        f"allowance {res['stall_allowance_s']:.0f} s)"
+    )
     print(f"lost versions          {t['lost_versions']} {res['lost_versions'] or ''}")
     print(f"corrupt states         {t['corrupt_states']} {res['corrupt'] or ''}")
     print(f"tracebacks / crashes   {t['tracebacks']} / {t['crashes']}")
-    print(f"goodput                {gp['goodput']:.3f} (credited {gp['credited_tokens']} of "
-          f"{gp['could_train_tokens']} tokens; trained {gp['trained_tokens']})")  # fmt: skip
+    print(
+        f"goodput                {gp['goodput']:.3f} (credited {gp['credited_tokens']} of "
+        f"{gp['could_train_tokens']} tokens; trained {gp['trained_tokens']})"
+    )
     print("simulator prediction   (not yet: p2pdiloco/sim/)")
     print(f"target (0 stalls, 0 lost, 0 corrupt): {'met' if t['met'] else 'NOT met'}")
     print("figures: " + ", ".join(map(str, figures)), file=sys.stderr)

@@ -23,8 +23,14 @@ def plot(res: dict[str, Any], stem: Path, dpi: int = 110) -> list[Path]:
     cert = sorted((t, int(v)) for v, t in res["cert_times"].items() if t <= end)
     if cert:
         ts, vs = zip(*cert, strict=True)
-        ax.step([0.0, *ts, end], [res["versions"]["at_start"], *vs, vs[-1]], where="post",
-                color="black", lw=1.6, label="certified version (network)")  # fmt: skip
+        ax.step(
+            [0.0, *ts, end],
+            [res["versions"]["at_start"], *vs, vs[-1]],
+            where="post",
+            color="black",
+            lw=1.6,
+            label="certified version (network)",
+        )
     for _, node_pts in sorted(res["versions_by_node"].items()):
         pts = [(t, v) for t, v in node_pts if t <= end]
         if pts:
@@ -34,8 +40,11 @@ def plot(res: dict[str, Any], stem: Path, dpi: int = 110) -> list[Path]:
         ax.axvspan(g["start"], g["start"] + g["seconds"], color="tab:red", alpha=0.12)
     names = sorted(res["versions_by_node"]) + [BOOTSTRAP]
     for e in res["executed"]:
-        colour = "tab:purple" if e["target"] == BOOTSTRAP else (
-            "tab:red" if e["action"] == "kill" else "tab:green")  # fmt: skip
+        colour = (
+            "tab:purple"
+            if e["target"] == BOOTSTRAP
+            else ("tab:red" if e["action"] == "kill" else "tab:green")
+        )
         ax.axvline(e["t_actual"], color=colour, lw=0.7, ls="--" if e["action"] == "kill" else ":")
     down: dict[str, float] = {}
     for e in res["executed"]:
@@ -43,23 +52,36 @@ def plot(res: dict[str, Any], stem: Path, dpi: int = 110) -> list[Path]:
             down[e["target"]] = e["t_actual"]
         elif e["target"] in down:
             start = down.pop(e["target"])
-            lanes.broken_barh([(start, e["t_actual"] - start)], (names.index(e["target"]) - 0.4, 0.8),
-                              color="tab:red")  # fmt: skip
+            lanes.broken_barh(
+                [(start, e["t_actual"] - start)],
+                (names.index(e["target"]) - 0.4, 0.8),
+                color="tab:red",
+            )
     for x in res["exits"]:
-        back = [e["t_actual"] for e in res["executed"]
-                if e["target"] == x["node"] and e["action"] == "restart" and e["t_actual"] >= x["t"]]  # fmt: skip
-        lanes.broken_barh([(x["t"], (back[0] if back else end) - x["t"])],
-                          (names.index(x["node"]) - 0.4, 0.8), color="tab:gray")  # fmt: skip
+        back = [
+            e["t_actual"]
+            for e in res["executed"]
+            if e["target"] == x["node"] and e["action"] == "restart" and e["t_actual"] >= x["t"]
+        ]
+        lanes.broken_barh(
+            [(x["t"], (back[0] if back else end) - x["t"])],
+            (names.index(x["node"]) - 0.4, 0.8),
+            color="tab:gray",
+        )
     for r in res["restarts"]:
         width = r["rejoin_s"] if r["rejoin_s"] is not None else min(r["until"], end) - r["t"]
-        lanes.broken_barh([(r["t"], width)], (names.index(r["node"]) - 0.4, 0.8),
-                          color="tab:orange")  # fmt: skip
+        lanes.broken_barh(
+            [(r["t"], width)], (names.index(r["node"]) - 0.4, 0.8), color="tab:orange"
+        )
     lanes.set_yticks(range(len(names)), names, fontsize=7)
     lanes.set_ylim(-0.7, len(names) - 0.3)
     lanes.set_xlim(0, end)
     lanes.set_xlabel("seconds after the chaos began")
-    lanes.set_title("down (red: killed; grey: exited on its own; orange: restarting until at the newest version)",
-                    fontsize=8)  # fmt: skip
+    lanes.set_title(
+        "down (red: killed; grey: exited on its own; "
+        "orange: restarting until at the newest version)",
+        fontsize=8,
+    )
     gp = res["goodput"]
     t = res["targets"]
     ax.set_ylabel("version")

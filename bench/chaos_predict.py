@@ -37,26 +37,45 @@ def predict(run: dict) -> dict:  # type: ignore[type-arg]
     rate = run["goodput"]["tokens_per_second"]
     step_seconds = {i: tokens_per_step / rate[f"node{i}"] for i in range(nodes)}
     faults = [
-        Fault(e["t_actual"], int(e["target"].removeprefix("node")),
-              "down" if e["action"] == "kill" else "up")
+        Fault(
+            e["t_actual"],
+            int(e["target"].removeprefix("node")),
+            "down" if e["action"] == "kill" else "up",
+        )
         for e in run["executed"]
         if e["target"].startswith("node") and e["t_actual"] < run["chaos_seconds"]
-    ]  # fmt: skip
+    ]
     rejoin = [r["rejoin_s"] for r in run["restarts"] if r.get("rejoin_s")]
     measured = run.get("timings") or {}  # bench/chaos_timings.py; absent in older JSONs
     merge_s = measured.get("merge_s_per_input") or SimConfig.merge_seconds_per_input
     apply_s = measured.get("apply_s") or 0.0
     cfg = SimConfig(
-        peers=nodes, committee_size=man["committee_size"], duration=run["chaos_seconds"],
-        inner_steps=man["inner_steps"], time_budget=0, batch_size=man["batch_size"],
-        seq_len=man["seq_len"], payload_bytes=1_100_000, update_bytes=1_100_000,
-        state_bytes=8_500_000, up_mbps=8000, down_mbps=8000, bw_sigma=0.0,
-        latency_ms=(0.1, 0.5), restart_seconds=statistics.median(rejoin) if rejoin else 30.0,
-        rules={"grace": man["grace"], "agree_timeout": man["agree_timeout"],
-               "view_timeout": man["view_timeout"], "linger": man.get("linger", LINGER),
-               "min_quorum_fraction": man["min_quorum_fraction"]},
-        fragments=man.get("fragments", 1), merge_seconds_per_input=merge_s, apply_seconds=apply_s,
-    )  # fmt: skip
+        peers=nodes,
+        committee_size=man["committee_size"],
+        duration=run["chaos_seconds"],
+        inner_steps=man["inner_steps"],
+        time_budget=0,
+        batch_size=man["batch_size"],
+        seq_len=man["seq_len"],
+        payload_bytes=1_100_000,
+        update_bytes=1_100_000,
+        state_bytes=8_500_000,
+        up_mbps=8000,
+        down_mbps=8000,
+        bw_sigma=0.0,
+        latency_ms=(0.1, 0.5),
+        restart_seconds=statistics.median(rejoin) if rejoin else 30.0,
+        rules={
+            "grace": man["grace"],
+            "agree_timeout": man["agree_timeout"],
+            "view_timeout": man["view_timeout"],
+            "linger": man.get("linger", LINGER),
+            "min_quorum_fraction": man["min_quorum_fraction"],
+        },
+        fragments=man.get("fragments", 1),
+        merge_seconds_per_input=merge_s,
+        apply_seconds=apply_s,
+    )
     result, _ = simulate_run(cfg, baseline=False, faults=faults, step_seconds=step_seconds)
     return {
         "goodput": round(result.credited_tokens / result.all_time_tokens, 4),

@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from p2pdiloco.demo import DemoConfig, run_demo
+from p2pdiloco.harness.demo import run_demo
+from p2pdiloco.harness.demo_config import DemoConfig
 from p2pdiloco.train.attacks import ATTACKS
 
 

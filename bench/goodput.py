@@ -50,10 +50,15 @@ def main() -> int:
         runs = []
         for seed in range(a.seed, a.seed + a.seeds):
             cfg = SimConfig(
-                peers=a.peers, duration=a.hours * 3600, committee_size=a.committee,
-                mtbf_hours=mtbf, repair_seconds=a.repair_minutes * 60, seed=seed,
-                rules={"staleness": s}, fragments=a.fragments,
-            )  # fmt: skip
+                peers=a.peers,
+                duration=a.hours * 3600,
+                committee_size=a.committee,
+                mtbf_hours=mtbf,
+                repair_seconds=a.repair_minutes * 60,
+                seed=seed,
+                rules={"staleness": s},
+                fragments=a.fragments,
+            )
             runs.append(simulate_run(cfg, checkpoint_seconds=a.checkpoint_minutes * 60)[0])
         rows.append(_row(runs, mtbf, s))
         r = rows[-1]
@@ -66,11 +71,18 @@ def main() -> int:
             f"data-parallel {r['data_parallel']:6.1%}  ratio {ratio}  "
             f"views {r['view_changes']:3d}  p99 {r['latency_p99']:5.0f} s  [{met}]",
             flush=True,
-        )  # fmt: skip
+        )
     a.out.mkdir(parents=True, exist_ok=True)
-    meta = {"peers": a.peers, "hours": a.hours, "committee": a.committee,
-            "repair_minutes": a.repair_minutes, "checkpoint_minutes": a.checkpoint_minutes,
-            "seed": a.seed, "seeds": a.seeds, "staleness": stale}  # fmt: skip
+    meta = {
+        "peers": a.peers,
+        "hours": a.hours,
+        "committee": a.committee,
+        "repair_minutes": a.repair_minutes,
+        "checkpoint_minutes": a.checkpoint_minutes,
+        "seed": a.seed,
+        "seeds": a.seeds,
+        "staleness": stale,
+    }
     (a.out / "goodput.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
     _plot(rows, meta, a.out)
     if a.json:
@@ -84,16 +96,21 @@ def _row(runs: list[Any], mtbf: float | None, staleness: int) -> dict[str, Any]:
     assert all(dp is not None for dp in dps)
     good = [r.goodput for r in runs]
     return {
-        "mtbf_hours": mtbf, "seeds": len(runs), "failures": sum(r.faults for r in runs),
-        "diloco": statistics.fmean(good), "diloco_min": min(good), "diloco_max": max(good),
+        "mtbf_hours": mtbf,
+        "seeds": len(runs),
+        "failures": sum(r.faults for r in runs),
+        "diloco": statistics.fmean(good),
+        "diloco_min": min(good),
+        "diloco_max": max(good),
         "data_parallel": statistics.fmean(dp.goodput for dp in dps),
         "versions": statistics.fmean(r.versions for r in runs),
         "view_changes": sum(r.view_changes for r in runs),
         "dp_stalled_s": statistics.fmean(dp.stalled_seconds for dp in dps),
         "latency_p50": statistics.fmean(r.latency_p50 for r in runs),
         "latency_p99": max(r.latency_p99 for r in runs),
-        "wall_s": sum(r.wall_seconds for r in runs), "staleness": staleness,
-    }  # fmt: skip
+        "wall_s": sum(r.wall_seconds for r in runs),
+        "staleness": staleness,
+    }
 
 
 def _plot(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:

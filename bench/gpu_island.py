@@ -135,10 +135,12 @@ def kernel_split(prof: Any, wall_s: float) -> dict[str, Any]:
     busy = sum(by_kind.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
     return {
-        "wall_s": wall_s, "gpu_busy_s": busy, "gpu_busy_share": busy / wall_s,
+        "wall_s": wall_s,
+        "gpu_busy_s": busy,
+        "gpu_busy_share": busy / wall_s,
         "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top": [[n, t] for n, t in top],
-    }  # fmt: skip
+    }
 
 
 def build(name: str, a: argparse.Namespace, device: torch.device, cfg: InnerConfig) -> Any:
@@ -167,9 +169,12 @@ def run_cell(name: str, a: argparse.Namespace, device: torch.device) -> dict[str
     cuda = device.type == "cuda"
     spec = get_spec(name)
     cfg = InnerConfig(
-        batch_size=a.step_batch, seq_len=a.seq_len, warmup_steps=2, total_steps=10_000,
+        batch_size=a.step_batch,
+        seq_len=a.seq_len,
+        warmup_steps=2,
+        total_steps=10_000,
         grad_accum=a.step_batch // a.micro_batch,
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(
         0, spec.vocab_size - 8, (a.warmup + a.steps, a.step_batch, a.seq_len + 1), generator=gen
@@ -210,11 +215,21 @@ def run_cell(name: str, a: argparse.Namespace, device: torch.device) -> dict[str
     plan = _plan(name, "bf16-mixed", 2**60, a.micro_batch, a.seq_len, a.checkpointing)
     assert plan is not None and plan.devices == 1
     return {
-        "model": name, "layers": spec.num_layers, "parameters": n_params, "mode": a.mode,
-        "checkpointing": a.checkpointing, "seq_len": a.seq_len, "micro_batch": a.micro_batch,
-        "step_batch": a.step_batch, "steps": a.steps, "build_s": round(build_s, 2),
-        "step_s": train_s / a.steps, "tokens_per_s": tps, "loss_last": stats.loss_last,
-        "model_tflops": dense / 1e12, "model_tflops_with_attention": (dense + attn) / 1e12,
+        "model": name,
+        "layers": spec.num_layers,
+        "parameters": n_params,
+        "mode": a.mode,
+        "checkpointing": a.checkpointing,
+        "seq_len": a.seq_len,
+        "micro_batch": a.micro_batch,
+        "step_batch": a.step_batch,
+        "steps": a.steps,
+        "build_s": round(build_s, 2),
+        "step_s": train_s / a.steps,
+        "tokens_per_s": tps,
+        "loss_last": stats.loss_last,
+        "model_tflops": dense / 1e12,
+        "model_tflops_with_attention": (dense + attn) / 1e12,
         "mfu": dense / peak_flops if peak_flops else None,
         "mfu_with_attention": (dense + attn) / peak_flops if peak_flops else None,
         "rest_gib": rest / GiB if cuda else None,  # weights + AdamW moments between steps
@@ -222,9 +237,10 @@ def run_cell(name: str, a: argparse.Namespace, device: torch.device) -> dict[str
         "reserved_gib": reserved / GiB if reserved is not None else None,
         "kernels": kernels,
         "plan_one_device_gib": plan.per_device / GiB,  # the plan's figure at N = 1, this shape
-        "plan_state_gib": plan.shard / GiB, "plan_activations_gib": plan.activations / GiB,
+        "plan_state_gib": plan.shard / GiB,
+        "plan_activations_gib": plan.activations / GiB,
         "plan_casts_gib": plan.casts / GiB,  # autocast's bf16 weight copies (not sharded)
-    }  # fmt: skip
+    }
 
 
 def per_layer(model: str, rows: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
@@ -243,19 +259,24 @@ def per_layer(model: str, rows: list[dict[str, Any]], a: argparse.Namespace) -> 
     fixed = lo["peak_gib"] - lo["layers"] * meas  # what does not scale with layers
     one_rank = fixed + full.num_layers * meas
     out: dict[str, Any] = {
-        "model": model, "layers": [r["layers"] for r in ok], "mode": a.mode,
-        "checkpointing": a.checkpointing, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+        "model": model,
+        "layers": [r["layers"] for r in ok],
+        "mode": a.mode,
+        "checkpointing": a.checkpointing,
+        "micro_batch": a.micro_batch,
+        "seq_len": a.seq_len,
         "layer_parameters": layer_params,
-        "measured_per_layer_gib": meas, "measured_state_per_layer_gib": rest,
+        "measured_per_layer_gib": meas,
+        "measured_state_per_layer_gib": rest,
         "plan_per_layer_gib": plan,  # with its allowance (ADR 0049: 30 %; 10 % before)
         # The plan's state: 16 B per parameter on the GPU (weights, gradients, AdamW); before
         # ADR 0049 it also counted the 8 B of DiLoCo base and error feedback kept on the host.
         "plan_state_per_layer_gib": (hi["plan_state_gib"] - lo["plan_state_gib"]) / dl,
-        "plan_activations_per_layer_gib": (
-            hi["plan_activations_gib"] - lo["plan_activations_gib"]
-        ) / dl,
-        "measured_fixed_gib": fixed, "full_model_one_rank_gib": one_rank,
-    }  # fmt: skip
+        "plan_activations_per_layer_gib": (hi["plan_activations_gib"] - lo["plan_activations_gib"])
+        / dl,
+        "measured_fixed_gib": fixed,
+        "full_model_one_rank_gib": one_rank,
+    }
     if a.device_gib:
         isl = plan_island(model, "bf16-mixed", int(a.device_gib * GiB), a.micro_batch, a.seq_len)
         if isl is not None:
@@ -263,11 +284,13 @@ def per_layer(model: str, rows: list[dict[str, Any]], a: argparse.Namespace) -> 
             # as 12 B at rest + the gradient); activations, logits and gathered units are not.
             state_total = 16 * parameter_count(model) / GiB
             out["plan_island"] = {
-                "device_gib": a.device_gib, "devices": isl.devices,
-                "checkpointing": isl.checkpointing, "micro_batch": isl.micro_batch,
+                "device_gib": a.device_gib,
+                "devices": isl.devices,
+                "checkpointing": isl.checkpointing,
+                "micro_batch": isl.micro_batch,
                 "plan_per_device_gib": isl.per_device / GiB,
                 "measured_per_device_gib": one_rank - state_total + state_total / isl.devices,
-            }  # fmt: skip
+            }
     return out
 
 
@@ -301,10 +324,12 @@ def main() -> int:
         if a.device_gib is None:
             a.device_gib = torch.cuda.get_device_properties(device).total_memory / GiB
     result: dict[str, Any] = {
-        "argv": sys.argv[1:], "torch": torch.__version__,
+        "argv": sys.argv[1:],
+        "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "rows": [], "errors": [],
-    }  # fmt: skip
+        "rows": [],
+        "errors": [],
+    }
     try:
         import transformers
 
@@ -315,9 +340,12 @@ def main() -> int:
     if a.mode == "fsdp":
         backend = a.backend or ("nccl" if cuda else "gloo")
         dist.init_process_group(
-            backend, store=dist.FileStore(os.path.join(tmp, "pg"), 1), rank=0, world_size=1,
+            backend,
+            store=dist.FileStore(os.path.join(tmp, "pg"), 1),
+            rank=0,
+            world_size=1,
             device_id=device if backend == "nccl" else None,
-        )  # fmt: skip
+        )
         result["backend"] = backend
         result["cpu_tensor_collective"] = probe_cpu_collective()
         print(f"group {backend}: a CPU tensor's all-reduce: {result['cpu_tensor_collective']}")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 
 def run_cell(cell: str, a: argparse.Namespace) -> dict[str, object]:

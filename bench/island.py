@@ -100,15 +100,27 @@ def main() -> int:
     gpus = [int(g) for g in a.gpus.split(",") if g.strip()] or [0]
     creator = Identity.generate()
     _, manifest, _ = create_manifest(
-        creator, name="bench-island", model=a.model, data="embedded", seed=0, inner_steps=20,
-        committee_size=1, genesis_committee=[creator.peer_id],
-        inner={"batch_size": a.batch_size, "seq_len": a.seq_len, "warmup_steps": 2,
-               "total_steps": 10_000},
-    )  # fmt: skip
+        creator,
+        name="bench-island",
+        model=a.model,
+        data="embedded",
+        seed=0,
+        inner_steps=20,
+        committee_size=1,
+        genesis_committee=[creator.peer_id],
+        inner={
+            "batch_size": a.batch_size,
+            "seq_len": a.seq_len,
+            "warmup_steps": 2,
+            "total_steps": 10_000,
+        },
+    )
     corpus = build_corpus(
-        "embedded", load_tokenizer(get_spec(a.model).tokenizer), seq_len=a.seq_len,
+        "embedded",
+        load_tokenizer(get_spec(a.model).tokenizer),
+        seq_len=a.seq_len,
         max_bytes=2**20,
-    )  # fmt: skip
+    )
     from p2pdiloco.train.models import build_model, param_state
 
     base = {n: t.float().clone() for n, t in param_state(build_model(a.model, seed=0)).items()}
@@ -136,14 +148,21 @@ def main() -> int:
             row["mfu"] = flops / (ranks * a.peak_tflops * 1e12) if a.peak_tflops else None
             rows.append(row)
     result = {
-        "model": a.model, "parameters": n_params, "device": a.device, "threads": a.threads,
-        "batch": [a.batch_size, a.seq_len], "steps": a.steps, "rows": rows,
-    }  # fmt: skip
+        "model": a.model,
+        "parameters": n_params,
+        "device": a.device,
+        "threads": a.threads,
+        "batch": [a.batch_size, a.seq_len],
+        "steps": a.steps,
+        "rows": rows,
+    }
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{a.model} ({n_params / 1e6:.1f} M parameters), step batch {a.batch_size} × "
-          f"{a.seq_len}, {a.device}, {a.threads} thread(s) per rank")  # fmt: skip
+    print(
+        f"{a.model} ({n_params / 1e6:.1f} M parameters), step batch {a.batch_size} × "
+        f"{a.seq_len}, {a.device}, {a.threads} thread(s) per rank"
+    )
     print("ranks  tokens/s  step s  compute s  collectives s  gather s  delta s  load s  MFU")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"

@@ -15,9 +15,9 @@ import json
 import sys
 import time
 
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 
 def main() -> int:

@@ -29,7 +29,8 @@ def _measure(a: argparse.Namespace) -> dict:
     from p2pdiloco.aggregate import get_rule
     from p2pdiloco.protocol.records import SyncRules
     from p2pdiloco.sync.aggregator import MergeInput, merge_round
-    from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
+    from p2pdiloco.testing.outer import OuterOptimizer
+    from p2pdiloco.train.outer import OuterConfig
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -38,11 +39,13 @@ def _measure(a: argparse.Namespace) -> dict:
     momentum = {n: torch.zeros(s) for n, s in shapes.items()}
     inputs = [
         MergeInput(
-            f"{i:02d}", f"p{i}", {n: torch.randn(s, generator=g) * 1e-2 for n, s in shapes.items()},
+            f"{i:02d}",
+            f"p{i}",
+            {n: torch.randn(s, generator=g) * 1e-2 for n, s in shapes.items()},
             1.0 + i,
         )
         for i in range(a.learners)
-    ]  # fmt: skip
+    ]
     rules = SyncRules(aggregation=a.rule, aggregation_params=json.loads(a.params))
 
     def stacked(ins: list[MergeInput]) -> int:
@@ -63,8 +66,9 @@ def _measure(a: argparse.Namespace) -> dict:
         from p2pdiloco.sync.update import pack_update, update_codec
 
         codec = update_codec(a.update_codec)  # and the pack a syncer serves (ADR 0029)
-        out = merge_round(params, momentum, ins, rules=rules, outer=OuterConfig(),
-                          update_codec=codec)  # fmt: skip
+        out = merge_round(
+            params, momentum, ins, rules=rules, outer=OuterConfig(), update_codec=codec
+        )
         raw = pack_update(out.update)
         return len(out.accepted) if raw else 0
 

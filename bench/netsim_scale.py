@@ -53,12 +53,20 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for n in (int(x) for x in a.peers.split(",")):
         cfg = SimConfig(
-            peers=n, duration=a.minutes * 60, committee_size=a.committee, churn_per_hour=a.churn,
-            mtbf_hours=a.mtbf, payload_bytes=int(a.payload_mb * 1e6 / a.shards),
-            update_bytes=int(a.payload_mb * 1e6 / a.shards), state_bytes=50_000_000 // a.shards,
-            down_mbps=1000.0, merge_seconds_per_input=0.02 / a.shards, fragments=a.fragments,
-            rules={"linger": a.linger, **({"grace": a.grace} if a.grace else {})}, seed=a.seed,
-        )  # fmt: skip
+            peers=n,
+            duration=a.minutes * 60,
+            committee_size=a.committee,
+            churn_per_hour=a.churn,
+            mtbf_hours=a.mtbf,
+            payload_bytes=int(a.payload_mb * 1e6 / a.shards),
+            update_bytes=int(a.payload_mb * 1e6 / a.shards),
+            state_bytes=50_000_000 // a.shards,
+            down_mbps=1000.0,
+            merge_seconds_per_input=0.02 / a.shards,
+            fragments=a.fragments,
+            rules={"linger": a.linger, **({"grace": a.grace} if a.grace else {})},
+            seed=a.seed,
+        )
         r, _ = simulate_run(cfg, baseline=False)
         # How often each fragment is synced: with P fragments, every P versions (its steps
         # between syncs, the run's effective H, are this many seconds of training).
@@ -66,14 +74,15 @@ def main() -> int:
         rows.append({**r.to_dict(), "fragments": a.fragments, "fragment_sync_seconds": every})
         print(
             f"{n:6d} peers  goodput {r.goodput:6.1%}  versions {r.versions:4d}  "
-            f"latency p50/p95/p99 {r.latency_p50:4.0f}/{r.latency_p95:4.0f}/{r.latency_p99:4.0f} s  "
+            f"latency p50/p95/p99 "
+            f"{r.latency_p50:4.0f}/{r.latency_p95:4.0f}/{r.latency_p99:4.0f} s  "
             f"MB/learner/delta {r.learner_bytes_per_delta / 1e6:6.1f}  "
             f"cert max MB {r.certificate_bytes_max / 1e6:4.2f}  "
             f"MB/syncer/round {r.syncer_bytes_per_round / 1e6:8.1f}  views {r.view_changes}  "
             f"fragment synced every {every:4.0f} s  "
             f"wrong {r.wrong_certificates + r.conflicts}  wall {r.wall_seconds:5.0f} s",
             flush=True,
-        )  # fmt: skip
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(a).items() if k not in ("out", "json")}
     (a.out / "netsim_scale.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))

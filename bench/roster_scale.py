@@ -42,10 +42,18 @@ LIMIT_THEN = 1 << 20
 
 def _manifest(creator: Identity) -> RunManifest:
     return RunManifest.model_validate(
-        {"protocol_version": 1, "name": "roster-scale", "model": "gpt-tiny", "data": "embedded",
-         "seed": 0, "creator": creator.peer_id, "created_at": 1_800_000_000.0,
-         "committee_size": 16, "inner_steps": 20}
-    )  # fmt: skip
+        {
+            "protocol_version": 1,
+            "name": "roster-scale",
+            "model": "gpt-tiny",
+            "data": "embedded",
+            "seed": 0,
+            "creator": creator.peer_id,
+            "created_at": 1_800_000_000.0,
+            "committee_size": 16,
+            "inner_steps": 20,
+        }
+    )
 
 
 def _timed(fn: Any, repeat: int = 3) -> tuple[Any, float]:
@@ -61,10 +69,17 @@ def measure(n: int, ids: list[str], creator: Identity) -> dict[str, Any]:
     m = _manifest(creator)
     version = 10
     receipts = sorted(
-        (Accepted(peer_id=p, digest=hashlib.sha256(p.encode()).hexdigest(), steps=100,
-                  tokens=100 * 1024) for p in ids[:n]),
+        (
+            Accepted(
+                peer_id=p,
+                digest=hashlib.sha256(p.encode()).hexdigest(),
+                steps=100,
+                tokens=100 * 1024,
+            )
+            for p in ids[:n]
+        ),
         key=lambda a: a.digest,
-    )  # fmt: skip
+    )
     prev = genesis_roster(m)
     roster, next_s = _timed(lambda: next_roster(prev, new_version=version, accepted=receipts))
     tracemalloc.start()  # apart from the timing: it slows every allocation
@@ -74,10 +89,15 @@ def measure(n: int, ids: list[str], creator: Identity) -> dict[str, Any]:
     assert again == roster
     roster_json = len(canonical_json([e.model_dump(mode="json") for e in roster]))
     body = CertificateBody(
-        run=run_id_of(m), version=version + 1, base_version=version, state_hash="cd" * 32,
-        committee=[creator.peer_id], quorum=1, accepted=receipts[:RECEIPTS],
+        run=run_id_of(m),
+        version=version + 1,
+        base_version=version,
+        state_hash="cd" * 32,
+        committee=[creator.peer_id],
+        quorum=1,
+        accepted=receipts[:RECEIPTS],
         roster_hash=roster_digest(roster),
-    )  # fmt: skip
+    )
     cert_now = len(assemble(body, {creator.peer_id: sign_body(creator, body)}))
     beacon = hashlib.sha256(b"beacon").digest()
     later = version + 5  # every entry old enough to be eligible and trusted
@@ -114,14 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         json.dump({"rows": rows}, sys.stdout, indent=1)
         return 0
-    print(f"{'roster':>7} {'carried':>10} {'fits 1MiB':>9} {'cert now':>9} {'held':>9} "
-          f"{'next_roster':>11} {'view 0':>7} {'view 1':>7} {'trusted':>7}")  # fmt: skip
+    print(
+        f"{'roster':>7} {'carried':>10} {'fits 1MiB':>9} {'cert now':>9} {'held':>9} "
+        f"{'next_roster':>11} {'view 0':>7} {'view 1':>7} {'trusted':>7}"
+    )
     for r in rows:
         fits = str(r["fits_carried"])
-        print(f"{r['roster']:>7} {r['carried_cert_bytes'] / 1e6:>8.2f}MB {fits:>9} "
-              f"{r['cert_bytes_now'] / 1e3:>7.0f}kB {r['held_bytes'] / 1e6:>7.1f}MB "
-              f"{r['next_roster_s'] * 1e3:>9.0f}ms {r['elect_view0_s'] * 1e3:>5.0f}ms "
-              f"{r['elect_view1_s'] * 1e3:>5.0f}ms {r['trusted_s'] * 1e3:>5.0f}ms")  # fmt: skip
+        print(
+            f"{r['roster']:>7} {r['carried_cert_bytes'] / 1e6:>8.2f}MB {fits:>9} "
+            f"{r['cert_bytes_now'] / 1e3:>7.0f}kB {r['held_bytes'] / 1e6:>7.1f}MB "
+            f"{r['next_roster_s'] * 1e3:>9.0f}ms {r['elect_view0_s'] * 1e3:>5.0f}ms "
+            f"{r['elect_view1_s'] * 1e3:>5.0f}ms {r['trusted_s'] * 1e3:>5.0f}ms"
+        )
     return 0
 
 

@@ -20,10 +20,10 @@ import sys
 import time
 from typing import Any
 
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.train import simulate
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 
 def run(a: argparse.Namespace, warmup: int, horizon: int) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 RULE_PARAMS = {
     "mean": {},
@@ -49,13 +49,19 @@ def corpus(root: Path) -> Path:
 
 def run(data: Path, a: argparse.Namespace, codec: str, rule: str, attack: str | None) -> dict:
     cfg = SimulateConfig(
-        learners=a.learners, inner_steps=a.inner_steps, rounds=a.rounds, data=str(data),
-        baseline=False, eval_batches=4, compression=codec,
+        learners=a.learners,
+        inner_steps=a.inner_steps,
+        rounds=a.rounds,
+        data=str(data),
+        baseline=False,
+        eval_batches=4,
+        compression=codec,
         rules=SyncRules(aggregation=rule, aggregation_params=RULE_PARAMS[rule]),
-        adversaries=1 if attack else 0, attack=attack or "sign-flip",
+        adversaries=1 if attack else 0,
+        attack=attack or "sign-flip",
         inner=InnerConfig(lr=3e-3, warmup_steps=2, batch_size=4, seq_len=64),
         outer=OuterConfig(lr=0.7, momentum=0.5),
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     res = run_simulation(cfg).to_dict()
     honest = range(a.learners - (1 if attack else 0))

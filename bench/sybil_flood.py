@@ -1,9 +1,9 @@
 """Issue 14's Sybil flood on real processes, side by side with a clean run.
 
-Three honest nodes (the genesis committee) train to ``--until``; in the flooded run, from
-version ``--start``, five fresh identities send every syncer ±0.05 deltas with 10⁹-step claims
-(``p2pdiloco.sybil``). Prints each run's final eval loss (the certified state of node0 on the
-embedded eval batches, as ``p2pdiloco demo`` measures it), the ratio to the clean run, and what
+Three honest nodes (the genesis committee) train to ``--until``; in the flooded run, from version
+``--start``, five fresh identities send every syncer ±0.05 deltas with 10⁹-step claims
+(``p2pdiloco.harness.sybil``). Prints each run's final eval loss (the certified state of node0 on
+the embedded eval batches, as ``p2pdiloco demo`` measures it), the ratio to the clean run, and what
 the certificates merged. Target: ratio ≤ 1.03, no fresh identity merged or elected. ``--no-trust``
 puts trust out of reach (every identity counts as trusted, as before protocol 4).
 
@@ -20,10 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork, summarize
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig
+from p2pdiloco.harness.demo_summary import summarize
+from p2pdiloco.harness.sybil import flood
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sybil import flood
 
 
 def one_run(cfg: DemoConfig, workdir: Path, attack: bool, a: argparse.Namespace) -> dict:
@@ -75,8 +77,10 @@ def main() -> int:
     if a.json:
         print(json.dumps({"until": a.until, "trust": not a.no_trust, "runs": rows}, indent=2))
         return 0
-    print(f"3 honest nodes, 5 fresh identities from v{a.start} to v{a.until}; trust "
-          f"{'off' if a.no_trust else 'on'}")  # fmt: skip
+    print(
+        f"3 honest nodes, 5 fresh identities from v{a.start} to v{a.until}; trust "
+        f"{'off' if a.no_trust else 'on'}"
+    )
     print(f"{'run':<6} {'loss end':>9} {'vs clean':>9} {'merged':>7} {'screened':>9} {'seats':>6}")
     for r in rows:
         print(

@@ -1,7 +1,7 @@
 """Download bytes per certified version of a node off the committee: the certified update
 against the full state (ADR 0029).
 
-Whole nodes in one process (``runtime.memnet.MemoryNetwork``, gemma-tiny): four learners form
+Whole nodes in one process (``testing.memnet.MemoryNetwork``, gemma-tiny): four learners form
 the committee, a fifth node trains nothing, so it is never elected and follows every version
 as a learner outside the committee does. Its bytes are counted at the in-memory transport
 (every frame it received: replies to its requests, and the few requests peers sent it),
@@ -23,16 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.memnet import MemoryNetwork
-from p2pdiloco.runtime.transport import MemoryHub
+from p2pdiloco.testing.memnet import MemoryNetwork
 
 
 def refuse_updates(hub: MemoryHub) -> None:
     for peer, (handler, limits, screen) in list(hub.handlers.items()):
 
-        async def no_update(op: str, src: str, control: dict[str, Any], frames: list[bytes],
-                            handler: Any = handler) -> Any:  # fmt: skip
+        async def no_update(
+            op: str, src: str, control: dict[str, Any], frames: list[bytes], handler: Any = handler
+        ) -> Any:
             if op == "update":
                 raise RpcRefused(Reason.NOT_FOUND, "updates off (bench)")
             return await handler(op, src, control, frames)
@@ -83,8 +84,10 @@ def main() -> None:
         return
     print(f"{'mode':>7} {'codec':>6} {'versions':>8} {'MB/version':>10} {'state MB':>9}")
     for r in rows:
-        print(f"{r['mode']:>7} {r['update_codec']:>6} {r['versions']:>8} "
-              f"{r['bytes_per_version'] / 1e6:>10.3f} {r['state_bytes'] / 1e6:>9.3f}")  # fmt: skip
+        print(
+            f"{r['mode']:>7} {r['update_codec']:>6} {r['versions']:>8} "
+            f"{r['bytes_per_version'] / 1e6:>10.3f} {r['state_bytes'] / 1e6:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bytes a learner uploads per delta, and what the committee relays for it (issue 11 item 2).
 
-A whole run in one process (``runtime.memnet``: real runtimes, syncers, learners, signatures
+A whole run in one process (``testing.memnet``: real runtimes, syncers, learners, signatures
 and gemma-tiny tensors over the in-memory transport, whose hub sees every request). Each
 ``submit`` request is classed by who sends it: the learner's own upload (it asks for a relay)
 or a member's relay. Counted are the request frames as sent (signed header + payload), of
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from p2pdiloco.protocol.submissions import open_submission
-from p2pdiloco.runtime.memnet import MemoryNetwork
+from p2pdiloco.testing.memnet import MemoryNetwork
 
 
 async def measure(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:

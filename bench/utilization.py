@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-from p2pdiloco.demo import DemoConfig, run_demo
+from p2pdiloco.harness.demo import run_demo
+from p2pdiloco.harness.demo_config import DemoConfig
 
 TARGET = 0.97
 
@@ -46,8 +47,18 @@ def main() -> int:
         )
     ok = all(r["utilization"] >= TARGET for r in rows)
     if a.json:
-        print(json.dumps({"versions": res["versions"], "seconds": res["seconds"], "rows": rows,
-                          "target": TARGET, "met": ok}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "versions": res["versions"],
+                    "seconds": res["seconds"],
+                    "rows": rows,
+                    "target": TARGET,
+                    "met": ok,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"{res['versions']} versions in {res['seconds']:.0f} s, {a.nodes} nodes")
         print(f"{'node':<6} {'utilization':>11} {'train s':>8} {'wait s':>7} {'no overlap':>10}")

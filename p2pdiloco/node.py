@@ -39,12 +39,12 @@ from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
 from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
 from p2pdiloco.net.p2p_bridge import P2PBridge
+from p2pdiloco.net.plane import Presence
 from p2pdiloco.net.reachability import Reachability, ask_dialback, classify
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
 from p2pdiloco.protocol.signing import InvalidRecord, open_envelope, seal
-from p2pdiloco.runtime.plane import Presence
 
 log = logging.getLogger(__name__)
 

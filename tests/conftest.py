@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-import p2pdiloco.demo
+import p2pdiloco.harness.demo
 import tests.zygote as zygote_mod
 from tests import gossip_zygote
 from tests.turns import Turns
@@ -92,7 +92,7 @@ def _fork_local_networks_from_the_zygote(monkeypatch: pytest.MonkeyPatch) -> Non
     def spawn(args: list[str], log: Path, env: dict[str, str]) -> zygote_mod.Child:
         return zygote_mod.zygote().spawn(args, log, None, env, Path.cwd())
 
-    monkeypatch.setattr(p2pdiloco.demo, "_spawn", spawn)
+    monkeypatch.setattr(p2pdiloco.harness.demo, "_spawn", spawn)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -119,8 +119,9 @@ def run_cli(
     test_process_hygiene, test_join_ui's terminal)."""
     with tempfile.TemporaryDirectory(prefix="p2pdiloco-cli-") as d:
         out, err = Path(d) / "out", Path(d) / "err"
-        child = zygote().spawn(list(args), out, err, dict(os.environ if env is None else env),
-                               Path.cwd())  # fmt: skip
+        child = zygote().spawn(
+            list(args), out, err, dict(os.environ if env is None else env), Path.cwd()
+        )
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:

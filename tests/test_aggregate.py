@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import RULES, AggregationRule, clip_norms, get_rule, screen
-from p2pdiloco.aggregate.base import BLOCK, median_of, pairwise_sq_dists64, sq_norms64
 from p2pdiloco.aggregate.clipping import judge_norms
+from p2pdiloco.aggregate.exact import BLOCK, median_of, pairwise_sq_dists64, sq_norms64
 
 REPO = Path(__file__).resolve().parents[1]
 

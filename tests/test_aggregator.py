@@ -144,14 +144,16 @@ def test_a_round_of_two_screens_out_a_flipped_delta_and_keeps_the_honest_one() -
     median of both is their mean, which a 4x sign flip lifts above its own norm / 3."""
     params, momentum = _state(12)
     honest, bad = _inputs(13, m=2)
-    flipped = MergeInput(bad.digest, bad.peer_id, {n: -4 * t for n, t in bad.delta.items()},
-                         bad.weight)  # fmt: skip
+    flipped = MergeInput(
+        bad.digest, bad.peer_id, {n: -4 * t for n, t in bad.delta.items()}, bad.weight
+    )
     result = merge_round(params, momentum, [honest, flipped], rules=MEAN, outer=OUTER)
     assert result.accepted == [honest.digest] and list(result.rejected) == [flipped.digest]
     assert "norm" in result.rejected[flipped.digest]
     # The smallest delta of a round always passes: screening never empties a round.
-    tiny = MergeInput(bad.digest, bad.peer_id, {n: t / 100 for n, t in bad.delta.items()},
-                      bad.weight)  # fmt: skip
+    tiny = MergeInput(
+        bad.digest, bad.peer_id, {n: t / 100 for n, t in bad.delta.items()}, bad.weight
+    )
     result = merge_round(params, momentum, [honest, tiny], rules=MEAN, outer=OUTER)
     assert tiny.digest in result.accepted
 

@@ -41,22 +41,36 @@ EVIL = '<script>alert("x")</script>'
 
 
 def peer(pid: str, version: int, tps: float = 1500.0, island: str = "home") -> dict[str, Any]:
-    return {"peer_id": pid, "run_id": RUN, "island": island, "roles": ["learner"],
-            "reachability": "direct", "version": version, "throughput_tps": tps,
-            "last_seen_s": 1.0}  # fmt: skip
+    return {
+        "peer_id": pid,
+        "run_id": RUN,
+        "island": island,
+        "roles": ["learner"],
+        "reachability": "direct",
+        "version": version,
+        "throughput_tps": tps,
+        "last_seen_s": 1.0,
+    }
 
 
 def state(*peers: dict[str, Any]) -> dict[str, Any]:
     return {
         "time": 1.8e9,
-        "runs": [{"run_id": RUN, "name": "demo", "model": "gemma-tiny", "peers": len(peers),
-                  "latest_version": max((p["version"] for p in peers), default=0),
-                  "throughput_tps": sum(p["throughput_tps"] for p in peers),
-                  "incompatible": None}],
+        "runs": [
+            {
+                "run_id": RUN,
+                "name": "demo",
+                "model": "gemma-tiny",
+                "peers": len(peers),
+                "latest_version": max((p["version"] for p in peers), default=0),
+                "throughput_tps": sum(p["throughput_tps"] for p in peers),
+                "incompatible": None,
+            }
+        ],
         "peers": list(peers),
         "bootstraps": [],
         "rejected_records": [],
-    }  # fmt: skip
+    }
 
 
 def self_certified(key: Identity, version: int, forger: str, salt: int = 0) -> bytes:
@@ -190,9 +204,13 @@ def test_web_page_served_at_root_shows_runs_peers_throughput_and_leaderboard() -
         {"rank": 2, "peer_id": P2, "accepted": 1, "tokens": 2048, "share": 0.25},
     ]}  # fmt: skip
     api = HTTPApi(
-        "127.0.0.1", 0, healthy=lambda: True, state=lambda: st, registry=CollectorRegistry(),
+        "127.0.0.1",
+        0,
+        healthy=lambda: True,
+        state=lambda: st,
+        registry=CollectorRegistry(),
         page=render_page,
-    )  # fmt: skip
+    )
     api.start()
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{api.port}/", timeout=10) as r:

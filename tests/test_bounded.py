@@ -98,9 +98,16 @@ def test_bounded_log_keeps_the_latest_and_counts_all() -> None:
 
 def test_a_round_flooded_with_submissions_holds_at_most_max_inputs() -> None:
     p = RoundParams(
-        "run", 10, ("s0", "s1"), 2, active_learners=10**9, opened_at=0.0, min_fraction=1.0,
-        linger=1e9, grace=1e9,
-    )  # fmt: skip
+        "run",
+        10,
+        ("s0", "s1"),
+        2,
+        active_learners=10**9,
+        opened_at=0.0,
+        min_fraction=1.0,
+        linger=1e9,
+        grace=1e9,
+    )
     r = SyncerRound(p, "s1")
     codes: dict[Reason, int] = {}
     for i in range(N):
@@ -117,9 +124,18 @@ def test_a_round_flooded_with_submissions_holds_at_most_max_inputs() -> None:
 
 def test_a_round_failing_merge_after_merge_keeps_its_dropped_set_bounded() -> None:
     p = RoundParams(
-        "run", 10, ("s0",), 1, active_learners=64, opened_at=0.0, min_fraction=1.0,
-        weight_cap=1.0, max_inputs=64, max_dropped=256, grace=1e9,
-    )  # fmt: skip
+        "run",
+        10,
+        ("s0",),
+        1,
+        active_learners=64,
+        opened_at=0.0,
+        min_fraction=1.0,
+        weight_cap=1.0,
+        max_inputs=64,
+        max_dropped=256,
+        grace=1e9,
+    )
     r = SyncerRound(p, "s0")
     dropped = 0
     for i in range(N):

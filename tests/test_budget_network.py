@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
 from p2pdiloco.protocol.identity import Identity
 from tests.test_runtime_budget import check_slow_learner
 from tests.test_sync_network import SMALL, certificates
@@ -40,11 +40,13 @@ def test_a_node_three_times_slower_than_the_others_contributes_to_most_rounds_by
         )  # the budget, never H, ends a stretch
         nodes = [
             net.start_node(
-                f"node{i}", k, until_version=UNTIL + 1,
+                f"node{i}",
+                k,
+                until_version=UNTIL + 1,
                 extra=["--compute-share", "0.167"] if i == 3 else (),
             )
             for i, k in enumerate(keys)
-        ]  # fmt: skip
+        ]
         net.wait_versions(UNTIL, nodes, 400)
         certs = [c for c in certificates(nodes[0], run_id) if 2 <= c.body.version <= UNTIL]
         slow_log = nodes[3].text()

@@ -31,13 +31,27 @@ LEARNERS = [Identity.from_seed(bytes([100 + i]) * 32) for i in range(3)]
 
 def body(**kw: Any) -> CertificateBody:
     accepted = sorted(
-        (Accepted(peer_id=who.peer_id, digest=hashlib.sha256(bytes([i])).hexdigest(), steps=20, tokens=20 * 1024)
-         for i, who in enumerate(LEARNERS)),
+        (
+            Accepted(
+                peer_id=who.peer_id,
+                digest=hashlib.sha256(bytes([i])).hexdigest(),
+                steps=20,
+                tokens=20 * 1024,
+            )
+            for i, who in enumerate(LEARNERS)
+        ),
         key=lambda a: a.digest,
-    )  # fmt: skip
-    base: dict[str, Any] = dict(run=RUN, version=8, base_version=7, state_hash="cd" * 32,
-                committee=[s.peer_id for s in SYNCERS], quorum=3, accepted=accepted,
-                roster_hash=roster_digest([]))  # fmt: skip
+    )
+    base: dict[str, Any] = dict(
+        run=RUN,
+        version=8,
+        base_version=7,
+        state_hash="cd" * 32,
+        committee=[s.peer_id for s in SYNCERS],
+        quorum=3,
+        accepted=accepted,
+        roster_hash=roster_digest([]),
+    )
     base.update(kw)
     return CertificateBody(**base)
 
@@ -88,10 +102,12 @@ def digest_of(i: int) -> str:
 
 def rejected(*idx: int, who: Identity = LEARNERS[0]) -> list[Rejected]:
     return sorted(
-        (Rejected(peer_id=who.peer_id, digest=digest_of(i), reason="norm 40.1 > 3 x median")
-         for i in idx),
+        (
+            Rejected(peer_id=who.peer_id, digest=digest_of(i), reason="norm 40.1 > 3 x median")
+            for i in idx
+        ),
         key=lambda r: r.digest,
-    )  # fmt: skip
+    )
 
 
 def entry(who: Identity, **kw: int) -> RosterEntry:
@@ -174,8 +190,13 @@ def test_rejected_entry_schema(over: dict) -> None:
     [{"accepted": -1}, {"tokens": 2**63}, {"joined_version": True}, {"last_version": 1.0}],
 )
 def test_roster_entry_schema(over: dict) -> None:
-    good = {"peer_id": LEARNERS[0].peer_id, "joined_version": 0, "accepted": 0, "tokens": 0,
-            "last_version": 0}  # fmt: skip
+    good = {
+        "peer_id": LEARNERS[0].peer_id,
+        "joined_version": 0,
+        "accepted": 0,
+        "tokens": 0,
+        "last_version": 0,
+    }
     RosterEntry.model_validate(good)
     with pytest.raises(ValueError):
         RosterEntry.model_validate({**good, **over})

@@ -3,7 +3,7 @@ encoded merged pseudo-gradient instead of the state, applies the outer step itse
 exactly the certified state; anything that does not match falls back to the full download.
 
 Real gemma-tiny tensors and real committee signatures, in process; the last test runs whole
-nodes over the in-memory transport (``runtime/memnet.py``)."""
+nodes over the in-memory transport (``testing/memnet.py``)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.core.roster import committee_for, with_roster
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.net.sync_rpc import RpcRefused
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.certificates import Certificate, assemble, parse_certificate, sign_body
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.runtime.chain import ChainStore
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of, request_limits
@@ -42,10 +42,17 @@ OUTER = OuterConfig(lr=0.7, momentum=0.9)
 
 def make_run(update_codec: str = "int8") -> tuple[str, RunManifest]:
     run_id, manifest, _ = create_manifest(
-        KEYS[0], name="update", model="gemma-tiny", data="embedded", seed=0, inner_steps=4,
-        committee_size=4, compression="int8", genesis_committee=[k.peer_id for k in KEYS],
+        KEYS[0],
+        name="update",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=4,
+        committee_size=4,
+        compression="int8",
+        genesis_committee=[k.peer_id for k in KEYS],
         rules={"aggregation": "mean", "update_codec": update_codec},
-    )  # fmt: skip
+    )
     return run_id, manifest
 
 
@@ -57,24 +64,40 @@ def genesis() -> CertifiedState:
 def round_inputs(base: CertifiedState, seed: int = 0, m: int = 3) -> list[MergeInput]:
     g = torch.Generator().manual_seed(seed)
     return [
-        MergeInput(f"{i:02x}" * 32, KEYS[i].peer_id,
-                   {n: 1e-3 * torch.randn(t.shape, generator=g) for n, t in base.params.items()},
-                   1.0)
+        MergeInput(
+            f"{i:02x}" * 32,
+            KEYS[i].peer_id,
+            {n: 1e-3 * torch.randn(t.shape, generator=g) for n, t in base.params.items()},
+            1.0,
+        )
         for i in range(m)
-    ]  # fmt: skip
+    ]
 
 
 def certify(
-    run_id: str, manifest: RunManifest, base: CertifiedState, state: CertifiedState,
-    inputs: list[MergeInput], update_hash: str | None,
-) -> Certificate:  # fmt: skip
+    run_id: str,
+    manifest: RunManifest,
+    base: CertifiedState,
+    state: CertifiedState,
+    inputs: list[MergeInput],
+    update_hash: str | None,
+) -> Certificate:
     """The committee's certificate of ``state`` on ``base``, signed by all four members."""
     committee = committee_for(run_id, manifest, base.cert)
     senders = {i.digest: (i.peer_id, 4, 4 * 64) for i in inputs}
     body = body_of(
-        run_id, manifest, base.version, base.cert, committee, state.state_hash, senders,
-        [i.digest for i in inputs], {}, 0, update_hash,
-    )  # fmt: skip
+        run_id,
+        manifest,
+        base.version,
+        base.cert,
+        committee,
+        state.state_hash,
+        senders,
+        [i.digest for i in inputs],
+        {},
+        0,
+        update_hash,
+    )
     sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
     return with_roster(manifest, base.cert, parse_certificate(assemble(body, sigs), run_id=run_id))
 
@@ -102,8 +125,14 @@ def test_applying_the_certified_update_reaches_exactly_the_certified_state(
 
 def test_the_update_pack_is_the_delta_pack_of_the_merged_update(genesis: CertifiedState) -> None:
     rules = make_run("int8")[1].rules
-    result = merge_round(genesis.params, genesis.momentum, round_inputs(genesis), rules=rules,
-                         outer=OUTER, update_codec=update_codec("int8"))  # fmt: skip
+    result = merge_round(
+        genesis.params,
+        genesis.momentum,
+        round_inputs(genesis),
+        rules=rules,
+        outer=OUTER,
+        update_codec=update_codec("int8"),
+    )
     want = pack_deltas(dict(sorted(result.update.items())))
     assert pack_update(result.update) == want and not result.update  # consumed as packed
 
@@ -113,8 +142,9 @@ def test_the_none_update_codec_certifies_the_states_of_before(genesis: Certified
     hashes) are bit for bit those of the merge without an update codec."""
     inputs = round_inputs(genesis, seed=3)
     _, state = next_state(genesis, inputs, SyncRules(aggregation="mean"), OUTER)
-    plain = merge_round(genesis.params, genesis.momentum, inputs,
-                        rules=SyncRules(aggregation="mean"), outer=OUTER)  # fmt: skip
+    plain = merge_round(
+        genesis.params, genesis.momentum, inputs, rules=SyncRules(aggregation="mean"), outer=OUTER
+    )
     assert state.state_hash == CertifiedState(1, None, plain.params, plain.momentum).state_hash
 
 
@@ -164,8 +194,14 @@ def test_a_sparse_update_codec_is_refused_in_one_line() -> None:
     check_supported(make_run("int8")[1])
 
 
-def serving(hub: MemoryHub, tmp_path: Path, peer: str, run_id: str, *states: CertifiedState,
-            corrupt: bool = False) -> None:  # fmt: skip
+def serving(
+    hub: MemoryHub,
+    tmp_path: Path,
+    peer: str,
+    run_id: str,
+    *states: CertifiedState,
+    corrupt: bool = False,
+) -> None:
     """``peer`` serves ``states`` as a node's chain does; ``corrupt``: a flipped update byte."""
     chain = ChainStore(tmp_path / peer[-8:], run_id)
     for s in states:
@@ -183,9 +219,12 @@ def serving(hub: MemoryHub, tmp_path: Path, peer: str, run_id: str, *states: Cer
 
 
 def follow(
-    hub: MemoryHub, manifest: RunManifest, base: CertifiedState, cert: Certificate,
+    hub: MemoryHub,
+    manifest: RunManifest,
+    base: CertifiedState,
+    cert: Certificate,
     peers: list[str],
-) -> tuple[CertifiedState, str]:  # fmt: skip
+) -> tuple[CertifiedState, str]:
     """What the runtime does (``NodeRuntime._apply_locked``): the update, else the state."""
 
     async def main() -> tuple[CertifiedState, str]:
@@ -251,8 +290,9 @@ def corrupt_updates(hub: MemoryHub, peers: list[str]) -> None:
     for peer in peers:
         handler, limits, screen = hub.handlers[peer]
 
-        async def lying(op: str, src: str, control: dict[str, Any], frames: list[bytes],
-                        handler: Any = handler) -> Any:  # fmt: skip
+        async def lying(
+            op: str, src: str, control: dict[str, Any], frames: list[bytes], handler: Any = handler
+        ) -> Any:
             reply, out = await handler(op, src, control, frames)
             if op == "update" and control.get("i") == 0:
                 out = [bytes([out[0][0] ^ 1]) + out[0][1:]]
@@ -266,7 +306,7 @@ def corrupt_updates(hub: MemoryHub, peers: list[str]) -> None:
 def test_a_node_off_the_committee_follows_by_updates_and_falls_back_on_lies(
     tmp_path: Path,
 ) -> None:
-    from p2pdiloco.runtime.memnet import MemoryNetwork
+    from p2pdiloco.testing.memnet import MemoryNetwork
 
     async def main() -> None:
         async with MemoryNetwork(
@@ -283,8 +323,11 @@ def test_a_node_off_the_committee_follows_by_updates_and_falls_back_on_lies(
             got = net.hub.received[follower.peer_id] / tally.updates
             assert got < state.blob().index.total_bytes / 4  # int8 g, not params + momentum
             corrupt_updates(net.hub, [n.peer_id for n in net.nodes[:4]])
-            await net.wait_for(lambda: tally.update_fallbacks >= 1 and tally.downloads, 120,
-                               "a full download after refused updates")  # fmt: skip
+            await net.wait_for(
+                lambda: tally.update_fallbacks >= 1 and tally.downloads,
+                120,
+                "a full download after refused updates",
+            )
             top = max(n.version for n in net.nodes[:4])
             await net.wait_for(lambda: follower.version >= top, 60, "the follower caught up")
             hashes = {}

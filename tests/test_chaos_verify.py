@@ -109,10 +109,14 @@ def _chain(versions: int, tokens: int = 100) -> list[tuple[Certificate, Certifie
     for v in range(1, versions + 1):
         info = committee_for(RUN_ID, MANIFEST, prev)
         accepted = [
-            Accepted(peer_id=k.peer_id, digest=hashlib.sha256(b"%d%d" % (v, i)).hexdigest(),
-                     steps=10, tokens=tokens)
+            Accepted(
+                peer_id=k.peer_id,
+                digest=hashlib.sha256(b"%d%d" % (v, i)).hexdigest(),
+                steps=10,
+                tokens=tokens,
+            )
             for i, k in enumerate(KEYS)
-        ]  # fmt: skip
+        ]
         accepted.sort(key=lambda a: a.digest)
         state = _state(v)
         body = CertificateBody(

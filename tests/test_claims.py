@@ -20,8 +20,17 @@ def test_plausible_claim_keeps_honest_claims_and_clips_inflated_ones() -> None:
 
 
 def _round() -> SyncerRound:
-    p = RoundParams(run_id="run", version=3, committee=("s0",), quorum=1, active_learners=8,
-                    opened_at=0.0, max_tokens_per_step=TOKENS_PER_STEP, max_steps=H, weight_cap=0.25)  # fmt: skip
+    p = RoundParams(
+        run_id="run",
+        version=3,
+        committee=("s0",),
+        quorum=1,
+        active_learners=8,
+        opened_at=0.0,
+        max_tokens_per_step=TOKENS_PER_STEP,
+        max_steps=H,
+        weight_cap=0.25,
+    )
     return SyncerRound(p, "s0")
 
 

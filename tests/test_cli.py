@@ -78,16 +78,24 @@ def text_dir(tmp_path: Path) -> Path:
 def test_simulate_json_on_a_text_directory(text_dir: Path) -> None:
     out = run_cli(
         "simulate",
-        "--learners", "2",
-        "--inner-steps", "6",
-        "--rounds", "2",
-        "--batch-size", "4",
-        "--seq-len", "64",
-        "--inner-lr", "3e-3",
-        "--eval-batches", "2",
-        "--data", str(text_dir),
+        "--learners",
+        "2",
+        "--inner-steps",
+        "6",
+        "--rounds",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--inner-lr",
+        "3e-3",
+        "--eval-batches",
+        "2",
+        "--data",
+        str(text_dir),
         "--json",
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     for method in ("diloco", "baseline"):
@@ -97,10 +105,25 @@ def test_simulate_json_on_a_text_directory(text_dir: Path) -> None:
     assert result["bytes_ratio"] == pytest.approx(6.0)
     assert result["corpus"]["documents"] == 6
     assert set(result) >= {  # the keys docs/cli.md promises
-        "model", "parameters", "device", "learners", "inner_steps", "rounds", "fragments",
-        "corpus", "diloco", "baseline", "peak_memory_bytes", "aggregation", "adversaries",
-        "attack", "accepted_deltas", "rejected_deltas", "loss_ratio", "bytes_ratio",
-    }  # fmt: skip
+        "model",
+        "parameters",
+        "device",
+        "learners",
+        "inner_steps",
+        "rounds",
+        "fragments",
+        "corpus",
+        "diloco",
+        "baseline",
+        "peak_memory_bytes",
+        "aggregation",
+        "adversaries",
+        "attack",
+        "accepted_deltas",
+        "rejected_deltas",
+        "loss_ratio",
+        "bytes_ratio",
+    }
     assert "tokens_per_second" in result["diloco"] and "eval_losses" in result["baseline"]
     # stdout is the JSON alone; progress goes to stderr, a line per step chunk and per eval.
     progress = out.stderr.splitlines()
@@ -156,11 +179,18 @@ def test_run_create_refuses_rules_before_signing_or_network(
     tmp_path: Path, flags: list[str], needle: str
 ) -> None:
     out = run_cli(
-        "run", "create", "--name", "x", "--model", "gemma-tiny",
-        "--identity", str(tmp_path / "key"),
-        "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAsa7ZiGkhWgeGvQnAU2A1sdCFVMWXxihKGxzhJE1nYbe",
+        "run",
+        "create",
+        "--name",
+        "x",
+        "--model",
+        "gemma-tiny",
+        "--identity",
+        str(tmp_path / "key"),
+        "--bootstrap",
+        "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAsa7ZiGkhWgeGvQnAU2A1sdCFVMWXxihKGxzhJE1nYbe",
         *flags,
-    )  # fmt: skip
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and needle in errors[0], out.stderr

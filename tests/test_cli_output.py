@@ -117,7 +117,7 @@ def board() -> dict[str, Any]:
                 "last_version": 42,
             }
             for i, p in enumerate(PEERS)
-        ],  # fmt: skip
+        ],
         "ignored": [],
     }
 
@@ -163,30 +163,59 @@ def test_models_table_fits(width: int) -> None:
 
 def method(tokens: int) -> dict[str, Any]:
     return {
-        "eval_loss_initial": 5.6123, "eval_loss_final": 2.9612, "tokens": tokens,
-        "wire_bytes": 123456789, "syncs": 10, "tokens_per_second": 2048.0,
-    }  # fmt: skip
+        "eval_loss_initial": 5.6123,
+        "eval_loss_final": 2.9612,
+        "tokens": tokens,
+        "wire_bytes": 123456789,
+        "syncs": 10,
+        "tokens_per_second": 2048.0,
+    }
 
 
 @pytest.mark.parametrize("width", [80, 40])
 def test_simulation_and_demo_summaries_fit(width: int) -> None:
     result = {
-        "model": "gemma-tiny", "parameters": 1_020_000, "device": "cpu", "learners": 4,
-        "inner_steps": 20, "rounds": 10, "fragments": 1, "diloco": method(655360),
-        "baseline": method(655360), "loss_ratio": 1.0, "bytes_ratio": 20.0,
-        "corpus": {"source": "embedded", "documents": 6, "train_sequences": 100,
-                   "eval_sequences": 10, "tokenizer": "byte", "fingerprint": "f" * 64},
-    }  # fmt: skip
+        "model": "gemma-tiny",
+        "parameters": 1_020_000,
+        "device": "cpu",
+        "learners": 4,
+        "inner_steps": 20,
+        "rounds": 10,
+        "fragments": 1,
+        "diloco": method(655360),
+        "baseline": method(655360),
+        "loss_ratio": 1.0,
+        "bytes_ratio": 20.0,
+        "corpus": {
+            "source": "embedded",
+            "documents": 6,
+            "train_sequences": 100,
+            "eval_sequences": 10,
+            "tokenizer": "byte",
+            "fingerprint": "f" * 64,
+        },
+    }
     lines = render(simulation_summary(result, width), width)
     fits(lines, width)
     assert all(s in "\n".join(lines) for s in ("DiLoCo", "data-parallel", "5.6123", "2.9612"))
     demo = {
-        "run_id": "ab" * 32, "seconds": 95.0, "loss_start": 5.61, "loss_end": 2.96,
-        "versions": 5, "committee": {"1": ["node0", "node1", PEERS[1]]},
-        "peers": {f"node{i}": {"peer_id": p, "adversary": "sign-flip" if i else None,
-                               "accepted": 5, "rejected": i, "tokens": 81920}
-                  for i, p in enumerate(PEERS)},
-    }  # fmt: skip
+        "run_id": "ab" * 32,
+        "seconds": 95.0,
+        "loss_start": 5.61,
+        "loss_end": 2.96,
+        "versions": 5,
+        "committee": {"1": ["node0", "node1", PEERS[1]]},
+        "peers": {
+            f"node{i}": {
+                "peer_id": p,
+                "adversary": "sign-flip" if i else None,
+                "accepted": 5,
+                "rejected": i,
+                "tokens": 81920,
+            }
+            for i, p in enumerate(PEERS)
+        },
+    }
     lines = render(demo_summary(demo, width), width)
     fits(lines, width)
     text = "\n".join(lines)
@@ -197,10 +226,13 @@ def test_simulation_and_demo_summaries_fit(width: int) -> None:
 def test_doctor_findings_fit(width: int) -> None:
     findings = [
         {"check": "python", "severity": "ok", "detail": "3.11.7", "fix": ""},
-        {"check": "disk", "severity": "error",
-         "detail": "/a/long/state/[dir] has 0.1 GiB free; gemma-270m needs 3.2 GiB",
-         "fix": "free space, or pass --state-dir on a bigger disk"},
-    ]  # fmt: skip
+        {
+            "check": "disk",
+            "severity": "error",
+            "detail": "/a/long/state/[dir] has 0.1 GiB free; gemma-270m needs 3.2 GiB",
+            "fix": "free space, or pass --state-dir on a bigger disk",
+        },
+    ]
     lines = render(findings_view(findings, width), width)
     fits(lines, width)
     text = "\n".join(lines)
@@ -272,21 +304,41 @@ def test_json_documents_keep_the_keys_of_docs_cli_md() -> None:
     """The documents behind ``--json`` of status --leaderboard, demo and doctor (``simulate``,
     ``status``, ``models`` and ``keys show`` are checked end to end)."""
     from p2pdiloco.core.ledger import Ledger, LedgerEntry
-    from p2pdiloco.demo import DemoResult
+    from p2pdiloco.harness.demo_summary import DemoResult
     from p2pdiloco.preflight import Finding
 
     entry = LedgerEntry(PEERS[0], accepted=3, tokens=300, rejected=1, last_version=3)
     ledger = Ledger(versions=3, entries=[entry]).to_dict()
     assert set(ledger) == {"versions", "total_tokens", "peers", "ignored"}
     assert set(ledger["peers"][0]) == {
-        "rank", "peer_id", "accepted", "tokens", "rejected", "last_version", "share",
-    }  # fmt: skip
+        "rank",
+        "peer_id",
+        "accepted",
+        "tokens",
+        "rejected",
+        "last_version",
+        "share",
+    }
     demo = DemoResult(
-        versions=1, loss_start=5.0, loss_end=4.0, seconds=1.0, run_id="ab", committee={1: []},
-        peers={}, rejected={},
-    ).to_dict()  # fmt: skip
+        versions=1,
+        loss_start=5.0,
+        loss_end=4.0,
+        seconds=1.0,
+        run_id="ab",
+        committee={1: []},
+        peers={},
+        rejected={},
+    ).to_dict()
     assert set(demo) == {
-        "versions", "loss_start", "loss_end", "seconds", "run_id", "committee", "peers",
-        "rejected", "workdir", "fragments",
-    }  # fmt: skip
+        "versions",
+        "loss_start",
+        "loss_end",
+        "seconds",
+        "run_id",
+        "committee",
+        "peers",
+        "rejected",
+        "workdir",
+        "fragments",
+    }
     assert set(Finding("disk", "ok", "fine").as_dict()) == {"check", "severity", "detail", "fix"}

@@ -91,8 +91,10 @@ def test_probationary_rows_do_not_set_the_spread() -> None:
     honest = _honest(3)
     base = _scaled(honest[0], -1.0)
     gen = torch.Generator().manual_seed(5)
-    tight = [{n: t + 1e-4 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
-             for _ in range(5)]  # fmt: skip
+    tight = [
+        {n: t + 1e-4 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+        for _ in range(5)
+    ]
     deltas = [*honest, *tight]
     rows = list(range(8))
     assert fold_clones(_rows(deltas), rows, [0, 1, 2], 0.25) == {4: 3, 5: 3, 6: 3, 7: 3}

@@ -83,8 +83,9 @@ def test_a_peer_whose_deltas_stopped_being_merged_is_not_drawn_once_recency_appl
     gone = Candidate("gone", joined_version=0, accepted=50, accepted_tokens=10**9, last_version=8)
     assert "gone" not in {c.peer_id for c in eligible([*active, gone], 10, rules)}
     for v in range(30):
-        committee = elect([*active, gone], version=10, beacon_bytes=beacon(RUN, bytes([v])),
-                          rules=rules)  # fmt: skip
+        committee = elect(
+            [*active, gone], version=10, beacon_bytes=beacon(RUN, bytes([v])), rules=rules
+        )
         assert "gone" not in committee
     # Without the condition it would sit: it holds by far the most weight.
     loose = CommitteeRules(size=3, min_age_versions=2, min_accepted=1)

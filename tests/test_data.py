@@ -32,8 +32,28 @@ from p2pdiloco.train.tokenizer import (
     load_tokenizer,
 )
 
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by",
-         "at", "from", "this", "data", "model", "learn", "peer"]  # fmt: skip
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "this",
+    "data",
+    "model",
+    "learn",
+    "peer",
+]
 
 
 def _make_corpus_dir(root: Path, num_docs: int = 40, words_per_doc: int = 400) -> Path:
@@ -434,8 +454,9 @@ def test_a_long_corpus_preparation_logs_its_progress(
     with caplog.at_level(logging.INFO, logger="p2pdiloco.train"):
         corpus = build_corpus(str(tmp_path), _WordTokenizer(), seq_len=16)  # type: ignore[arg-type]
     lines = [r.getMessage() for r in caplog.records]
-    assert any(ln.startswith("reading ") and " documents, " in ln and "MB so far" in ln
-               for ln in lines)  # fmt: skip
+    assert any(
+        ln.startswith("reading ") and " documents, " in ln and "MB so far" in ln for ln in lines
+    )
     assert "tokenizing with words: 256 of 600 documents" in lines
     assert corpus.num_documents == 600
 
@@ -462,8 +483,9 @@ def test_a_tokenizer_download_says_it_starts_and_ends(
         calls.append(kw)
         if kw.get("local_files_only"):
             raise OSError("not in the local cache")
-        return Fake(eos_token_id=1, sep_token_id=None, bos_token_id=2, cls_token_id=None,
-                    pad_token_id=None)  # fmt: skip
+        return Fake(
+            eos_token_id=1, sep_token_id=None, bos_token_id=2, cls_token_id=None, pad_token_id=None
+        )
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.aggregate.base import BLOCK, GRAIN, pairwise_sq_dists64, sq_norms64
+from p2pdiloco.aggregate.exact import BLOCK, GRAIN, pairwise_sq_dists64, sq_norms64
 from p2pdiloco.aggregate.network import batcher_layers
 from p2pdiloco.aggregate.order import median64
 

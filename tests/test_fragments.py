@@ -4,7 +4,7 @@ certified update to exactly the certified state, a syncer refuses another fragme
 a learner's delta holds one fragment while the rest of its progress stays for later rounds.
 
 Real gemma-tiny tensors and committee signatures in process; the last test runs four whole
-nodes over the in-memory transport (``runtime/memnet.py``)."""
+nodes over the in-memory transport (``testing/memnet.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
-from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.aggregator import MergeInput
 from p2pdiloco.sync.certified import CertifiedState, apply_update, genesis_state, next_state
 from p2pdiloco.sync.committee_msgs import body_of
@@ -39,6 +38,7 @@ from p2pdiloco.sync.fragments import fragment_plan, round_fragment, round_names
 from p2pdiloco.sync.intake import Intake
 from p2pdiloco.sync.rules import UnsupportedManifest, check_supported
 from p2pdiloco.sync.update import UpdateError
+from p2pdiloco.testing.memnet import MemoryNetwork
 from p2pdiloco.train.configs import OuterConfig
 from p2pdiloco.train.learner import Outgoing, rebase_anchor
 
@@ -51,11 +51,18 @@ P = 4
 
 def make_run(fragments: int = P, **rules: object) -> tuple[str, RunManifest]:
     run_id, manifest, _ = create_manifest(
-        KEYS[0], name="fragments", model="gemma-tiny", data="embedded", seed=0, inner_steps=8,
-        committee_size=4, compression="int8", genesis_committee=[k.peer_id for k in KEYS],
+        KEYS[0],
+        name="fragments",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=8,
+        committee_size=4,
+        compression="int8",
+        genesis_committee=[k.peer_id for k in KEYS],
         outer={"fragments": fragments},
         rules={"aggregation": "trimmed_mean", "update_codec": "int8", **rules},
-    )  # fmt: skip
+    )
     return run_id, manifest
 
 
@@ -76,22 +83,38 @@ def outer_of(manifest: RunManifest) -> OuterConfig:
 def inputs_for(base: CertifiedState, names: list[str], seed: int = 0) -> list[MergeInput]:
     g = torch.Generator().manual_seed(seed)
     return [
-        MergeInput(f"{i:02x}" * 32, KEYS[i].peer_id,
-                   {n: 1e-3 * torch.randn(base.params[n].shape, generator=g) for n in names}, 1.0)
+        MergeInput(
+            f"{i:02x}" * 32,
+            KEYS[i].peer_id,
+            {n: 1e-3 * torch.randn(base.params[n].shape, generator=g) for n in names},
+            1.0,
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
 
 
 def certify(
-    run_id: str, manifest: RunManifest, base: CertifiedState, state: CertifiedState,
+    run_id: str,
+    manifest: RunManifest,
+    base: CertifiedState,
+    state: CertifiedState,
     inputs: list[MergeInput],
-) -> Certificate:  # fmt: skip
+) -> Certificate:
     committee = committee_for(run_id, manifest, base.cert)
     senders = {i.digest: (i.peer_id, 2, 2 * 64) for i in inputs}
     body = body_of(
-        run_id, manifest, base.version, base.cert, committee, state.state_hash, senders,
-        [i.digest for i in inputs], {}, 0, state.update_hash,
-    )  # fmt: skip
+        run_id,
+        manifest,
+        base.version,
+        base.cert,
+        committee,
+        state.state_hash,
+        senders,
+        [i.digest for i in inputs],
+        {},
+        0,
+        state.update_hash,
+    )
     sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
     return with_roster(manifest, base.cert, parse_certificate(assemble(body, sigs), run_id=run_id))
 
@@ -163,10 +186,14 @@ def test_a_fragment_update_applied_to_another_round_is_refused(
 
 def seal(run_id: str, key: Identity, base_version: int, payload: bytes, index: int) -> bytes:
     header = SubmissionHeader(
-        peer_id=key.peer_id, base_version=base_version, steps=2, tokens=128, loss=3.0,
+        peer_id=key.peer_id,
+        base_version=base_version,
+        steps=2,
+        tokens=128,
+        loss=3.0,
         codec="int8",
         fragments=[FragmentRef(index=index, digest=payload_digest(payload), nbytes=len(payload))],
-    )  # fmt: skip
+    )
     return seal_submission(key, run_id, header)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES, GossipError, GossipMessage, GossipProcess
+from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -48,8 +48,10 @@ def test_malformed_rpc_is_dropped(pair: tuple[GossipProcess, GossipProcess]) -> 
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, str(ATTACKER), a.maddrs[0], GARBAGE.hex()],
-        capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert out.returncode == 0 and "sent" in out.stdout, out.stderr[-2000:]
     print(f"\nmalformed RPC sent in {time.monotonic() - t0:.2f} s")
     assert a.alive and a.pid == pid and a.restarts == 0
@@ -83,11 +85,22 @@ def test_bootstrap_restarts_its_gossip_child(tmp_path: Path) -> None:
     http_port = free_port()
     boot = Proc(
         "bootstrap",
-        ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
-         "--http-port", str(http_port), "--identity", str(tmp_path / "bootstrap.key")],
+        [
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--identity",
+            str(tmp_path / "bootstrap.key"),
+        ],
         tmp_path,
         fork=False,  # the product's own spawned gossip child, found below as a child
-    )  # fmt: skip
+    )
     try:
         boot.wait_output("HTTP:", timeout=90)
 

@@ -1,7 +1,7 @@
 """Issue 14 attacks on real processes: squatted DHT slots, a junk 10**9 certificate, and 60
 concurrent big submit streams. Each test states the outcome it proves.
 
-Nodes are real ``p2pdiloco`` processes (``p2pdiloco.demo.LocalNetwork``) with their own p2pd
+Nodes are real ``p2pdiloco`` processes (``p2pdiloco.harness.demo.LocalNetwork``) with their own p2pd
 daemons; the attacker is a DHT client and a P2P peer of the test process.
 """
 
@@ -20,7 +20,8 @@ import pytest
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.net import keys
 from p2pdiloco.net.cert_records import certs_key
 from p2pdiloco.net.dht import DHTPlane
@@ -75,9 +76,14 @@ def test_squatted_manifest_and_replayed_heartbeat_are_refused_at_store_time(
         with DHTPlane(attacker, initial_peers=[net.boot_addr], client_mode=True) as dht:
             real = next(iter(dht.read(keys.runs_key(), kind="manifest", run_id=""))).envelope.raw
             _, _, other = create_manifest(
-                attacker, name="squat", model="gemma-tiny", data="embedded", seed=9,
-                inner_steps=4, committee_size=1,
-            )  # fmt: skip
+                attacker,
+                name="squat",
+                model="gemma-tiny",
+                data="embedded",
+                seed=9,
+                inner_steps=4,
+                committee_size=1,
+            )
             model_key = keys.model_runs_key("gemma-tiny")
             for key in (keys.runs_key(), model_key):
                 assert not dht.store(key, run_id, other, 3600)  # another manifest in the slot
@@ -108,10 +114,15 @@ def _heartbeat_raw(dht: DHTPlane, run_id: str, ident: Identity) -> bytes | None:
 def _junk_certificate(attacker: Identity, run_id: str) -> bytes:
     """A certificate record for version 10**9, signed by a committee of the attacker alone."""
     body = CertificateBody(
-        run=run_id, version=JUNK_VERSION, base_version=JUNK_VERSION - 1, state_hash="0" * 64,
-        committee=[attacker.peer_id], quorum=1, accepted=[],
+        run=run_id,
+        version=JUNK_VERSION,
+        base_version=JUNK_VERSION - 1,
+        state_hash="0" * 64,
+        committee=[attacker.peer_id],
+        quorum=1,
+        accepted=[],
         roster_hash="0" * 64,
-    )  # fmt: skip
+    )
     cert = json.loads(assemble(body, {attacker.peer_id: sign_body(attacker, body)}))
     return seal(attacker, "certificate", run_id, {"version": JUNK_VERSION, "cert": cert})
 
@@ -169,10 +180,17 @@ def test_junk_certificate_and_sixty_big_streams(tmp_path: Path) -> None:
             t0 = time.monotonic()
             status = Proc(
                 "status",
-                ["status", "--leaderboard", "--json", "--run", run_id, "--bootstrap",
-                 net.boot_addr],
+                [
+                    "status",
+                    "--leaderboard",
+                    "--json",
+                    "--run",
+                    run_id,
+                    "--bootstrap",
+                    net.boot_addr,
+                ],
                 tmp_path,
-            )  # fmt: skip
+            )
             code = status.proc.wait(120)
             took = time.monotonic() - t0
             assert code == 0, status.err.read_text()[-3000:]
@@ -205,10 +223,14 @@ def _flood(net: LocalNetwork, node: NodeProc, dht: DHTPlane, run_id: str) -> Non
 
     def header(nbytes: int, i: int) -> bytes:
         h = SubmissionHeader(
-            peer_id=attacker.peer_id, base_version=2, steps=12, tokens=12, loss=1.0 + i,
+            peer_id=attacker.peer_id,
+            base_version=2,
+            steps=12,
+            tokens=12,
+            loss=1.0 + i,
             codec=net.manifest.compression,
             fragments=[FragmentRef(index=0, digest=payload_digest(b"%d" % i), nbytes=nbytes)],
-        )  # fmt: skip
+        )
         return seal_submission(attacker, run_id, h)
 
     pid = node.proc.pid
@@ -222,10 +244,14 @@ def _flood(net: LocalNetwork, node: NodeProc, dht: DHTPlane, run_id: str) -> Non
     sampler.start()
     bridge = P2PBridge(dht.dht)
     try:
-        big = [_flood_one(bridge.p2p, node.identity.peer_id, addrs, header(5_000_000, i),
-                          5_000_000) for i in range(60)]  # fmt: skip
-        at_limit = [_flood_one(bridge.p2p, node.identity.peer_id, addrs, header(limit, i),
-                               limit) for i in range(60, 120)]  # fmt: skip
+        big = [
+            _flood_one(bridge.p2p, node.identity.peer_id, addrs, header(5_000_000, i), 5_000_000)
+            for i in range(60)
+        ]
+        at_limit = [
+            _flood_one(bridge.p2p, node.identity.peer_id, addrs, header(limit, i), limit)
+            for i in range(60, 120)
+        ]
         codes_big = bridge.run(_gather(big), 300)
         codes_limit = bridge.run(_gather(at_limit), 300)
     finally:
@@ -234,8 +260,10 @@ def _flood(net: LocalNetwork, node: NodeProc, dht: DHTPlane, run_id: str) -> Non
         bridge.close()
     after = rss_mb(pid)
     growth = max(peak[0], after) - before
-    print(f"RSS {before:.0f} -> peak {peak[0]:.0f} / after {after:.0f} MB (+{growth:.0f} MB); "
-          f"5 MB streams: {_tally(codes_big)}; at-limit: {_tally(codes_limit)}")  # fmt: skip
+    print(
+        f"RSS {before:.0f} -> peak {peak[0]:.0f} / after {after:.0f} MB (+{growth:.0f} MB); "
+        f"5 MB streams: {_tally(codes_big)}; at-limit: {_tally(codes_limit)}"
+    )
     # 5 MB is over the run's limit: none admitted; each refused busy (over the per-peer stream
     # cap) or malformed (on its signed header), or closed unread
     unread = [c in ("busy", "malformed") or c.startswith("closed") for c in codes_big]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from p2pdiloco.island.fsdp_stretch import island_stretch
-from p2pdiloco.island.shards import enable_checkpointing, rank_rows, small_device
+from p2pdiloco.island.shards import Shards, enable_checkpointing, rank_rows, small_device
 from p2pdiloco.train.configs import InnerConfig
 from p2pdiloco.train.data import build_corpus, learner_batches
+from p2pdiloco.train.inner import InnerStats
 from p2pdiloco.train.model_specs import get_spec
 from p2pdiloco.train.models import build_model, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
@@ -85,6 +86,27 @@ def test_checkpointing_is_enabled_under_either_name_of_transformers() -> None:
         ("gradient", {"use_reentrant": False}),
         ("activation", {"use_reentrant": False}),
     ]
+
+
+def island_stretch(
+    model_name: str,
+    seed: int,
+    base: Mapping[str, torch.Tensor],
+    cfg: InnerConfig,
+    batches_TBS: torch.Tensor,
+    *,
+    global_step: int = 0,
+) -> tuple[dict[str, torch.Tensor] | None, InnerStats]:
+    """One stretch of inner steps trained by this island with FSDP2, in one call (the one-shot
+    form of what ``IslandLearner`` drives through the command channel): train ``batches_TBS``
+    (every rank passes the same full batches) from ``base``; return (Δ = base − θ on rank 0,
+    None elsewhere) and the island's stats."""
+    shards = Shards(model_name, seed, cfg, global_step=global_step)
+    shards.scatter(base if dist.get_rank() == 0 else None)
+    stats = shards.train(batches_TBS)
+    full = shards.gather()
+    delta = None if full is None else {n: base[n].float() - t for n, t in full.items()}
+    return delta, stats
 
 
 def _rank_with_a_nan(rank: int, world: int, port: int, out: str) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import NodeProc
 from p2pdiloco.protocol.identity import Identity
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates
@@ -64,11 +65,13 @@ def test_a_lan_island_forms_through_the_dht_grows_and_re_forms(tmp_path: Path) -
         t0 = time.monotonic()
         wait_for(
             "the leader to re-form alone",
-            lambda: "island re-formed with 1 ranks" in lead.text(), 120,
-        )  # fmt: skip
+            lambda: "island re-formed with 1 ranks" in lead.text(),
+            120,
+        )
         print(f"re-formed {time.monotonic() - t0:.1f} s after the kill (version {killed_at})")
         wait_for(
             "a credit after the member is gone",
-            lambda: _credits(lead, run_id, me, killed_at + 1), 180,
-        )  # fmt: skip
+            lambda: _credits(lead, run_id, me, killed_at + 1),
+            180,
+        )
         assert "Traceback" not in lead.text()

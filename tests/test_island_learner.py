@@ -19,7 +19,7 @@ from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.runtime.memnet import _small_corpus
+from p2pdiloco.testing.memnet import _small_corpus
 from p2pdiloco.train.data import PackedCorpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import build_model, param_state
@@ -35,10 +35,16 @@ Run = tuple[RunManifest, PackedCorpus, dict[str, torch.Tensor]]
 def _run(batch: int) -> Run:
     creator = Identity.generate()
     _, manifest, _ = create_manifest(
-        creator, name="island", model="gemma-tiny", data="embedded", seed=3, inner_steps=4,
-        committee_size=1, genesis_committee=[creator.peer_id],
+        creator,
+        name="island",
+        model="gemma-tiny",
+        data="embedded",
+        seed=3,
+        inner_steps=4,
+        committee_size=1,
+        genesis_committee=[creator.peer_id],
         inner={"batch_size": batch, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
-    )  # fmt: skip
+    )
     gen = torch.Generator().manual_seed(5)  # a certified version that is not the init
     base = {
         n: t + 1e-3 * torch.randn(t.shape, generator=gen)

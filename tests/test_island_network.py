@@ -1,4 +1,4 @@
-"""An island in a run: whole nodes in one process (``runtime.memnet``), one of them an island
+"""An island in a run: whole nodes in one process (``testing.memnet``), one of them an island
 whose member is a real process (gloo, FSDP2). The committee's certificates credit the island
 as one learner with all its ranks' tokens; SIGKILLing the member mid-stretch makes rank 0
 re-form alone and go on, and the run never waits for it (issue 13, CPU part)."""
@@ -14,7 +14,7 @@ import pytest
 
 from p2pdiloco.island.learner import IslandLearner
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
+from p2pdiloco.testing.memnet import MemNode, MemoryNetwork
 from tests.test_runtime_memory import check_chains
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
@@ -59,8 +59,9 @@ def test_an_island_is_one_learner_in_the_certificate_and_re_forms_when_a_member_
             await net.wait_for(re_formed, 60, "rank 0 re-forms alone")
             await net.wait_for(
                 lambda: len(_credits(net, island.peer_id, after=killed_at + 1)) >= 1,
-                120, "a credit for the re-formed island",
-            )  # fmt: skip
+                120,
+                "a credit for the re-formed island",
+            )
             assert learner.world == 1
             for _, steps, tokens in _credits(net, island.peer_id, after=killed_at + 1):
                 assert tokens == steps * per_step

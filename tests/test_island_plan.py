@@ -92,8 +92,10 @@ def test_the_measured_line_fits_the_planned_12b_island(device: int, devices: int
     plan's ranks, with the largest reserve measured: within the plan and within the device."""
     plan = plan_island("gemma-12b", "bf16-mixed", device)
     assert plan is not None and (plan.devices, plan.micro_batch, plan.checkpointing) == (
-        devices, 1, True,
-    )  # fmt: skip
+        devices,
+        1,
+        True,
+    )
     l6, l10 = (r for r in MEASURED if r[0] == "gemma-12b" and r[1] in (6, 10) and r[4])
     one_rank = l10[5] + (48 - 10) * (l10[5] - l6[5]) / 4
     state = 16 * parameter_count("gemma-12b") / GiB

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.identity import Identity
 from tests.netutil import run_cli as forked_cli
 from tests.netutil import wait_for
@@ -82,11 +83,25 @@ def test_dashboard_in_a_terminal_then_ctrl_c_saves_and_join_resumes(tmp_path: Pa
         key.save(node_dir / "identity.key")
         state = node_dir / "state"
         args = [
-            sys.executable, "-m", "p2pdiloco", "join", "--run", run_id,
-            "--bootstrap", net.boot_addr, "--identity", str(node_dir / "identity.key"),
-            "--host", "127.0.0.1", "--state-dir", str(state), "--threads", "1",
-            "--heartbeat-interval", "2",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "p2pdiloco",
+            "join",
+            "--run",
+            run_id,
+            "--bootstrap",
+            net.boot_addr,
+            "--identity",
+            str(node_dir / "identity.key"),
+            "--host",
+            "127.0.0.1",
+            "--state-dir",
+            str(state),
+            "--threads",
+            "1",
+            "--heartbeat-interval",
+            "2",
+        ]
         env = {**os.environ, "XDG_DATA_HOME": str(node_dir), "COLUMNS": "100", "LINES": "40"}
         master, slave = pty.openpty()
         proc = subprocess.Popen(

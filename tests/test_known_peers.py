@@ -88,9 +88,14 @@ def test_a_restart_with_every_bootstrap_down_joins_through_a_remembered_peer(
     peer = DHTPlane(Identity.generate(), initial_peers=[boot_addr], host="127.0.0.1")
     try:
         run_id, manifest, raw = create_manifest(
-            Identity.generate(), name="remembered", model="gemma-tiny", data="embedded",
-            seed=0, inner_steps=20, committee_size=4,
-        )  # fmt: skip
+            Identity.generate(),
+            name="remembered",
+            model="gemma-tiny",
+            data="embedded",
+            seed=0,
+            inner_steps=20,
+            committee_size=4,
+        )
         publish_manifest(peer, run_id, manifest, raw)
         me = Identity.generate()
         path = known_peers.known_peers_path(tmp_path / "key")

@@ -14,10 +14,11 @@ from hivemind.p2p import P2P
 
 from p2pdiloco.core.round_types import MIN_HELD, held_cap
 from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer, fetch_unheard, unheard
-from p2pdiloco.net.cert_records import publish_certificate
-from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
+from p2pdiloco.net.cert_records import fetch_cert, publish_certificate
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
 from p2pdiloco.net.observe import NetworkWatch
 from p2pdiloco.net.sync_rpc import RpcError, serve
+from p2pdiloco.net.transport import P2PTransport
 from p2pdiloco.protocol.certificates import (
     MAX_CERTIFICATE_BYTES,
     MAX_RECEIPTS,
@@ -31,8 +32,6 @@ from p2pdiloco.protocol.certificates import (
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.runtime.memnet import MemoryNetwork
-from p2pdiloco.runtime.transport import P2PTransport
 from p2pdiloco.sync.committee_msgs import (
     MAX_PROPOSAL_BYTES,
     BadMessage,
@@ -42,7 +41,7 @@ from p2pdiloco.sync.committee_msgs import (
     seal_proposal,
     signature_message,
 )
-from p2pdiloco.sync.fetch import fetch_cert
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_certificates import LEARNERS, RUN, SYNCERS, body
 from tests.test_ledger import LEARNERS as CHAIN_LEARNERS
 from tests.test_ledger import MANIFEST as CHAIN_MANIFEST
@@ -59,8 +58,12 @@ def _digests(n: int) -> list[str]:
 
 def _big_body() -> CertificateBody:
     who = [s.peer_id for s in LEARNERS]
-    return body(accepted=[Accepted(peer_id=who[i % 3], digest=d, steps=500, tokens=500 * 2048)
-                          for i, d in enumerate(_digests(INPUTS))])  # fmt: skip
+    return body(
+        accepted=[
+            Accepted(peer_id=who[i % 3], digest=d, steps=500, tokens=500 * 2048)
+            for i, d in enumerate(_digests(INPUTS))
+        ]
+    )
 
 
 def _certificate(b: CertificateBody) -> bytes:
@@ -76,10 +79,14 @@ def test_a_certificate_at_every_bound_fits_its_byte_limit() -> None:
     # reasons of 200 four-byte characters, 64 members who all sign: under MAX_CERTIFICATE_BYTES.
     digests = _digests(MAX_RECEIPTS + MAX_REFUSALS)
     who = [s.peer_id for s in LEARNERS]
-    accepted = [Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
-                for i, d in enumerate(digests[:MAX_RECEIPTS])]  # fmt: skip
-    refused = [Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
-               for i, d in enumerate(digests[MAX_RECEIPTS:])]  # fmt: skip
+    accepted = [
+        Accepted(peer_id=who[i % 3], digest=d, steps=10**9, tokens=10**15)
+        for i, d in enumerate(digests[:MAX_RECEIPTS])
+    ]
+    refused = [
+        Rejected(peer_id=who[i % 3], digest=d, reason="𝄞" * 200)
+        for i, d in enumerate(digests[MAX_RECEIPTS:])
+    ]
     members = [Identity.from_seed(bytes([i, 7]) * 16) for i in range(64)]
     b = body(accepted=accepted, rejected=refused, committee=[m.peer_id for m in members], quorum=43)
     raw = assemble(b, {m.peer_id: sign_body(m, b) for m in members})
@@ -119,8 +126,12 @@ def test_a_certificate_over_a_mebibyte_is_fetched_over_real_streams() -> None:
         return {"version": 8}, [raw]
 
     async def go() -> tuple[bytes, str]:
-        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                    auto_nat=False, use_relay=False)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=False,
+        )
         server, client = await P2P.create(**opts), await P2P.create(**opts)
         try:
             await serve(server, handler, request_limits(1 << 20))
@@ -220,14 +231,20 @@ def test_a_bootstrap_fetches_the_certificates_gossip_cannot_carry_for_its_leader
         return handler
 
     async def go() -> tuple[Any, list[tuple[str, bytes]], NetworkWatch]:
-        opts: dict[str, Any] = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                    auto_nat=False, use_relay=False)  # fmt: skip
+        opts: dict[str, Any] = dict(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=False,
+        )
         liar, honest, boot = [await P2P.create(**opts) for _ in range(3)]
         try:
             await serve(liar, serving(other), request_limits(1 << 20))
             await serve(honest, serving(raw), request_limits(1 << 20))
-            addrs = {p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
-                     for p in (liar, honest)}  # fmt: skip
+            addrs = {
+                p.peer_id.to_base58(): [str(a) for a in await p.get_visible_maddrs()]
+                for p in (liar, honest)
+            }
             ids = list(addrs)
             peers = [dict(run_id=CHAIN_RUN, peer_id=pid, version=v, reachability="direct",
                           island="i") for pid, v in zip(ids, (9, 8), strict=True)]  # fmt: skip
@@ -262,8 +279,14 @@ def test_a_running_bootstrap_fetches_them_beside_its_polls_and_counts_them(tmp_p
     ) -> tuple[dict[str, Any], list[bytes]]:
         return {"version": 8}, [raw]
 
-    cfg = BootstrapConfig(host="127.0.0.1", port=0, http_host="127.0.0.1", http_port=0,
-                          identity=tmp_path / "boot.key", refresh_interval=3600.0)  # fmt: skip
+    cfg = BootstrapConfig(
+        host="127.0.0.1",
+        port=0,
+        http_host="127.0.0.1",
+        http_port=0,
+        identity=tmp_path / "boot.key",
+        refresh_interval=3600.0,
+    )
     with BootstrapServer(cfg) as server:
         assert server.bridge is not None
         server.watch = _following(chain)

@@ -146,7 +146,10 @@ def test_leaderboard_cli_from_a_state_directory(tmp_path: Path) -> None:
     assert len(board["ignored"]) == 1 and "signatures" in board["ignored"][0]
 
     text = forked_cli(
-        "status", "--leaderboard", "--state-dir", str(tmp_path),
+        "status",
+        "--leaderboard",
+        "--state-dir",
+        str(tmp_path),
         env={**__import__("os").environ, "COLUMNS": "120"},
-    )  # fmt: skip
+    )
     assert text.returncode == 0 and "ignored:" in text.stdout and "400" in text.stdout

@@ -108,9 +108,18 @@ def test_a_bare_snapshot_renders() -> None:
     snap = DashboardSnapshot(peer_id="12D3KooWabc")
     text = text_of(snap, 80)
     assert_fits(text, 80)
-    for needle in ("12D3KooWabc", "no run yet", "connecting", "version 0", "0/0 steps",
-                   "no local loss yet", "no global eval yet", "not ranked yet",
-                   "no events yet", "0 B (0 B/s)"):  # fmt: skip
+    for needle in (
+        "12D3KooWabc",
+        "no run yet",
+        "connecting",
+        "version 0",
+        "0/0 steps",
+        "no local loss yet",
+        "no global eval yet",
+        "not ranked yet",
+        "no events yet",
+        "0 B (0 B/s)",
+    ):
         assert needle in text, needle
 
 
@@ -151,15 +160,28 @@ def test_sparkline() -> None:
 
 def test_format_duration() -> None:
     assert [format_duration(s) for s in (-3, 0, 42.4, 65, 3599, 7380)] == [
-        "0s", "0s", "42s", "1m05s", "59m59s", "2h03m",
-    ]  # fmt: skip
+        "0s",
+        "0s",
+        "42s",
+        "1m05s",
+        "59m59s",
+        "2h03m",
+    ]
 
 
 def test_plain_line() -> None:
     line = plain_line(DashboardSnapshot.example())
     assert "\n" not in line
-    for needle in ("[training]", "version 12", "step 12/20", "1.23k tok/s", "loss 2.710",
-                   "3 direct 1 relayed", "41 accepted", "2 rejected"):  # fmt: skip
+    for needle in (
+        "[training]",
+        "version 12",
+        "step 12/20",
+        "1.23k tok/s",
+        "loss 2.710",
+        "3 direct 1 relayed",
+        "41 accepted",
+        "2 rejected",
+    ):
         assert needle in line, needle
     paused = plain_line(DashboardSnapshot.example_paused())
     assert "[paused: network lost, retrying in 8 s]" in paused

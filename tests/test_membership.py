@@ -15,10 +15,17 @@ RUN = "ab" * 32
 
 def heartbeat(ident: Identity, ts: float, run: str = RUN, peer_id: str | None = None) -> bytes:
     hb = Heartbeat(
-        peer_id=peer_id or ident.peer_id, island="i", roles=["learner"],
-        hardware=Hardware(device="cpu", name="c", memory_gb=1.0, count=1), throughput_tps=1.0,
-        version=0, addrs=[], gossip_addrs=[], reachability="direct", seq=int(ts),
-    )  # fmt: skip
+        peer_id=peer_id or ident.peer_id,
+        island="i",
+        roles=["learner"],
+        hardware=Hardware(device="cpu", name="c", memory_gb=1.0, count=1),
+        throughput_tps=1.0,
+        version=0,
+        addrs=[],
+        gossip_addrs=[],
+        reachability="direct",
+        seq=int(ts),
+    )
     return seal(ident, "heartbeat", run, hb.model_dump(mode="json"), ts=ts)
 
 

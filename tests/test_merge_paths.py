@@ -2,7 +2,7 @@
 
 The syncer path is rebuilt here as ``sync/service.py`` drives it: decoded deltas keyed by
 sorted submission ids, ``merge_weights`` over (tokens, lag), ``merge_round`` on the certified
-params and momentum. The simulator path is ``train.simulate.merge_fragment`` on a live model.
+params and momentum. The simulator path is ``harness.simulate.merge_fragment`` on a live model.
 Shapes: D parameters; deltas are dicts of named tensors.
 """
 
@@ -13,11 +13,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import p2pdiloco.harness.simulate as simulate_mod
 import p2pdiloco.train.learner as learner_mod
-import p2pdiloco.train.simulate as simulate_mod
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import unpack_deltas
 from p2pdiloco.core.weights import merge_weights
+from p2pdiloco.harness.simulate import SimulateConfig, build_attackers, learner_id, merge_fragment
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import SyncRules
@@ -27,7 +28,6 @@ from p2pdiloco.train.data import build_corpus
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.models import build_model, get_spec, param_state
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, build_attackers, learner_id, merge_fragment
 from p2pdiloco.train.tokenizer import load_tokenizer
 
 SHAPES = {"emb": (16, 8), "a.w": (8, 8), "a.b": (8,), "z": (3, 5)}
@@ -138,10 +138,16 @@ def test_learner_and_simulate_use_the_same_attack_transform() -> None:
     # A network learner's payload is exactly Attacker.transform of its honest delta, with the
     # honest spread estimated from its own deltas (no honest deltas passed), round after round.
     _, manifest, _ = create_manifest(
-        Identity.generate(), name="t", model="gemma-tiny", data="embedded", seed=0,
-        inner_steps=2, committee_size=1, compression="none",
+        Identity.generate(),
+        name="t",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=2,
+        committee_size=1,
+        compression="none",
         inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 1, "total_steps": 20},
-    )  # fmt: skip
+    )
     corpus = build_corpus(
         "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**20
     )

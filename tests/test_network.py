@@ -49,10 +49,21 @@ def start_bootstrap(
     http_port = http_port or free_port()
     proc = Proc(
         name,
-        ["bootstrap", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
-         "--http-port", str(http_port), "--identity", str(tmp / "bootstrap.key")],
+        [
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--identity",
+            str(tmp / "bootstrap.key"),
+        ],
         tmp,
-    )  # fmt: skip
+    )
     out = proc.wait_output("HTTP:", timeout=60)
     addr = next(ln.strip() for ln in out.splitlines() if ln.startswith("  /ip4/"))
     return proc, addr, http_port
@@ -69,10 +80,23 @@ def node_id(proc: Proc, timeout: float = 60) -> str:
 def start_node(tmp: Path, name: str, bootstrap: str, *extra: str) -> Proc:
     proc = Proc(
         name,
-        ["join", "--model", "gemma-tiny", "--bootstrap", bootstrap, "--host", "127.0.0.1",
-         "--no-tui", "--no-train", "--island", name, *FAST, *extra],
+        [
+            "join",
+            "--model",
+            "gemma-tiny",
+            "--bootstrap",
+            bootstrap,
+            "--host",
+            "127.0.0.1",
+            "--no-tui",
+            "--no-train",
+            "--island",
+            name,
+            *FAST,
+            *extra,
+        ],
         tmp,
-    )  # fmt: skip
+    )
     return proc
 
 
@@ -93,13 +117,25 @@ def _network(tmp_path: Path) -> Iterator[dict]:
     boot, addr, http_port = start_bootstrap(tmp_path)
     client = DHTPlane(Identity.generate(), initial_peers=[addr], client_mode=True)
     run_id, manifest, raw = create_manifest(
-        Identity.generate(), name="net-test", model="gemma-tiny", data="embedded", seed=0,
-        inner_steps=20, committee_size=4,
-    )  # fmt: skip
+        Identity.generate(),
+        name="net-test",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=20,
+        committee_size=4,
+    )
     publish_manifest(client, run_id, manifest, raw)
     procs: list[Proc] = [boot]
-    yield {"tmp": tmp_path, "boot": boot, "addr": addr, "http": http_port, "client": client,
-           "run_id": run_id, "procs": procs}  # fmt: skip
+    yield {
+        "tmp": tmp_path,
+        "boot": boot,
+        "addr": addr,
+        "http": http_port,
+        "client": client,
+        "run_id": run_id,
+        "procs": procs,
+    }
     client.close()
     for p in procs:
         p.stop(timeout=20)
@@ -214,10 +250,17 @@ def _heartbeat(
     ident: Identity, run_id: str, ts: float, seq: int = 1, peer_id: str | None = None
 ) -> bytes:
     hb = Heartbeat(
-        peer_id=peer_id or ident.peer_id, island="attacker", roles=["learner"],
-        hardware=Hardware(device="cpu", name="x", memory_gb=1.0, count=1), throughput_tps=0.0,
-        version=0, addrs=[], gossip_addrs=[], reachability="unknown", seq=seq,
-    )  # fmt: skip
+        peer_id=peer_id or ident.peer_id,
+        island="attacker",
+        roles=["learner"],
+        hardware=Hardware(device="cpu", name="x", memory_gb=1.0, count=1),
+        throughput_tps=0.0,
+        version=0,
+        addrs=[],
+        gossip_addrs=[],
+        reachability="unknown",
+        seq=seq,
+    )
     return seal(ident, "heartbeat", run_id, hb.model_dump(mode="json"), ts=ts)
 
 
@@ -228,10 +271,16 @@ def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) ->
     run_id = net["run_id"]
     state = wait_for(
         "node's gossip address",
-        lambda: next((p for p in collect_state(net["client"]).to_dict()["peers"]
-                      if p["peer_id"] == nid and p["gossip_addrs"]), None),
+        lambda: next(
+            (
+                p
+                for p in collect_state(net["client"]).to_dict()["peers"]
+                if p["peer_id"] == nid and p["gossip_addrs"]
+            ),
+            None,
+        ),
         timeout=20,
-    )  # fmt: skip
+    )
 
     attacker = Identity.generate()
     now = time.time()
@@ -284,10 +333,12 @@ def test_bad_records_are_rejected_and_logged_while_the_node_serves(net: dict) ->
     t_before = time.time()
     wait_for(
         "a fresh heartbeat from the node",
-        lambda: any(p["peer_id"] == nid and p["last_seen_s"] < 3
-                    for p in collect_state(net["client"]).to_dict()["peers"]),
+        lambda: any(
+            p["peer_id"] == nid and p["last_seen_s"] < 3
+            for p in collect_state(net["client"]).to_dict()["peers"]
+        ),
         timeout=15,
-    )  # fmt: skip
+    )
     assert time.time() - t_before < 15
     assert "Traceback" not in node.text()
 
@@ -327,18 +378,26 @@ def test_plain_hivemind_client_bootstraps_but_cannot_store_foreign_values(shared
         plain.shutdown()
     wait_for(
         "the bootstrap to log the refusal",
-        lambda: shared_net["boot"].text().count("refused DHT record") > refused, 10,
-    )  # fmt: skip
+        lambda: shared_net["boot"].text().count("refused DHT record") > refused,
+        10,
+    )
 
 
 def test_join_refuses_a_manifest_of_another_protocol_version(shared_net: dict) -> None:
     creator = Identity.generate()
     body = {
-        "protocol_version": PROTOCOL_VERSION + 1, "name": "future", "model": "gemma-small",
+        "protocol_version": PROTOCOL_VERSION + 1,
+        "name": "future",
+        "model": "gemma-small",
         "data": "embedded",
-        "seed": 0, "creator": creator.peer_id, "created_at": time.time(), "committee_size": 4,
-        "quorum": 3, "inner_steps": 20, "something_new": True,
-    }  # fmt: skip
+        "seed": 0,
+        "creator": creator.peer_id,
+        "created_at": time.time(),
+        "committee_size": 4,
+        "quorum": 3,
+        "inner_steps": 20,
+        "something_new": True,
+    }
     raw = seal(creator, "manifest", "", body)
     run_id = run_id_of_body(json.loads(raw)["body"])  # its own hash, as every version's is
     assert shared_net["client"].store(keys.runs_key(), run_id, raw, 60)
@@ -366,16 +425,33 @@ def test_join_refuses_a_manifest_of_another_protocol_version(shared_net: dict) -
 def test_join_refuses_a_manifest_this_build_cannot_honour(shared_net: dict) -> None:
     """A run naming a merge rule this build lacks is refused in one line, before training."""
     run_id, manifest, raw = create_manifest(
-        Identity.generate(), name="exotic", model="gemma-tiny", data="embedded", seed=0,
-        inner_steps=20, committee_size=4, rules={"aggregation": "no-such-rule"},
-    )  # fmt: skip
+        Identity.generate(),
+        name="exotic",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=20,
+        committee_size=4,
+        rules={"aggregation": "no-such-rule"},
+    )
     publish_manifest(shared_net["client"], run_id, manifest, raw)
     proc = Proc(
         "exotic-node",
-        ["join", "--run", run_id, "--bootstrap", shared_net["addr"], "--host", "127.0.0.1",
-         "--no-tui", "--state-dir", str(shared_net["tmp"] / "exotic-state"), *FAST],
+        [
+            "join",
+            "--run",
+            run_id,
+            "--bootstrap",
+            shared_net["addr"],
+            "--host",
+            "127.0.0.1",
+            "--no-tui",
+            "--state-dir",
+            str(shared_net["tmp"] / "exotic-state"),
+            *FAST,
+        ],
         shared_net["tmp"],
-    )  # fmt: skip
+    )
     shared_net["procs"].append(proc)
     proc.proc.wait(timeout=120)
     err = proc.err.read_text()

@@ -1,4 +1,4 @@
-"""What a running network shows of itself, on whole nodes in one process (``runtime.memnet``):
+"""What a running network shows of itself, on whole nodes in one process (``testing.memnet``):
 each learner's tokens/s in its presence and status file, and the stall indicator when the
 committee cannot certify."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.runtime.status import short_peer
+from p2pdiloco.testing.memnet import MemoryNetwork
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,12 +6,8 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.train.outer import (
-    OuterConfig,
-    OuterOptimizer,
-    partition_fragments,
-    pseudo_gradient,
-)
+from p2pdiloco.testing.outer import OuterOptimizer
+from p2pdiloco.train.outer import OuterConfig, partition_fragments, pseudo_gradient
 
 
 def reference_nesterov(theta, deltas, lr, mu, nesterov=True):

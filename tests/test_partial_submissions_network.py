@@ -4,7 +4,7 @@ Committee k = q = 3. Before attempt-numbered leaders and the view change, two va
 submissions sent to one committee member only made it propose a set the others refused
 ("proposal from a syncer that is not the current leader"): the states split, 2 signatures
 against 1, and the run was stuck for good. Here two extra identities send valid (zero) deltas to
-one member only, for every version from 1 to 6 (``p2pdiloco.sybil.flood`` with ``only``).
+one member only, for every version from 1 to 6 (``p2pdiloco.harness.sybil.flood`` with ``only``).
 
 And the stuck round "one failed fetch during leader rotation": that member also refuses the
 first two fetches asked of it (``P2PDILOCO_FAILPOINTS``, as dropped streams would). Before
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.sybil import flood
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sybil import flood
 from tests.test_sync_network import SMALL, certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(600)]
@@ -39,11 +39,13 @@ def test_submissions_to_one_member_only_neither_split_nor_stall_the_committee(
         lonely = keys[2].peer_id
         nodes = [
             net.start_node(
-                f"node{i}", k, until_version=UNTIL + 1,
+                f"node{i}",
+                k,
+                until_version=UNTIL + 1,
                 env={"P2PDILOCO_FAILPOINTS": "serve_fetch=2"} if k.peer_id == lonely else None,
             )
             for i, k in enumerate(keys)
-        ]  # fmt: skip
+        ]
         report = flood(net, run_id, nodes, count=2, start=1, until=UNTIL, scale=0.0, only=lonely)
         net.wait_versions(UNTIL, nodes, 300)
         texts = [n.text() for n in nodes]
@@ -58,8 +60,10 @@ def test_submissions_to_one_member_only_neither_split_nor_stall_the_committee(
     led = [c.body.version for c in certs if c.body.committee[0] == lonely]
     fetched = sum(a.peer_id in extra for c in certs for a in c.body.accepted)
     views = {c.body.version: c.body.view for c in certs}
-    print(f"the lonely member led versions {led}; {fetched} of its extra deltas were merged; "
-          f"views {views}")  # fmt: skip
+    print(
+        f"the lonely member led versions {led}; {fetched} of its extra deltas were merged; "
+        f"views {views}"
+    )
     if fetched:  # it led a round with its extras: its followers' first fetches were refused
         assert texts[2].count("failpoint serve_fetch: failing here") == 2
     assert all("Traceback" not in t for t in texts)

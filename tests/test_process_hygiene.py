@@ -72,11 +72,22 @@ def _assert_all_gone(procs: list[psutil.Process], what: str) -> None:
 def _start_bootstrap(tmp: Path) -> tuple[Proc, str]:
     proc = Proc(
         "bootstrap",
-        ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
-         "--http-port", str(free_port()), "--identity", str(tmp / "bootstrap.key")],
+        [
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(free_port()),
+            "--identity",
+            str(tmp / "bootstrap.key"),
+        ],
         tmp,
         fork=False,  # the whole command as a user starts it, interpreter start-up included
-    )  # fmt: skip
+    )
     out = proc.wait_output("HTTP:", timeout=90)
     return proc, next(ln.strip() for ln in out.splitlines() if ln.startswith("  /ip4/"))
 
@@ -84,17 +95,33 @@ def _start_bootstrap(tmp: Path) -> tuple[Proc, str]:
 def _start_join(tmp: Path, addr: str) -> Proc:
     with DHTPlane(Identity.generate(), initial_peers=[addr], client_mode=True) as client:
         run_id, manifest, raw = create_manifest(
-            Identity.generate(), name="hygiene", model="gemma-tiny", data="embedded", seed=0,
-            inner_steps=20, committee_size=4,
-        )  # fmt: skip
+            Identity.generate(),
+            name="hygiene",
+            model="gemma-tiny",
+            data="embedded",
+            seed=0,
+            inner_steps=20,
+            committee_size=4,
+        )
         publish_manifest(client, run_id, manifest, raw)
     proc = Proc(
         "join",
-        ["join", "--run", run_id, "--bootstrap", addr, "--host", "127.0.0.1", "--no-tui",
-         "--no-train", "--heartbeat-interval", "1"],
+        [
+            "join",
+            "--run",
+            run_id,
+            "--bootstrap",
+            addr,
+            "--host",
+            "127.0.0.1",
+            "--no-tui",
+            "--no-train",
+            "--heartbeat-interval",
+            "1",
+        ],
         tmp,
         fork=False,
-    )  # fmt: skip
+    )
     proc.wait_output(" as 12D3KooW", timeout=120)
     return proc
 

@@ -30,20 +30,32 @@ RUN_ID, MANIFEST, MANIFEST_RAW = create_manifest(
 
 def heartbeat(ident: Identity, run_id: str, ts: float = NOW, peer_id: str | None = None) -> bytes:
     hb = Heartbeat(
-        peer_id=peer_id or ident.peer_id, island="i", roles=["learner"],
-        hardware=Hardware(device="cpu", name="x", memory_gb=1.0, count=1), throughput_tps=0.0,
-        version=0, addrs=[], gossip_addrs=[], reachability="unknown", seq=1,
-    )  # fmt: skip
+        peer_id=peer_id or ident.peer_id,
+        island="i",
+        roles=["learner"],
+        hardware=Hardware(device="cpu", name="x", memory_gb=1.0, count=1),
+        throughput_tps=0.0,
+        version=0,
+        addrs=[],
+        gossip_addrs=[],
+        reachability="unknown",
+        seq=1,
+    )
     return seal(ident, "heartbeat", run_id, hb.model_dump(mode="json"), ts=ts)
 
 
 def cert_record(signer: Identity, version: int, claimed: int | None = None) -> bytes:
     """A self-elected one-member committee's certificate (passes its own quorum check)."""
     body = CertificateBody(
-        run=RUN_ID, version=version, base_version=version - 1, state_hash="0" * 64,
-        committee=[signer.peer_id], quorum=1, accepted=[],
+        run=RUN_ID,
+        version=version,
+        base_version=version - 1,
+        state_hash="0" * 64,
+        committee=[signer.peer_id],
+        quorum=1,
+        accepted=[],
         roster_hash="0" * 64,
-    )  # fmt: skip
+    )
     cert = assemble(body, {signer.peer_id: sign_body(signer, body)})
     import json
 
@@ -85,9 +97,14 @@ def test_squatted_manifest_slot_is_refused() -> None:
     squat = seal(MALLORY, "manifest", "", {"name": "x", "protocol_version": PROTOCOL_VERSION})
     assert refusal(record(keys.runs_key(), RUN_ID, squat, NOW + 60)) is Reason.MALFORMED
     other_id, _, other = create_manifest(
-        MALLORY, name="m", model="gemma-tiny", data="embedded", seed=1, inner_steps=4,
+        MALLORY,
+        name="m",
+        model="gemma-tiny",
+        data="embedded",
+        seed=1,
+        inner_steps=4,
         committee_size=1,
-    )  # fmt: skip
+    )
     assert refusal(record(keys.runs_key(), RUN_ID, other, NOW + 60)) is Reason.WRONG_SLOT
     assert refusal(record(keys.runs_key(), other_id, other, NOW + TEN_YEARS)) is Reason.BAD_EXPIRY
     wrong_model = keys.model_runs_key("gemma-small")
@@ -97,8 +114,12 @@ def test_squatted_manifest_slot_is_refused() -> None:
 
 
 def test_manifest_of_another_protocol_needs_its_hash_and_its_creator() -> None:
-    body = {"protocol_version": PROTOCOL_VERSION + 1, "name": "f", "model": "gemma-small",
-            "creator": MALLORY.peer_id}  # fmt: skip
+    body = {
+        "protocol_version": PROTOCOL_VERSION + 1,
+        "name": "f",
+        "model": "gemma-small",
+        "creator": MALLORY.peer_id,
+    }
     raw = seal(MALLORY, "manifest", "", body)
     rid = run_id_of_body(open_envelope(raw).body)
     assert refusal(record(keys.runs_key(), rid, raw, NOW + 60)) is None
@@ -123,21 +144,37 @@ def test_replayed_heartbeat_with_a_long_expiry_is_refused() -> None:
 @pytest.mark.parametrize(
     ("raw", "key", "subkey", "code"),
     [
-        (heartbeat(MALLORY, RUN_ID, peer_id=ALICE.peer_id), PEERS, ALICE.peer_id,
-         Reason.WRONG_SIGNER),
+        (
+            heartbeat(MALLORY, RUN_ID, peer_id=ALICE.peer_id),
+            PEERS,
+            ALICE.peer_id,
+            Reason.WRONG_SIGNER,
+        ),
         (heartbeat(MALLORY, RUN_ID), PEERS, ALICE.peer_id, Reason.WRONG_SLOT),
         (heartbeat(MALLORY, "f" * 64), PEERS, MALLORY.peer_id, Reason.WRONG_SLOT),
         (heartbeat(MALLORY, RUN_ID, ts=NOW + 3600), PEERS, MALLORY.peer_id, Reason.BAD_TIMESTAMP),
         (seal(MALLORY, "ban", RUN_ID, {}), PEERS, MALLORY.peer_id, Reason.UNKNOWN_KIND),
-        (cert_record(MALLORY, 10**9, claimed=5), certs_key(RUN_ID), MALLORY.peer_id,
-         Reason.UNVERIFIED),
+        (
+            cert_record(MALLORY, 10**9, claimed=5),
+            certs_key(RUN_ID),
+            MALLORY.peer_id,
+            Reason.UNVERIFIED,
+        ),
         (cert_record(MALLORY, 2), certs_key(RUN_ID), ALICE.peer_id, Reason.WRONG_SLOT),
         (b"not an envelope", PEERS, MALLORY.peer_id, Reason.INVALID_SIGNATURE),
     ],
     # Stable ids (the keys are random): pytest-xdist workers must collect the same tests.
-    ids=["other-signer", "other-slot", "other-run", "future", "unknown-kind", "unverified-cert",
-         "cert-other-slot", "not-an-envelope"],
-)  # fmt: skip
+    ids=[
+        "other-signer",
+        "other-slot",
+        "other-run",
+        "future",
+        "unknown-kind",
+        "unverified-cert",
+        "cert-other-slot",
+        "not-an-envelope",
+    ],
+)
 def test_records_that_lie_about_their_slot_signer_or_time(
     raw: bytes, key: str, subkey: str, code: Reason
 ) -> None:

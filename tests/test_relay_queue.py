@@ -30,8 +30,9 @@ class Link:
         self.at_once = 0
         self.most_at_once = 0
 
-    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
-                   **_: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+    async def call(
+        self, peer: str, op: str, *, frames: Sequence[bytes] = (), **_: Any
+    ) -> tuple[dict[str, Any], list[bytes]]:
         assert op == "submit"
         tag = f"{peer}/{frames[0].decode()}"
         self.started.append(tag)
@@ -53,8 +54,10 @@ def test_copies_leave_in_order_a_few_at_a_time_and_the_uplink_is_measured() -> N
         link = Link(rate=1e6)  # 10 ms a copy
         relayer = Relayer(link)  # type: ignore[arg-type]
         assert relayer.rate() is None and relayer.backlog_s() == 0.0
-        tasks = [asyncio.create_task(relayer.relay(["B", "C"], f"d{i}".encode(), PAYLOAD,
-                                                   lambda: True)) for i in range(4)]  # fmt: skip
+        tasks = [
+            asyncio.create_task(relayer.relay(["B", "C"], f"d{i}".encode(), PAYLOAD, lambda: True))
+            for i in range(4)
+        ]
         while not link.started:  # the first copies are under way
             await asyncio.sleep(0)
         assert relayer.queued_bytes > 0
@@ -73,8 +76,12 @@ def test_copies_not_begun_when_the_round_closes_are_dropped() -> None:
         link = Link(rate=1e6)
         relayer = Relayer(link)  # type: ignore[arg-type]
         open_ = [True]
-        tasks = [asyncio.create_task(relayer.relay(["B", "C", "D"], f"d{i}".encode(), PAYLOAD,
-                                                   lambda: open_[0])) for i in range(5)]  # fmt: skip
+        tasks = [
+            asyncio.create_task(
+                relayer.relay(["B", "C", "D"], f"d{i}".encode(), PAYLOAD, lambda: open_[0])
+            )
+            for i in range(5)
+        ]
         while len(link.started) < SLOTS:  # the first copies are under way
             await asyncio.sleep(0)
         open_[0] = False  # the round agreed: those finish, the 13 others are dropped
@@ -143,8 +150,10 @@ def measured(queued_s: float) -> Relayer:
     return relayer
 
 
-@pytest.mark.parametrize(("queued_s", "left_s", "busy"), [(0.0, 0.0, False), (0.5, 2.0, False),
-                                                         (3.0, 2.0, True), (0.5, 0.0, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("queued_s", "left_s", "busy"),
+    [(0.0, 0.0, False), (0.5, 2.0, False), (3.0, 2.0, True), (0.5, 0.0, True)],
+)
 def test_busy_while_the_queued_copies_would_outlast_the_collecting_time(
     queued_s: float, left_s: float, busy: bool
 ) -> None:
@@ -186,8 +195,9 @@ class HeaderLater(Link):
         super().__init__(rate)
         self.refusals = times
 
-    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
-                   **kw: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+    async def call(
+        self, peer: str, op: str, *, frames: Sequence[bytes] = (), **kw: Any
+    ) -> tuple[dict[str, Any], list[bytes]]:
         if self.refusals:
             self.refusals -= 1
             await asyncio.sleep(0)
@@ -213,8 +223,9 @@ def test_later_from_the_header_is_no_sample_of_the_uplink(monkeypatch: pytest.Mo
 class Down(Link):
     """``C`` cannot be reached: every dial fails."""
 
-    async def call(self, peer: str, op: str, *, frames: Sequence[bytes] = (),
-                   **kw: Any) -> tuple[dict[str, Any], list[bytes]]:  # fmt: skip
+    async def call(
+        self, peer: str, op: str, *, frames: Sequence[bytes] = (), **kw: Any
+    ) -> tuple[dict[str, Any], list[bytes]]:
         if peer == "C":
             raise RpcError("connect failed")
         return await super().call(peer, op, frames=frames, **kw)

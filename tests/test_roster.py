@@ -311,9 +311,11 @@ def successor(
     info = committee_for(RUN, m, prev)
     accepted = sorted(accepted, key=lambda a: a.digest)
     roster = next_roster(
-        roster_of(m, prev), new_version=info.version, accepted=accepted,
+        roster_of(m, prev),
+        new_version=info.version,
+        accepted=accepted,
         window=m.rules.roster_window,
-    )  # fmt: skip
+    )
     fields: dict[str, Any] = {
         "run": RUN,
         "version": info.version,

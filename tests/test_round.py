@@ -29,8 +29,18 @@ COMMITTEE = ("s0", "s1", "s2", "s3")
 
 
 def params(**kw) -> RoundParams:
-    base = dict(run_id=RUN, version=10, committee=COMMITTEE, quorum=3, active_learners=5,
-                opened_at=0.0, grace=60.0, staleness=2, max_tokens_per_step=1000, weight_cap=0.5)  # fmt: skip
+    base = dict(
+        run_id=RUN,
+        version=10,
+        committee=COMMITTEE,
+        quorum=3,
+        active_learners=5,
+        opened_at=0.0,
+        grace=60.0,
+        staleness=2,
+        max_tokens_per_step=1000,
+        weight_cap=0.5,
+    )
     base.update(kw)
     return RoundParams(**base)  # type: ignore[arg-type]
 

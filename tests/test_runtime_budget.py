@@ -1,6 +1,6 @@
 """Rounds that fit mixed hardware (issue 10 item 4): with the manifest's time budget, a learner
 three times slower than the others still contributes to most rounds, with fewer tokens in all,
-each delta weighed by the tokens it trained. Whole nodes in one process (``runtime.memnet``)."""
+each delta weighed by the tokens it trained. Whole nodes in one process (``testing.memnet``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemoryNetwork
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
@@ -35,9 +35,14 @@ def test_a_three_times_slower_learner_contributes_to_most_rounds_by_its_tokens(
 ) -> None:
     async def main() -> None:
         async with MemoryNetwork(
-            tmp_path, nodes=4, inner_steps=10_000, time_budget=BUDGET, slowdown={3: 3.0},
-            rules={"weight_cap": CAP, "linger": LINGER}, compute_share=SHARE,
-        ) as net:  # fmt: skip
+            tmp_path,
+            nodes=4,
+            inner_steps=10_000,
+            time_budget=BUDGET,
+            slowdown={3: 3.0},
+            rules={"weight_cap": CAP, "linger": LINGER},
+            compute_share=SHARE,
+        ) as net:
             await net.wait_for(lambda: net.min_version() >= 6, 240, "version 6 everywhere")
             check_chains(net)
             slow = net.nodes[3].peer_id

@@ -1,5 +1,5 @@
 """Whole committee rounds in one process: real runtimes, syncers, trainers, signatures and
-tensors of gemma-tiny, over the in-memory transport and plane (``runtime.memnet``).
+tensors of gemma-tiny, over the in-memory transport and plane (``testing.memnet``).
 
 Each test asserts the protocol's guarantees (every certificate verifies from genesis, honest
 syncers never sign two states for one version, nodes converge), never one schedule's timing.
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemNode, MemoryNetwork
 from p2pdiloco.sync.fetch import verify_next
+from p2pdiloco.testing.memnet import MemNode, MemoryNetwork
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 

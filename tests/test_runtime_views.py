@@ -15,8 +15,8 @@ import pytest
 
 from p2pdiloco.core.roster import committee_for, roster_of
 from p2pdiloco.protocol.certificates import parse_certificate
-from p2pdiloco.runtime.memnet import MemoryNetwork
 from p2pdiloco.sync.committee_msgs import open_proposal
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains, run
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow, pytest.mark.solo]
@@ -125,8 +125,11 @@ def test_a_syncer_that_restarts_mid_round_does_not_freeze_a_two_node_run(tmp_pat
                 lambda: bool(svc.views.state and svc.views.state.voted), 2 * VIEW_TIMEOUT + 30
             )
             back = await net.restart(gone)
-            await net.wait_for(lambda: net.min_version() >= start + 2, 6 * VIEW_TIMEOUT + 60,
-                               "two more versions on both")  # fmt: skip
+            await net.wait_for(
+                lambda: net.min_version() >= start + 2,
+                6 * VIEW_TIMEOUT + 60,
+                "two more versions on both",
+            )
             check_chains(net)
             assert all(len(h) == 1 for h in signed_per_view(net).values())
             assert back.version >= start + 2

@@ -113,9 +113,18 @@ def test_what_a_send_found_is_told_to_the_round_current_on_the_same_base() -> No
     from p2pdiloco.sync.sending import heard_from
 
     def rnd(version: int, committee: tuple[str, ...]) -> SyncerRound:
-        p = RoundParams(run_id="run", version=version, committee=committee, quorum=3,
-                        active_learners=4, opened_at=0.0, grace=60.0, staleness=0,
-                        max_tokens_per_step=1000, weight_cap=0.5)  # fmt: skip
+        p = RoundParams(
+            run_id="run",
+            version=version,
+            committee=committee,
+            quorum=3,
+            active_learners=4,
+            opened_at=0.0,
+            grace=60.0,
+            staleness=0,
+            max_tokens_per_step=1000,
+            weight_cap=0.5,
+        )
         return SyncerRound(p, "me")
 
     view1 = rnd(10, ("lead", "me", "b", "c"))

@@ -11,6 +11,7 @@ import torch
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.submissions import (
@@ -19,7 +20,6 @@ from p2pdiloco.protocol.submissions import (
     payload_digest,
     seal_submission,
 )
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.sync.certified import genesis_state
 from p2pdiloco.sync.service import SyncService
 
@@ -30,10 +30,17 @@ def test_a_resent_submission_is_accepted_again_and_merged_once() -> None:
     syncer = Identity.generate()
     learners = [Identity.generate() for _ in range(3)]
     run_id, manifest, _ = create_manifest(
-        syncer, name="resend", model="gemma-tiny", data="embedded", seed=0, inner_steps=4,
-        committee_size=1, compression="int8", genesis_committee=[syncer.peer_id],
+        syncer,
+        name="resend",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=4,
+        committee_size=1,
+        compression="int8",
+        genesis_committee=[syncer.peer_id],
         rules={"grace": 30.0, "min_quorum_fraction": 1.0},
-    )  # fmt: skip
+    )
     base = genesis_state(manifest)
     codec = get_codec("int8")
     gen = torch.Generator().manual_seed(3)
@@ -42,18 +49,27 @@ def test_a_resent_submission_is_accepted_again_and_merged_once() -> None:
         delta = {n: 1e-3 * torch.randn(t.shape, generator=gen) for n, t in base.params.items()}
         payload = pack_deltas({n: codec.encode(delta[n]) for n in sorted(delta)})
         header = SubmissionHeader(
-            peer_id=ident.peer_id, base_version=0, steps=4, tokens=256, loss=3.0, codec="int8",
+            peer_id=ident.peer_id,
+            base_version=0,
+            steps=4,
+            tokens=256,
+            loss=3.0,
+            codec="int8",
             fragments=[FragmentRef(index=0, digest=payload_digest(payload), nbytes=len(payload))],
-        )  # fmt: skip
+        )
         sent.append((seal_submission(ident, run_id, header), payload))
 
     async def main() -> tuple[list[dict], bytes, list[dict]]:
         done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         service = SyncService(
-            syncer, run_id, manifest, {n: tuple(t.shape) for n, t in base.params.items()},
-            MemoryHub().transport(syncer.peer_id), live_learners=lambda: ["l0", "l1", "l2"],
+            syncer,
+            run_id,
+            manifest,
+            {n: tuple(t.shape) for n, t in base.params.items()},
+            MemoryHub().transport(syncer.peer_id),
+            live_learners=lambda: ["l0", "l1", "l2"],
             on_certified=lambda raw, st: done.set_result(raw),
-        )  # fmt: skip
+        )
         await service.install(base)
         replies = []
         first, payload = sent[0]

@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = r"""
 import multiprocessing as mp, os, signal, sys
-from p2pdiloco.cli.signals import stop_event
+from p2pdiloco.signals import stop_event
 
 ctx = mp.get_context("fork")
 ready = ctx.Event()
@@ -44,7 +44,7 @@ def test_forked_child_dies_on_terminate_and_parent_sets_event() -> None:
 
 SECOND_CTRL_C = r"""
 import os, signal, threading
-from p2pdiloco.cli.signals import stop_event
+from p2pdiloco.signals import stop_event
 
 stop = stop_event()
 os.kill(os.getpid(), signal.SIGINT)   # the first Ctrl-C only asks for a clean stop
@@ -68,7 +68,8 @@ def test_a_second_ctrl_c_exits_130_at_once_during_a_slow_clean_stop() -> None:
 LOCAL_NETWORK = r"""
 import sys, threading
 from pathlib import Path
-from p2pdiloco.demo import DemoConfig, LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig
+from p2pdiloco.harness.demo import LocalNetwork
 
 with LocalNetwork(Path(sys.argv[1]), DemoConfig(nodes=1)) as net:
     net.start_bootstrap()

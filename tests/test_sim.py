@@ -17,8 +17,14 @@ from p2pdiloco.sim.config import Fault, fault_schedule, profiles
 from p2pdiloco.sim.dp import data_parallel, up_seconds
 from p2pdiloco.sim.learner import Pending, SimLearner
 
-SMALL = SimConfig(peers=12, committee_size=4, duration=1800.0, inner_steps=50, seed=3,
-                  rules={"grace": 30.0, "agree_timeout": 10.0})  # fmt: skip
+SMALL = SimConfig(
+    peers=12,
+    committee_size=4,
+    duration=1800.0,
+    inner_steps=50,
+    seed=3,
+    rules={"grace": 30.0, "agree_timeout": 10.0},
+)
 
 
 def _figures(cfg: SimConfig) -> dict[str, object]:
@@ -40,8 +46,14 @@ def test_overtime_replayed_at_events_gives_the_figures_of_an_event_a_chunk(
     reaches them and replay the chunks since (``sim.learner.Overtime``): the same run as
     an event a chunk, with failures, churn and fragments (budgeted stretches of a few steps,
     so most of a learner's time is overtime), in far fewer events."""
-    cfg = replace(SMALL, peers=40, fragments=10, mtbf_hours=2.0, churn_per_hour=0.5,
-                  rules={"grace": 60.0, "linger": 20.0})  # fmt: skip
+    cfg = replace(
+        SMALL,
+        peers=40,
+        fragments=10,
+        mtbf_hours=2.0,
+        churn_per_hour=0.5,
+        rules={"grace": 60.0, "linger": 20.0},
+    )
     fast, fast_world = simulate_run(cfg)
     monkeypatch.setattr(SimLearner, "replay_overtime", False)
     slow, slow_world = simulate_run(cfg)
@@ -164,8 +176,9 @@ def test_netsim_command_prints_the_figures_and_refuses_bad_settings_in_one_line(
 
     from p2pdiloco.cli.app import app
 
-    out = CliRunner().invoke(app, ["netsim", "--peers", "8", "--committee", "4", "--minutes",
-                                   "10", "--json"])  # fmt: skip
+    out = CliRunner().invoke(
+        app, ["netsim", "--peers", "8", "--committee", "4", "--minutes", "10", "--json"]
+    )
     assert out.exit_code == 0, out.output
     figures = json.loads(out.output)
     assert figures["versions"] > 0 and 0 < figures["goodput"] <= 1

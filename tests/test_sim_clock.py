@@ -28,8 +28,12 @@ def test_events_run_in_time_order_ties_as_scheduled_with_the_collector_held_off(
     finally:
         if not was:
             gc.disable()
-    assert seen == [(0.5, "early", False), (1.0, "first", False), (1.0, "tie", False),
-                    (2.0, "late", False)]  # fmt: skip
+    assert seen == [
+        (0.5, "early", False),
+        (1.0, "first", False),
+        (1.0, "tie", False),
+        (2.0, "late", False),
+    ]
     assert clock.now == 10.0 and clock.events == 4
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.simulate import SimulateConfig, run_simulation
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,16 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def sim(corpus_dir: Path, **kw) -> dict:
     cfg = SimulateConfig(
-        learners=4, inner_steps=6, rounds=3, data=str(corpus_dir), baseline=False,
-        eval_batches=2, inner=InnerConfig(lr=3e-3, warmup_steps=2, batch_size=4, seq_len=64),
-        outer=OuterConfig(lr=0.7, momentum=0.5), **kw,
-    )  # fmt: skip
+        learners=4,
+        inner_steps=6,
+        rounds=3,
+        data=str(corpus_dir),
+        baseline=False,
+        eval_batches=2,
+        inner=InnerConfig(lr=3e-3, warmup_steps=2, batch_size=4, seq_len=64),
+        outer=OuterConfig(lr=0.7, momentum=0.5),
+        **kw,
+    )
     return run_simulation(cfg).to_dict()
 
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
 
 from p2pdiloco.dashboard.live import DashboardSnapshot, json_line, plain_line, render
-from p2pdiloco.node_metrics import _NodeCollector
+from p2pdiloco.runtime.node_metrics import _NodeCollector
 from p2pdiloco.runtime.status import Tally, stall_text
 
 A, B, C = "12D3KooW" + "a" * 36 + "a1b2c3d4", "12D3KooW" + "b" * 44, "12D3KooW" + "c" * 44
@@ -17,9 +17,14 @@ A, B, C = "12D3KooW" + "a" * 36 + "a1b2c3d4", "12D3KooW" + "b" * 44, "12D3KooW" 
 
 def view(tally: Tally, now: float, statuses: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     return tally.view(
-        version=12, committee=(A, B, C), committee_version=13, me="me", rejections=(),
-        statuses=statuses, now=now,
-    )  # fmt: skip
+        version=12,
+        committee=(A, B, C),
+        committee_version=13,
+        me="me",
+        rejections=(),
+        statuses=statuses,
+        now=now,
+    )
 
 
 def test_not_stalled_before_grace_plus_timeout_then_stalled_naming_what_it_waits_for() -> None:
@@ -91,10 +96,20 @@ def test_plain_and_json_lines_carry_the_stall() -> None:
 
 def test_metrics_expose_stalled_and_its_seconds() -> None:
     base = {
-        "version": 12, "tokens_per_second": 1500.0, "tokens_trained": 1, "tokens_accepted": 1,
-        "sent": 1, "accepted": 1, "rejected": 0, "rounds": 12, "bytes_up": 1, "bytes_down": 1,
-        "peers_direct": 1, "peers_relayed": 0, "on_committee": False,
-    }  # fmt: skip
+        "version": 12,
+        "tokens_per_second": 1500.0,
+        "tokens_trained": 1,
+        "tokens_accepted": 1,
+        "sent": 1,
+        "accepted": 1,
+        "rejected": 0,
+        "rounds": 12,
+        "bytes_up": 1,
+        "bytes_down": 1,
+        "peers_direct": 1,
+        "peers_relayed": 0,
+        "on_committee": False,
+    }
     for stalled, seconds, flag in ((None, 0.0, 0.0), ("stalled: no certificate ...", 95.0, 1.0)):
         reg = CollectorRegistry()
         s = {**base, "stalled": stalled, "stalled_seconds": seconds}
@@ -111,11 +126,18 @@ def _heartbeat(version: int, stalled_s: float):  # type: ignore[no-untyped-def]
     from p2pdiloco.protocol.records import Hardware, Heartbeat
 
     return Heartbeat(
-        peer_id=Identity.generate().peer_id, island="i", roles=["learner"],
-        hardware=Hardware(device="cpu", name="c", memory_gb=1.0, count=1), throughput_tps=1.0,
-        version=version, addrs=[], gossip_addrs=[], reachability="direct", seq=1,
+        peer_id=Identity.generate().peer_id,
+        island="i",
+        roles=["learner"],
+        hardware=Hardware(device="cpu", name="c", memory_gb=1.0, count=1),
+        throughput_tps=1.0,
+        version=version,
+        addrs=[],
+        gossip_addrs=[],
+        reachability="direct",
+        seq=1,
         stalled_s=stalled_s,
-    )  # fmt: skip
+    )
 
 
 def test_a_run_is_stalled_when_half_its_live_peers_say_so() -> None:
@@ -134,10 +156,15 @@ def test_status_and_the_bootstrap_page_show_a_stalled_run() -> None:
     from p2pdiloco.net.web_page import render_page
 
     run = {
-        "run_id": "ab" * 32, "name": "r", "model": "gemma-tiny", "peers": 3,
-        "latest_version": 12, "throughput_tps": 0.0, "incompatible": None,
+        "run_id": "ab" * 32,
+        "name": "r",
+        "model": "gemma-tiny",
+        "peers": 3,
+        "latest_version": 12,
+        "throughput_tps": 0.0,
+        "incompatible": None,
         "stalled": "no certificate for version 13 for 95 s (2 of 3 live peers waiting)",
-    }  # fmt: skip
+    }
     state = {"time": 0.0, "runs": [run], "peers": [], "bootstraps": [], "rejected_records": []}
     console = Console(width=100, record=True, file=io.StringIO(), color_system=None)
     console.print(status_view(state, 100))

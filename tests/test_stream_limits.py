@@ -96,9 +96,14 @@ def test_payload_limit_follows_the_codec_and_fits_a_real_pack(codec: str) -> Non
 def _header(ident: Identity, nbytes: int) -> bytes:
     body = b"x" * 8
     header = SubmissionHeader(
-        peer_id=ident.peer_id, base_version=0, steps=1, tokens=1, loss=1.0, codec="none",
+        peer_id=ident.peer_id,
+        base_version=0,
+        steps=1,
+        tokens=1,
+        loss=1.0,
+        codec="none",
         fragments=[FragmentRef(index=0, digest=payload_digest(body), nbytes=nbytes)],
-    )  # fmt: skip
+    )
     return seal_submission(ident, RUN_ID, header)
 
 

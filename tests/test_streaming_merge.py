@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from p2pdiloco.aggregate import get_rule, screen
-from p2pdiloco.aggregate.base import sq_norms64
+from p2pdiloco.aggregate.exact import sq_norms64
 from p2pdiloco.aggregate.rows import WINDOW, RowSet
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
-from p2pdiloco.train.outer import OuterConfig, OuterOptimizer
+from p2pdiloco.testing.outer import OuterOptimizer
+from p2pdiloco.train.outer import OuterConfig
 
 # Tensors that straddle window boundaries (WINDOW = 262,144 columns), one tiny, one empty-ish.
 SHAPES = {"a": (300_001,), "b.w": (5,), "c": (500, 501), "d": (3, 4096)}
@@ -134,10 +135,25 @@ def test_a_merge_of_m_deltas_stays_within_m_plus_3_fragments(rule: str, params: 
     # sums its distances window by window before it merges the rows it chose (ADR 0030).
     m = 8
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--learners", str(m), "--tensors", "12",
-         "--numel", "1000000", "--rule", rule, "--params", json.dumps(params)],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH),
+            "--learners",
+            str(m),
+            "--tensors",
+            "12",
+            "--numel",
+            "1000000",
+            "--rule",
+            rule,
+            "--params",
+            json.dumps(params),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     r = json.loads(out.stdout)
     print(f"{rule}: the merge added {r['added_mb']:.0f} MiB = {r['added_fragments']:.2f} fragments")
     assert r["kept"] == m

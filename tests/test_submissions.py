@@ -62,8 +62,12 @@ def test_round_trip_and_payload_binding() -> None:
     assert sub.digest == sub.envelope.digest and len(sub.digest) == 64
     assert sub.envelope.kind == SUBMISSION_KIND and sub.envelope.raw == raw
     # another signing moment is another submission id
-    assert open_submission(seal_submission(ALICE, RUN, header(), ts=NOW + 1), run_id=RUN,
-                           now=NOW).digest != sub.digest  # fmt: skip
+    assert (
+        open_submission(
+            seal_submission(ALICE, RUN, header(), ts=NOW + 1), run_id=RUN, now=NOW
+        ).digest
+        != sub.digest
+    )
     for index, payload in zip((0, 2, 5), PAYLOADS, strict=True):
         assert sub.check_fragment(index, payload).index == index
     assert sub.header.fragment(1) is None
@@ -127,8 +131,14 @@ def test_oversized_is_refused_before_parsing() -> None:
         seal_submission(ALICE, RUN, header(fragments=many))
     # about 140 worst-case fragment references fit
     fits = [{"index": i, "digest": "ab" * 32, "nbytes": 2**40} for i in range(128)]
-    assert open_submission(seal_submission(ALICE, RUN, header(fragments=fits), ts=NOW),
-                           run_id=RUN, now=NOW).header.fragments[-1].index == 127  # fmt: skip
+    assert (
+        open_submission(
+            seal_submission(ALICE, RUN, header(fragments=fits), ts=NOW), run_id=RUN, now=NOW
+        )
+        .header.fragments[-1]
+        .index
+        == 127
+    )
 
 
 def test_malformed_bytes() -> None:
@@ -186,8 +196,9 @@ def test_non_finite_loss_is_refused_everywhere(bad: float) -> None:
     # hand-built bytes carrying NaN (or 1e999, which parses to inf) never reach the schema
     obj = json.loads(raw_sealed(header_body()))
     for token in ("NaN", "Infinity", "1e999"):
-        text = json.dumps({**obj, "body": header_body(loss=0.125)}, sort_keys=True,
-                          separators=(",", ":")).replace("0.125", token)  # fmt: skip
+        text = json.dumps(
+            {**obj, "body": header_body(loss=0.125)}, sort_keys=True, separators=(",", ":")
+        ).replace("0.125", token)
         with pytest.raises(InvalidRecord, match="JSON") as info:
             open_submission(text.encode(), run_id=RUN, now=NOW)
         assert info.value.signer is None  # nothing verified, nobody named

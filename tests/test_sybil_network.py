@@ -4,7 +4,7 @@ Three honest nodes (the genesis committee, k = q = 3) train until they have earn
 certified roster (``trust_min_accepted`` = ``trust_min_age`` = 2 here, so it takes three
 versions); then five fresh identities send every syncer poisoned deltas (±0.05 per entry, about
 a hundred times an honest delta's norm) with the largest claim a header may make, for every
-version until the honest nodes reach version 9 (``p2pdiloco.sybil``). With trust switched off
+version until the honest nodes reach version 9 (``p2pdiloco.harness.sybil``). With trust switched off
 (``trust_min_accepted`` out of reach) this test fails: the flood fills the learner quorum and
 is merged. The final eval loss against a clean run is a benchmark (bench/sybil_flood.py).
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from p2pdiloco.core.trust import probation_room, trusted_peers
-from p2pdiloco.demo import LocalNetwork
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.sybil import flood
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.sybil import flood
 from tests.netutil import wait_for
 from tests.test_sync_network import SMALL, certificates, verified_certificates
 

@@ -1,7 +1,7 @@
 """Outer sync over the real network: processes on loopback, real signatures and certificates.
 
 Each test starts a bootstrap server and `p2pdiloco join` nodes (each with its own p2pd daemon
-and gossip host) through ``p2pdiloco.demo.LocalNetwork``, then checks what the nodes certify,
+and gossip host) through ``p2pdiloco.harness.demo.LocalNetwork``, then checks what the nodes certify,
 refuse and store. They take one to three minutes each on 2 CPU cores.
 """
 
@@ -17,7 +17,8 @@ import torch
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.core.ledger import verified_chain
-from p2pdiloco.demo import DemoConfig, LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import read_peers
 from p2pdiloco.net.p2p_bridge import P2PBridge

@@ -57,10 +57,17 @@ def start_trainer(budget: float | None, events: Events) -> Trainer:
     ``events`` records ("train", s), ("pause", asked s), ("paused", s) and ("send", 0)."""
     me = Identity.generate()
     run_id, manifest, _ = create_manifest(
-        me, name="t", model="gemma-tiny", data="embedded", seed=0, inner_steps=10_000,
-        time_budget=budget, committee_size=1, compression="int8",
+        me,
+        name="t",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=10_000,
+        time_budget=budget,
+        committee_size=1,
+        compression="int8",
         inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
-    )  # fmt: skip
+    )
     corpus = build_corpus(
         "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**18
     )
@@ -84,9 +91,16 @@ def start_trainer(budget: float | None, events: Events) -> Trainer:
         events.append(("send", 0.0))
 
     trainer = Trainer(
-        learner, machine, CertifiedState(0, None, params, {}), identity=me, run_id=run_id,
-        manifest=manifest, submit=submit, catch_up=lambda v: None, compute_share=SHARE,
-    )  # fmt: skip
+        learner,
+        machine,
+        CertifiedState(0, None, params, {}),
+        identity=me,
+        run_id=run_id,
+        manifest=manifest,
+        submit=submit,
+        catch_up=lambda v: None,
+        compute_share=SHARE,
+    )
     wait = trainer._wake.wait
 
     def pause(seconds: float | None = None) -> bool:

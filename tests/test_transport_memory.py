@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import pytest
 
 from p2pdiloco.net.sync_rpc import Frames, RpcError, RpcRefused, check_request, refusal
+from p2pdiloco.net.transport import MemoryHub, MemoryTransport
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.transport import MemoryHub, MemoryTransport
 
 T = TypeVar("T")
 

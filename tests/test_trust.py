@@ -33,10 +33,20 @@ HONEST = frozenset(f"learner{i}" for i in range(3))  # learner0..2 trusted, lear
 
 def params(**kw: Any) -> RoundParams:
     base: dict[str, Any] = dict(
-        run_id="run", version=10, committee=("s0", "s1", "s2", "s3"), quorum=3,
-        active_learners=8, opened_at=0.0, grace=60.0, staleness=2, max_tokens_per_step=1000,
-        weight_cap=1.0, linger=30.0, trusted=HONEST, probation_share=0.25,
-    )  # fmt: skip
+        run_id="run",
+        version=10,
+        committee=("s0", "s1", "s2", "s3"),
+        quorum=3,
+        active_learners=8,
+        opened_at=0.0,
+        grace=60.0,
+        staleness=2,
+        max_tokens_per_step=1000,
+        weight_cap=1.0,
+        linger=30.0,
+        trusted=HONEST,
+        probation_share=0.25,
+    )
     base.update(kw)
     return RoundParams(**base)
 

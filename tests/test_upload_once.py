@@ -15,7 +15,7 @@ from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.submissions import open_submission
 from p2pdiloco.runtime.delivery import intake_order, next_targets
-from p2pdiloco.runtime.memnet import MemoryNetwork
+from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
@@ -117,9 +117,13 @@ def test_a_delta_refused_busy_goes_to_the_next_member_at_once(tmp_path: Path) ->
                 handler, limits, screen = net.hub.handlers[member]
 
                 async def first_busy(
-                    op: str, src: str, control: dict[str, Any], frames: list[bytes],
-                    member: str = member, handler: Any = handler,
-                ) -> Any:  # fmt: skip
+                    op: str,
+                    src: str,
+                    control: dict[str, Any],
+                    frames: list[bytes],
+                    member: str = member,
+                    handler: Any = handler,
+                ) -> Any:
                     if op == "submit" and control.get("relay") is True and src != member:
                         digest = open_submission(frames[0], run_id=run_id).digest
                         if refused_by.setdefault(digest, member) == member:

@@ -99,7 +99,7 @@ def test_bootstrap_dht_port_in_use(tmp_path: Path, held_port: int) -> None:
             "0",
             "--identity",
             str(tmp_path / "boot.key"),
-        ]  # fmt: skip
+        ]
     )
     assert line == (
         f"error: cannot listen on 127.0.0.1:{held_port} for the DHT: the port is already in "
@@ -123,7 +123,7 @@ def test_bootstrap_http_port_in_use(tmp_path: Path, held_port: int) -> None:
             str(held_port),
             "--identity",
             str(tmp_path / "boot.key"),
-        ]  # fmt: skip
+        ]
     )
     assert f"127.0.0.1:{held_port} for the HTTP API: the port is already in use" in line
     assert line.endswith("or pass another --http-port")
@@ -159,7 +159,7 @@ def test_bootstrap_port_in_use_real_process_fails_fast(tmp_path: Path, held_port
             str(held_port),
             "--http-port",
             "0",
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         env=env,

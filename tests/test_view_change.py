@@ -148,13 +148,18 @@ def view_cert(
     info = committee_for(RUN, m, prev, view)
     accepted = [receipt(PEERS[11], 5)]
     fields: dict[str, Any] = {
-        "run": RUN, "version": info.version, "base_version": info.version - 1, "view": view,
-        "state_hash": "ef" * 32, "committee": list(info.members), "quorum": info.quorum,
+        "run": RUN,
+        "version": info.version,
+        "base_version": info.version - 1,
+        "view": view,
+        "state_hash": "ef" * 32,
+        "committee": list(info.members),
+        "quorum": info.quorum,
         "accepted": accepted,
         "roster_hash": roster_digest(
             next_roster(roster_of(m, prev), new_version=info.version, accepted=accepted)
         ),
-    }  # fmt: skip
+    }
     fields.update(over)
     body = CertificateBody(**fields)
     sigs = {p: sign_body(BY_PEER[p], body) for p in body.committee}
@@ -174,9 +179,11 @@ def test_a_view_one_certificate_verifies_only_with_a_proof_that_view_zero_timed_
     # signed by view 0's committee but claiming view 1: not the committee of view 1
     with pytest.raises(InvalidRecord, match="committee or quorum"):
         verify_successor(
-            RUN, m, prev,
+            RUN,
+            m,
+            prev,
             view_cert(m, prev, 1, [two_silent], committee=list(v0.members)),
-        )  # fmt: skip
+        )
 
 
 def test_two_certificates_for_one_version_never_certify_different_contents() -> None:

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from p2pdiloco.core.roster import committee_for, roster_of
-from p2pdiloco.demo import LocalNetwork, NodeProc
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import NodeProc
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.sync.fetch import verify_next
 from tests.netutil import wait_for
@@ -72,8 +73,10 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         net.wait_versions(base.body.version + 1, survivors, 2 * (VIEW_TIMEOUT + 120))
         # A figure, not an assertion (timings are benchmarks): the issue asks for the view
         # timeout plus one round (a 4 s stretch, 5 s grace, 3 s agreement here).
-        print(f"next version on every survivor {time.monotonic() - killed_at:.1f} s after "
-              f"the kill (view timeout {VIEW_TIMEOUT:.0f} s)")  # fmt: skip
+        print(
+            f"next version on every survivor {time.monotonic() - killed_at:.1f} s after "
+            f"the kill (view timeout {VIEW_TIMEOUT:.0f} s)"
+        )
         net.wait_versions(base.body.version + 2, survivors, 2 * (VIEW_TIMEOUT + 120))
 
         chain = certificates(survivors[0], run_id)
@@ -88,8 +91,10 @@ def test_two_killed_syncers_of_four_hand_the_version_to_the_next_view(tmp_path: 
         for n in survivors:  # kept training throughout: never a pause as long as a stretch
             st = n.status()
             assert st.get("tokens_trained", 0) > tokens_before[n.name]
-            print(f"{n.name}: longest pause between chunks {st['longest_pause_s']} s, "
-                  f"stretch {st['stretch_s']} s")  # fmt: skip
+            print(
+                f"{n.name}: longest pause between chunks {st['longest_pause_s']} s, "
+                f"stretch {st['stretch_s']} s"
+            )
             assert st["longest_pause_s"] < st["stretch_s"]
             assert "Traceback" not in n.text()
 
@@ -167,8 +172,10 @@ def test_an_elected_late_joiner_that_stops_does_not_stop_the_run(tmp_path: Path)
             assert len({c[version] for c in chains if version in c}) == 1, f"split at {version}"
         nxt = next(c for c in certificates(nodes[0], run_id) if c.body.version == v + 1)
         signed = joiner.peer_id in nxt.signers
-        print(f"elected for version {v + 1}; certified in view {nxt.body.view}, "
-              f"{'with' if signed else 'without'} the joiner's signature")  # fmt: skip
+        print(
+            f"elected for version {v + 1}; certified in view {nxt.body.view}, "
+            f"{'with' if signed else 'without'} the joiner's signature"
+        )
         assert signed or nxt.body.view >= 1  # q = k: without it, only a later view certifies
         for n in (*nodes, late):
             assert "Traceback" not in n.text()

@@ -68,8 +68,10 @@ class Turns:
         try:
             while not self._try_lock():
                 if time.monotonic() > started + GIVE_UP_S:
-                    print(f"tests/turns.py: {self.me} ran without a turn after {GIVE_UP_S:.0f} s",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"tests/turns.py: {self.me} ran without a turn after {GIVE_UP_S:.0f} s",
+                        file=sys.stderr,
+                    )
                     break
                 pause.wait(POLL_S)
         finally:

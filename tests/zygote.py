@@ -172,8 +172,13 @@ class Zygote:
     def spawn(
         self, args: list[str], out: Path, err: Path | None, env: dict[str, str], cwd: Path
     ) -> Child:
-        req = {"args": args, "out": str(out), "err": None if err is None else str(err),
-               "env": env, "cwd": str(cwd)}  # fmt: skip
+        req = {
+            "args": args,
+            "out": str(out),
+            "err": None if err is None else str(err),
+            "env": env,
+            "cwd": str(cwd),
+        }
         for path in (out, err):  # there, empty, before spawn returns (as with Popen)
             if path is not None:
                 path.write_bytes(b"")

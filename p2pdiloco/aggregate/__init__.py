@@ -6,7 +6,7 @@
 
 Every rule takes float32 [M, D] deltas (M learners, D parameters of one fragment) and optional
 non-negative weights [M], and returns float32 [D]. The determinism contract (how results stay
-bit-identical across machines and thread counts) is in ``base.py``.
+bit-identical across machines and thread counts) is in ``exact.py``.
 
 Choosing a rule, with b attackers expected among M screened learners:
     mean              no attackers (trusted runs); baseline

@@ -1,7 +1,7 @@
 """Norm-based defences: input screening, per-learner norm clipping, and centered clipping
 (Karimireddy, He & Jaggi, ICML 2021).
 
-Shapes as in ``base.py``. All norms are ``sq_norms64`` (float64, fixed pairwise tree) followed
+Shapes as in ``exact.py``. All norms are ``sq_norms64`` (float64, fixed pairwise tree) followed
 by ``math.sqrt``; scale factors are Python floats; updates are element-wise in float64.
 """
 
@@ -14,16 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import (
-    AggregationRule,
-    _check_deltas,
-    check_int,
-    check_positive,
-    div_,
-    median_of,
-    row_sum64,
-    sq_norms64,
-)
+from .base import AggregationRule, _check_deltas, check_int, check_positive
+from .exact import div_, median_of, row_sum64, sq_norms64
 from .order import median64
 
 

@@ -1,7 +1,7 @@
 """Geometric median by smoothed Weiszfeld iterations (Pillutla, Kakade & Harchaoui, "Robust
 Aggregation for Federated Learning", RFA, 2022).
 
-Shapes as in ``base.py``. The geometric median minimises Σ w_i ‖z − d_i‖; its breakdown point
+Shapes as in ``exact.py``. The geometric median minimises Σ w_i ‖z − d_i‖; its breakdown point
 is 1/2 of the total weight, and unlike the coordinate-wise median it is rotation-invariant.
 """
 
@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .base import AggregationRule, check_int, check_positive, div_, row_sum64, sq_norms64
+from .base import AggregationRule, check_int, check_positive
+from .exact import div_, row_sum64, sq_norms64
 from .order import median64
 
 

@@ -1,6 +1,6 @@
 """Krum and multi-Krum (Blanchard et al., NeurIPS 2017).
 
-Shapes as in ``base.py``. Each learner i is scored by the sum of its squared distances to its
+Shapes as in ``exact.py``. Each learner i is scored by the sum of its squared distances to its
 M − f − 2 nearest other learners; honest deltas cluster, so they score low. Distances come from
 ``pairwise_sq_dists64`` (float64, fixed pairwise tree), scores are ``math.fsum`` of the sorted
 nearest distances, and ties go to the lowest learner index: the selection, and so the result,
@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .base import AggregationRule, check_int, pairwise_sq_dists64
+from .base import AggregationRule, check_int
+from .exact import pairwise_sq_dists64
 from .mean import Mean, weighted_mean64
 from .rows import RowSet
 

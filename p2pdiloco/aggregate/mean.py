@@ -1,6 +1,6 @@
 """Weighted mean: the non-robust baseline (and the building block of multi-Krum).
 
-Shapes as in ``base.py``: ``delta_MD`` [M, D], result [D].
+Shapes as in ``exact.py``: ``delta_MD`` [M, D], result [D].
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import AggregationRule, div_, row_sum64
+from .base import AggregationRule
+from .exact import div_, row_sum64
 
 
 def weighted_mean64(

@@ -1,6 +1,6 @@
 """Sorting networks over the learner axis, on column blocks, with every view built once.
 
-Shapes as in ``base.py``; here ``buf_Mn`` is one block of n columns of M learners' values.
+Shapes as in ``exact.py``; here ``buf_Mn`` is one block of n columns of M learners' values.
 
 A comparison network sorts each column with element-wise ``minimum``/``maximum`` only, so its
 output is bit-exact anywhere (ADR 0005); which comparators run does not change the sorted
@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from .base import GRAIN
+from .exact import GRAIN
 
 Pair = tuple[int, int]
 

@@ -1,6 +1,6 @@
 """Coordinate-wise order statistics: median and trimmed mean (Yin et al. 2018).
 
-Shapes as in ``base.py``; here a block is n columns, ``key_Mn`` its sort keys, K kept rows.
+Shapes as in ``exact.py``; here a block is n columns, ``key_Mn`` its sort keys, K kept rows.
 
 Each coordinate is sorted across learners by a comparison network (``network.py``: element-wise
 min/max, so the sorted values are bit-exact anywhere); -0.0 is first canonicalised to +0.0
@@ -23,7 +23,8 @@ from functools import partial
 
 import torch
 
-from .base import GRAIN, AggregationRule, blocks, check_int
+from .base import AggregationRule, check_int
+from .exact import GRAIN, blocks
 from .network import Sorter, row_chunks
 
 _MAGNITUDE = 0x7FFFFFFF

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .base import GRAIN, SqSums, blocks
+from .exact import GRAIN, SqSums, blocks
 
 # Columns per window: GRAIN (32,768; 1 MiB of float32 at M = 8), a multiple of BLOCK. A row's
 # copy into a window is then one op of at most GRAIN elements, which torch keeps on the calling

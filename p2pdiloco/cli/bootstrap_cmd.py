@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer
+from p2pdiloco.signals import stop_event
 
 _d = BootstrapConfig()
 

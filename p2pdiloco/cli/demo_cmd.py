@@ -13,7 +13,8 @@ from rich.console import Console
 from p2pdiloco.choices import ATTACKS, CODECS, UPDATE_CODECS, check_sparse_rule
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.dashboard.tables import demo_summary
-from p2pdiloco.demo import DemoConfig, run_demo
+from p2pdiloco.harness.demo import run_demo
+from p2pdiloco.harness.demo_config import DemoConfig
 
 _d = DemoConfig()
 

@@ -15,13 +15,13 @@ from p2pdiloco.choices import ATTACKS
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.join_logs import json_logging, log_to_file
 from p2pdiloco.cli.net_common import bootstrap_addrs
-from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
 from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
 from p2pdiloco.protocol.identity import default_identity_path
+from p2pdiloco.signals import stop_event
 
 if TYPE_CHECKING:  # hivemind, torch: imported once the settings and addresses are known good
     from p2pdiloco.node import Node
@@ -245,11 +245,11 @@ def join(
             node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
             share, island_spec,
         )  # fmt: skip
-        from p2pdiloco.node_view import NodeView
+        from p2pdiloco.runtime.node_view import NodeView
 
         view = NodeView(node, running if not no_train else None)
         if mport is not None:
-            from p2pdiloco.node_metrics import serve_metrics
+            from p2pdiloco.runtime.node_metrics import serve_metrics
 
             try:
                 metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)

@@ -48,12 +48,20 @@ def netsim(
 
     try:
         cfg = SimConfig(
-            peers=peers, duration=minutes * 60, committee_size=committee,
-            inner_steps=inner_steps, step_seconds=step_seconds, mtbf_hours=mtbf_hours,
-            repair_seconds=repair_minutes * 60, churn_per_hour=churn, faulty_syncers=faulty,
-            payload_bytes=int(payload_mb * 1e6), update_bytes=int(payload_mb * 1e6), seed=seed,
+            peers=peers,
+            duration=minutes * 60,
+            committee_size=committee,
+            inner_steps=inner_steps,
+            step_seconds=step_seconds,
+            mtbf_hours=mtbf_hours,
+            repair_seconds=repair_minutes * 60,
+            churn_per_hour=churn,
+            faulty_syncers=faulty,
+            payload_bytes=int(payload_mb * 1e6),
+            update_bytes=int(payload_mb * 1e6),
+            seed=seed,
             fragments=fragments,
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     result, _ = simulate_run(cfg)
@@ -68,15 +76,17 @@ def netsim(
         ("versions certified", f"{result.versions}"),
         ("goodput (DiLoCo)", f"{result.goodput:.1%}"),
         ("goodput (data-parallel, same faults)", f"{dp.goodput:.1%}" if dp else "-"),
-        ("certificate latency p50 / p95 / p99", f"{result.latency_p50:.0f} / "
-         f"{result.latency_p95:.0f} / {result.latency_p99:.0f} s"),
+        (
+            "certificate latency p50 / p95 / p99",
+            f"{result.latency_p50:.0f} / {result.latency_p95:.0f} / {result.latency_p99:.0f} s",
+        ),
         ("view changes / failed merges", f"{result.view_changes} / {result.failed_merges}"),
         ("wrong or conflicting certificates", f"{result.wrong_certificates + result.conflicts}"),
         ("MB per learner per delta", f"{result.learner_bytes_per_delta / 1e6:.1f}"),
         ("MB per syncer per round", f"{result.syncer_bytes_per_round / 1e6:.1f}"),
         ("MB relayed per syncer per round", f"{result.relayed_bytes_per_round / 1e6:.1f}"),
         ("simulated events / wall seconds", f"{result.events} / {result.wall_seconds:.1f}"),
-    ]  # fmt: skip
+    ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -154,7 +154,7 @@ def simulate(
         compression=compression,
     )
     get_spec(model)  # an unknown model is a one-line error before torch is imported
-    from p2pdiloco.train.simulate import run_simulation
+    from p2pdiloco.harness.simulate import run_simulation
 
     console = Console(stderr=True)
 

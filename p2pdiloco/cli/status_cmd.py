@@ -127,7 +127,7 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
     from p2pdiloco.net.cert_records import read_certificates
     from p2pdiloco.net.discovery import read_peers, read_runs
     from p2pdiloco.net.p2p_bridge import P2PBridge
-    from p2pdiloco.runtime.transport import P2PTransport
+    from p2pdiloco.net.transport import P2PTransport
     from p2pdiloco.sync.fetch import walk_chain
 
     with dht_client(bootstrap) as dht:

@@ -24,6 +24,7 @@ from p2pdiloco.errors import UserError
 MAX_NUMEL = 2**31  # largest tensor a decoder accepts (elements)
 MAX_NDIM = 8  # deepest shape a decoder accepts
 RESIDUAL_PREFIX = "compress.residual."
+FP16_MAX = 65504.0
 
 
 class CodecError(UserError, ValueError):
@@ -145,6 +146,16 @@ def all_finite(x: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(x)
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
+    """Smallest fp16 ≥ each fp32 value of ``s`` (≥ 0), clamped to the fp16 maximum."""
+    s = s.clamp(max=FP16_MAX)
+    h = s.to(torch.float16)
+    low = h.to(torch.float32) < s
+    # For non-negative fp16, the next representable value up is the next bit pattern.
+    h.view(torch.int16)[low] += 1
+    return h
 
 
 class ErrorFeedback:

@@ -29,16 +29,18 @@ import torch
 
 from p2pdiloco import choices
 from p2pdiloco.compress.base import (
+    FP16_MAX,
     Codec,
     CodecError,
     Encoded,
     all_finite,
     check_tensor,
     flat_fp32,
+    fp16_round_up,
 )
+from p2pdiloco.compress.sparse import TopKCodec
 from p2pdiloco.errors import ConfigError
 
-FP16_MAX = 65504.0
 if sys.byteorder != "little":  # int4 (un)packing views byte pairs as little-endian int16
     raise ImportError("p2pdiloco.compress needs a little-endian host")
 CHUNK = 2**20  # elements per chunk in the blockwise loops: 4 MiB of fp32, cache-sized
@@ -235,16 +237,6 @@ class BlockwiseCodec(Codec):
         return x_P[:numel].reshape(enc.shape)
 
 
-def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
-    """Smallest fp16 ≥ each fp32 value of ``s`` (≥ 0), clamped to the fp16 maximum."""
-    s = s.clamp(max=FP16_MAX)
-    h = s.to(torch.float16)
-    low = h.to(torch.float32) < s
-    # For non-negative fp16, the next representable value up is the next bit pattern.
-    h.view(torch.int16)[low] += 1
-    return h
-
-
 CODECS = choices.CODECS  # the names, kept where the command line reads them without torch
 
 
@@ -270,8 +262,6 @@ def get_codec(name: str, **params: int) -> Codec:
         bits = int(name[3:])
         return BlockwiseCodec(name, bits, params.get("block_size", 256 if bits == 8 else 64))
     if name == "topk2":
-        from p2pdiloco.compress.sparse import TopKCodec  # it builds on this module
-
         unknown = set(params) - {"chunk", "k"}
         if unknown:
             raise ConfigError(f"codec {name!r} takes only chunk and k, got {sorted(unknown)}")

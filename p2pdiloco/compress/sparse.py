@@ -35,8 +35,8 @@ from p2pdiloco.compress.base import (
     Encoded,
     check_tensor,
     flat_fp32,
+    fp16_round_up,
 )
-from p2pdiloco.compress.codecs import fp16_round_up
 from p2pdiloco.errors import ConfigError
 
 OFFSET_BITS = 12  # offsets within a chunk: C ≤ 4096

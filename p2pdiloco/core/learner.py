@@ -161,11 +161,15 @@ class LearnerMachine:
         if chunk is None:
             chunk = max(1, stretch // 4) if stretch % 4 == 0 else stretch
         return cls(
-            inner_steps=stretch, chunk=max(1, min(chunk, stretch)), version=version,
-            give_up_after=manifest.rules.give_up_after, stop_at=stop_at,
-            time_budget=manifest.time_budget, staleness=manifest.rules.staleness,
+            inner_steps=stretch,
+            chunk=max(1, min(chunk, stretch)),
+            version=version,
+            give_up_after=manifest.rules.give_up_after,
+            stop_at=stop_at,
+            time_budget=manifest.time_budget,
+            staleness=manifest.rules.staleness,
             fragments=fragments,
-        )  # fmt: skip
+        )
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.chunk < 1:

@@ -100,10 +100,15 @@ def shards_for(p: dict[str, Any], device: torch.device) -> Shards:
     """This rank's shards for generation plan ``p`` (the process group is up)."""
     cfg = InnerConfig(**p["cfg"])
     return Shards(
-        p["model"], p["seed"], cfg, global_step=p["global_step"], device=device,
-        micro_batch=p["micro_batch"], checkpointing=bool(p.get("checkpointing")),
+        p["model"],
+        p["seed"],
+        cfg,
+        global_step=p["global_step"],
+        device=device,
+        micro_batch=p["micro_batch"],
+        checkpointing=bool(p.get("checkpointing")),
         offload=bool(p.get("offload")),
-    )  # fmt: skip
+    )
 
 
 def run_op(shards: Shards, cmd: dict[str, Any], full: Any = None) -> Any:

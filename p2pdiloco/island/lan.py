@@ -37,9 +37,12 @@ class Announcer:
         island = self.learner.island
         while True:
             rdv = IslandRendezvous(
-                peer_id=self.node.identity.peer_id, island=self.name, store=island.address,
-                backend=island.spec.backend, ranks=max(1, island.world),
-            )  # fmt: skip
+                peer_id=self.node.identity.peer_id,
+                island=self.name,
+                store=island.address,
+                backend=island.spec.backend,
+                ranks=max(1, island.world),
+            )
             try:
                 publish_island(self.node.dht, self.node.identity, self.node.run.run_id, rdv)
             except Exception as e:  # the next interval tries again

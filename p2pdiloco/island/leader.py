@@ -67,18 +67,26 @@ class Island:
         self.micro_batch = micro_batch
         self.device = torch.device(spec.devices[0])
         self.store = dist.TCPStore(
-            "0.0.0.0" if spec.lan else "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "0.0.0.0" if spec.lan else "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=spec.timeout_s),
-        )  # fmt: skip
+        )
         # Where members reach the store: other hosts at ``spec.host``, children on loopback.
         self.address = f"{spec.host if spec.lan else '127.0.0.1'}:{self.store.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.members: dict[int, subprocess.Popen[bytes]] = {}  # this host's, by member id
         for r in range(1, spec.ranks):
             i = int(self.store.add(channel.MEMBERS, 1))
-            cmd = [sys.executable, "-m", "p2pdiloco.island.member",
-                   f"--store=127.0.0.1:{self.store.port}", f"--id={i}",
-                   f"--device={spec.devices[r]}"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "p2pdiloco.island.member",
+                f"--store=127.0.0.1:{self.store.port}",
+                f"--id={i}",
+                f"--device={spec.devices[r]}",
+            ]
             if spec.threads:
                 cmd.append(f"--threads={spec.threads}")
             with open(log_dir / f"island-member-{i}.log", "ab") as out:
@@ -124,10 +132,18 @@ class Island:
             self.store,
             channel.gen_key(self.gen),
             channel.plan(
-                ranks, self.model, self.seed, self.cfg, global_step, self.spec.backend,
-                self.spec.timeout_s, self.micro_batch, self.spec.checkpointing, self.spec.offload,
+                ranks,
+                self.model,
+                self.seed,
+                self.cfg,
+                global_step,
+                self.spec.backend,
+                self.spec.timeout_s,
+                self.micro_batch,
+                self.spec.checkpointing,
+                self.spec.offload,
             ),
-        )  # fmt: skip
+        )
         self.store.add(channel.GENS, 1)
         dist.init_process_group(
             self.spec.backend,
@@ -138,10 +154,15 @@ class Island:
         )
         log.info("island generation %d: %d ranks", self.gen, len(ranks))
         self.shards = Shards(
-            self.model, self.seed, self.cfg, global_step=global_step, device=self.device,
-            micro_batch=self.micro_batch, checkpointing=self.spec.checkpointing,
+            self.model,
+            self.seed,
+            self.cfg,
+            global_step=global_step,
+            device=self.device,
+            micro_batch=self.micro_batch,
+            checkpointing=self.spec.checkpointing,
             offload=self.spec.offload,
-        )  # fmt: skip
+        )
         return self.shards
 
     def call(self, op: str, full: Any = None, **args: Any) -> Any:

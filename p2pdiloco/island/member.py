@@ -87,9 +87,12 @@ def run_member(
     device = device or torch.device("cpu")
     host, _, port = store_addr.rpartition(":")
     store = dist.TCPStore(
-        host, int(port), is_master=False, wait_for_workers=False,
+        host,
+        int(port),
+        is_master=False,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
     if member_id is None:  # another host's: its first generation is the next one formed
         member_id, gen = int(store.add(channel.MEMBERS, 1)), int(store.add(channel.GENS, 0))
     else:

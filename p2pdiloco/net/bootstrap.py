@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from p2pdiloco import __version__
 from p2pdiloco.net import keys
-from p2pdiloco.net.cert_records import cert_topic, read_certificates, run_of_cert_topic
+from p2pdiloco.net.cert_records import cert_topic, fetch_cert, read_certificates, run_of_cert_topic
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import NetworkState, collect_state
 from p2pdiloco.net.gossip import GossipError, GossipProcess
@@ -32,13 +32,12 @@ from p2pdiloco.net.observe import NetworkWatch, install_noise_filter
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import serve_dialback
 from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.net.transport import P2PTransport, Transport
 from p2pdiloco.net.web_page import render_page
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
 from p2pdiloco.protocol.signing import InvalidRecord, seal
-from p2pdiloco.runtime.transport import P2PTransport, Transport
-from p2pdiloco.sync.fetch import fetch_cert
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +65,10 @@ def unheard(watch: NetworkWatch, state: dict[str, Any]) -> Wanted:
         if run.get("incompatible"):
             continue
         run_id = run["run_id"]
-        peers = sorted((p for p in state["peers"] if p["run_id"] == run_id),
-                       key=lambda p: (-p["version"], p["peer_id"]))  # fmt: skip
+        peers = sorted(
+            (p for p in state["peers"] if p["run_id"] == run_id),
+            key=lambda p: (-p["version"], p["peer_id"]),
+        )
         for version in watch.unheard(run_id):
             holders = [p["peer_id"] for p in peers if p["version"] >= version][:3]
             if holders:
@@ -266,8 +267,9 @@ class BootstrapServer:
         if self.bridge is None or not wanted:
             return
         addrs = {p["peer_id"]: p["addrs"] for p in state["peers"]}
-        transport = P2PTransport(self.bridge.p2p, self.identity.peer_id,
-                                 lambda peer: addrs.get(peer, []))  # fmt: skip
+        transport = P2PTransport(
+            self.bridge.p2p, self.identity.peer_id, lambda peer: addrs.get(peer, [])
+        )
         coro = fetch_unheard(transport, wanted)
         self._fetching = asyncio.run_coroutine_threadsafe(coro, self.bridge.loop)
 

@@ -5,7 +5,7 @@ its own subkey, wrapped in an envelope it signs (the DHT validator accepts only 
 certificate inside is verified by whoever reads it, never trusted for its wrapper. Certificates
 are also gossiped raw on the run's certificate topic when they fit a gossip message. Older
 versions, and certificates too large for a record or a gossip message, are served by nodes over
-the sync protocol (``cert`` op).
+the sync protocol (``cert`` op), which ``fetch_cert`` asks.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ import logging
 
 from p2pdiloco.net import keys
 from p2pdiloco.net.dht import DHTPlane, NetworkError
-from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES, GossipError, GossipProcess
-from p2pdiloco.protocol.certificates import Certificate, parse_certificate
+from p2pdiloco.net.gossip import GossipError, GossipProcess
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
+from p2pdiloco.net.sync_rpc import RpcError
+from p2pdiloco.net.transport import Transport
+from p2pdiloco.protocol.certificates import MAX_CERTIFICATE_BYTES, Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal
 
 log = logging.getLogger(__name__)
@@ -105,3 +109,13 @@ def publish_certificate(
         dht.store(certs_key(run_id), identity.peer_id, record, CERT_RECORD_TTL)
     except NetworkError as e:
         log.info("storing the certificate in the DHT failed: %s", e)
+
+
+async def fetch_cert(transport: Transport, peer: str, version: int) -> bytes:
+    """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
+    _, frames = await transport.call(
+        peer, "cert", args={"version": version}, timeout=15.0, reply_limit=MAX_CERTIFICATE_BYTES
+    )
+    if len(frames) != 1:
+        raise RpcError(f"{peer} answered a certificate request without one", code=Reason.MALFORMED)
+    return frames[0]

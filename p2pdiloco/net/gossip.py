@@ -35,13 +35,10 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from p2pdiloco.net import gossip_spawn, lifeline
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
 from p2pdiloco.net.gossip_spawn import stop_child
 
 logger = logging.getLogger(__name__)
-
-# Largest payload one gossip message may carry; larger ones are refused on publish and
-# dropped on receipt (bulk data goes over streams, not gossip).
-MAX_MESSAGE_BYTES = 256 * 1024
 
 # Back-off between restarts of a dead child: doubles from the first to the last value, and
 # starts over once a child has lived for STABLE_AFTER seconds.

@@ -38,7 +38,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from p2pdiloco.net.gossip import MAX_MESSAGE_BYTES
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -162,9 +162,14 @@ async def serve(
         except Exception:  # a bug in a handler must not kill the node's P2P loop
             log.exception("sync request from %s failed", peer)
             write_control(
-                writer, {"ok": False, "code": Reason.INTERNAL.value, "error": "internal error",
-                         "frames": 0},
-            )  # fmt: skip
+                writer,
+                {
+                    "ok": False,
+                    "code": Reason.INTERNAL.value,
+                    "error": "internal error",
+                    "frames": 0,
+                },
+            )
         finally:
             if ticket is not None:
                 ticket.close()

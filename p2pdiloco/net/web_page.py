@@ -90,7 +90,7 @@ def render_page(state: dict[str, Any]) -> str:
                 )
                 for r in runs
             ),
-        ),  # fmt: skip
+        ),
         f"<h2>Peers ({len(peers)})</h2>",
         _table(
             "peers",
@@ -108,7 +108,7 @@ def render_page(state: dict[str, Any]) -> str:
                 )
                 for p in peers
             ),
-        ),  # fmt: skip
+        ),
         "<h2>Leaderboard</h2>",
         '<p class="dim">Receipts of each run\'s certificate chain, verified from genesis as '
         "<code>p2pdiloco status --leaderboard</code> does: a certificate counts only once it "
@@ -131,7 +131,7 @@ def render_page(state: dict[str, Any]) -> str:
                     )
                     for b in board
                 ),
-            )  # fmt: skip
+            )
         )
     if not boards:
         parts.append("<p>no certificate seen yet</p>")

@@ -58,7 +58,7 @@ _LAZY = {
             "fp32_state_bytes",
         ),
         "resources",
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -42,7 +42,7 @@ CERTIFICATE_KIND = "certificate"
 # about 172 bytes of JSON (10,000 of them: 1.7 MB), a refusal up to 940 with a reason of 200
 # four-byte characters; at every bound, with 64 signatures, a certificate is 7.0 MB
 # (tests/test_large_certificates.py). Certificates travel over the sync protocol (``cert``), whose
-# reply may be this large, and on gossip only when small (net.gossip.MAX_MESSAGE_BYTES).
+# reply may be this large, and on gossip only when small (net.gossip_limits.MAX_MESSAGE_BYTES).
 MAX_RECEIPTS = 16_384
 MAX_REFUSALS = 4096
 MAX_CERTIFICATE_BYTES = 8 * 1024 * 1024

@@ -108,8 +108,12 @@ class ChainStore:
         (ADR 0044), so a restart resumes the chain without walking it from genesis."""
         assert cert.roster is not None, "persist a certificate verified against the chain"
         roster = [e.model_dump(mode="json") for e in cert.roster]
-        return {"version": cert.body.version, "run_id": self.run_id, "cert": cert.raw.decode(),
-                "roster": roster}  # fmt: skip
+        return {
+            "version": cert.body.version,
+            "run_id": self.run_id,
+            "cert": cert.raw.decode(),
+            "roster": roster,
+        }
 
     def _save_update(self, version: int, raw: bytes) -> None:
         updates = self.dir / "updates"
@@ -126,8 +130,9 @@ class ChainStore:
             return None
         raw = path.read_bytes()
         if hash_update(raw) != cert.body.update_hash:
-            log.warning("ignoring the saved update of version %d: not the certified one",
-                        cert.body.version)  # fmt: skip
+            log.warning(
+                "ignoring the saved update of version %d: not the certified one", cert.body.version
+            )
             return None
         return raw
 

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.transport import Transport
 
 if TYPE_CHECKING:
     from p2pdiloco.runtime.trainer import Submission

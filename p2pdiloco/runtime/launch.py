@@ -18,12 +18,12 @@ import torch
 
 from p2pdiloco.core.learner import LearnerMachine
 from p2pdiloco.island.spec import IslandSpec
+from p2pdiloco.net.plane import Presence
+from p2pdiloco.net.transport import P2PTransport
 from p2pdiloco.node import Node
 from p2pdiloco.runtime.node_runtime import NodeRuntime, RuntimeConfig
-from p2pdiloco.runtime.plane import Presence
 from p2pdiloco.runtime.status import RuntimeView
 from p2pdiloco.runtime.trainer import Trainer, TrainerView
-from p2pdiloco.runtime.transport import P2PTransport
 from p2pdiloco.sync.rules import check_supported
 from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.checkpoint import atomic_write_bytes

@@ -27,8 +27,10 @@ from typing import Any
 from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.core.ledger import build_ledger
 from p2pdiloco.core.roster import committee_for
-from p2pdiloco.net.cert_records import cert_version, signed_claims
+from p2pdiloco.net.cert_records import cert_version, fetch_cert, signed_claims
+from p2pdiloco.net.plane import Plane, Presence
 from p2pdiloco.net.sync_rpc import TRAFFIC, RpcError, RpcRefused
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
@@ -38,13 +40,11 @@ from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.runtime.delivery import intake_order, next_targets, submit_to
 from p2pdiloco.runtime.evaluator import Evaluator
 from p2pdiloco.runtime.obtain import obtain_state
-from p2pdiloco.runtime.plane import Plane, Presence
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
 from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
-from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
-from p2pdiloco.sync.fetch import SyncError, catch_up, fetch_cert
+from p2pdiloco.sync.fetch import SyncError, catch_up
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.data import PackedCorpus
 

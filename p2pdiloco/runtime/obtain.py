@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.runtime.status import Tally
-from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.certified import CertifiedState
 from p2pdiloco.sync.fetch import SyncError, download_state, follow_updates
 from p2pdiloco.sync.update import UpdateError
@@ -73,8 +73,10 @@ async def _follow_updates(
         code = e.code.value if isinstance(e, UpdateError) else "unavailable"
         log.warning(
             "version %d: no usable update [%s] (%s); downloading the state",
-            chain[-1].body.version, code, e,
-        )  # fmt: skip
+            chain[-1].body.version,
+            code,
+            e,
+        )
         tally.update_fallbacks += 1
         return None
     tally.updates += len(chain)

@@ -55,8 +55,13 @@ class Tally:
         now = time.monotonic()
         if done >= total or now - self.progress_at >= 2.0:
             self.progress_at = now
-            log.info("downloading the state of version %d: %.1f of %.1f MB at %.1f MB/s",
-                     version, done / 1e6, total / 1e6, rate)  # fmt: skip
+            log.info(
+                "downloading the state of version %d: %.1f of %.1f MB at %.1f MB/s",
+                version,
+                done / 1e6,
+                total / 1e6,
+                rate,
+            )
 
     def on_sent(self) -> None:
         """A delta was handed to the committee: the stall clock starts if it is not running."""

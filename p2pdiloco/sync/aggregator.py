@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.aggregate.base import SqSums, check_weights
+from p2pdiloco.aggregate.base import check_weights
 from p2pdiloco.aggregate.clipping import judge_norms
+from p2pdiloco.aggregate.exact import SqSums
 from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules

@@ -96,9 +96,13 @@ def next_state(
     codec = update_codec(rules.update_codec)
     names = round_names(_shapes(base), outer.fragments, base.version)
     result = merge_round(
-        {n: base.params[n] for n in names}, {n: base.momentum[n] for n in names}, inputs,
-        rules=rules, outer=outer, update_codec=codec,
-    )  # fmt: skip
+        {n: base.params[n] for n in names},
+        {n: base.momentum[n] for n in names},
+        inputs,
+        rules=rules,
+        outer=outer,
+        update_codec=codec,
+    )
     raw = pack_update(result.update)  # empties result.update: the pack holds it now
     params = {n: result.params.get(n, t) for n, t in base.params.items()}
     momentum = {n: result.momentum.get(n, t) for n, t in base.momentum.items()}

@@ -24,7 +24,7 @@ time grows as M², memory stays within a quarter of a row (ADR 0036 has the figu
 
 from __future__ import annotations
 
-from p2pdiloco.aggregate.base import median_of
+from p2pdiloco.aggregate.exact import median_of
 from p2pdiloco.aggregate.rows import RowSet
 
 
@@ -38,8 +38,10 @@ def fold_clones(
     dist = deltas.pairwise_sq_dists(rows)
     to_others = [[d for b, d in enumerate(row) if b != a] for a, row in enumerate(dist)]
     held = set(anchors)
-    spread = median_of([median_of(to_others[a]) for a, r in enumerate(rows) if r in held]
-                       or [median_of(v) for v in to_others])  # fmt: skip
+    spread = median_of(
+        [median_of(to_others[a]) for a, r in enumerate(rows) if r in held]
+        or [median_of(v) for v in to_others]
+    )
     threshold = factor * factor * spread
     root = list(range(len(rows)))
 

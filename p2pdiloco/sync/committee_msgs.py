@@ -124,9 +124,18 @@ def certificate_body(
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
     senders = {d: (h.peer_id, h.steps, h.tokens) for d, h in headers.items()}
     return body_of(
-        run_id, manifest, base.version, base.cert, committee, new_state_hash, senders,
-        accepted_digests, rejected, view, update_hash,
-    )  # fmt: skip
+        run_id,
+        manifest,
+        base.version,
+        base.cert,
+        committee,
+        new_state_hash,
+        senders,
+        accepted_digests,
+        rejected,
+        view,
+        update_hash,
+    )
 
 
 def body_of(

@@ -19,12 +19,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from p2pdiloco.core.roster import verify_successor
-from p2pdiloco.net.cert_records import cert_version
+from p2pdiloco.net.cert_records import cert_version, fetch_cert
 from p2pdiloco.net.sync_rpc import RpcError
-from p2pdiloco.protocol.certificates import MAX_CERTIFICATE_BYTES, Certificate, parse_certificate
+from p2pdiloco.net.transport import Transport
+from p2pdiloco.protocol.certificates import Certificate, parse_certificate
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
@@ -32,9 +32,6 @@ from p2pdiloco.sync.certified import CertifiedState, apply_update
 from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
 from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update, max_update_bytes, update_codec
 from p2pdiloco.train.configs import OuterConfig
-
-if TYPE_CHECKING:
-    from p2pdiloco.runtime.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +83,6 @@ async def fetch_submission(
             except RpcError as e:
                 errors.append(f"{peer[-8:]}: {e}")
     raise RpcError(f"after {FETCH_TRIES} rounds: " + "; ".join(errors)[-400:])
-
-
-async def fetch_cert(transport: Transport, peer: str, version: int) -> bytes:
-    """Certificate bytes of ``version`` (-1: the peer's newest) from ``peer``; RpcError."""
-    _, frames = await transport.call(
-        peer, "cert", args={"version": version}, timeout=15.0, reply_limit=MAX_CERTIFICATE_BYTES
-    )
-    if len(frames) != 1:
-        raise RpcError(f"{peer} answered a certificate request without one", code=Reason.MALFORMED)
-    return frames[0]
 
 
 async def catch_up(
@@ -285,8 +272,12 @@ async def follow_updates(
         if cert.body.update_hash is None or cert.body.version != state.version + 1:
             raise SyncError(f"no update certified from version {state.version}")
         state, peer = await follow_update(transport, manifest, state, cert, holders(cert))
-        log.info("version %d made from its certified update (%d bytes from %s)",
-                 state.version, len(state.update or b""), peer[-8:])  # fmt: skip
+        log.info(
+            "version %d made from its certified update (%d bytes from %s)",
+            state.version,
+            len(state.update or b""),
+            peer[-8:],
+        )
     return state
 
 
@@ -311,8 +302,12 @@ async def download_update(
             return raw, peer
         log.warning(
             "update of version %d from %s refused [%s]: its %d bytes do not match the "
-            "certified update hash", version, peer, Reason.DIGEST_MISMATCH.value, len(raw),
-        )  # fmt: skip
+            "certified update hash",
+            version,
+            peer,
+            Reason.DIGEST_MISMATCH.value,
+            len(raw),
+        )
         errors.append(f"{peer[-8:]}: {Reason.DIGEST_MISMATCH.value}")
     raise SyncError(f"no peer served the update of version {version} ({'; '.join(errors)[:300]})")
 

@@ -9,7 +9,7 @@ merges it, steps that fragment's parameters and momentum, and certifies the whol
 whose other fragments are those of v unchanged. Rounds come P times as often as with one
 fragment, each learner sends a fragment every H/P inner steps, and each fragment is synced once
 every P rounds, that is every H steps, at points staggered H/P apart: Streaming DiLoCo's
-schedule (Douillard et al., 2025), in the order ``train.simulate`` already runs it.
+schedule (Douillard et al., 2025), in the order ``harness.simulate`` already runs it.
 
 P = 1 is plain DiLoCo: every round syncs fragment 0, the whole model.
 """

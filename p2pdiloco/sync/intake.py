@@ -105,9 +105,11 @@ class Intake:
     def _unpack(self, payload: bytes, base_version: int) -> dict[str, Encoded]:
         index = round_fragment(base_version, self.fragments)
         return unpack_deltas(
-            payload, expected=round_shapes(self.shapes, self.fragments, base_version),
-            codec=self.manifest.compression, max_bytes=self.fragment_max[index],
-        )  # fmt: skip
+            payload,
+            expected=round_shapes(self.shapes, self.fragments, base_version),
+            codec=self.manifest.compression,
+            max_bytes=self.fragment_max[index],
+        )
 
     async def check(
         self,

@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused, Screen
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
-from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 if TYPE_CHECKING:

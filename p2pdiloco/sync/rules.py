@@ -109,9 +109,19 @@ def round_params(
     trusted = trusted_peers(manifest, base.cert)
     progress = None if trusted is None else trust_progress(manifest, base.cert)
     return params_of(
-        run_id, manifest, base.version, trusted, committee, active_learners, now, locked,
-        close_after, trusted_learners, progress, max_inputs,
-    )  # fmt: skip
+        run_id,
+        manifest,
+        base.version,
+        trusted,
+        committee,
+        active_learners,
+        now,
+        locked,
+        close_after,
+        trusted_learners,
+        progress,
+        max_inputs,
+    )
 
 
 def params_of(

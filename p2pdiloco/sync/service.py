@@ -40,6 +40,7 @@ from p2pdiloco.core.round import (
 )
 from p2pdiloco.core.trust import learners_awaited
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
+from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
@@ -47,7 +48,6 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.runtime.delivery import fetch_order
-from p2pdiloco.runtime.transport import Transport
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
 from p2pdiloco.sync.certified import CertifiedState, next_state
 from p2pdiloco.sync.committee_msgs import (

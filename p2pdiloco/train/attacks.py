@@ -207,8 +207,9 @@ class Attacker:
             mimic_row=self._mimic or 0,
         )
         if self.cfg.jitter and len(honest_MD) > 1:
-            gen = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + round_index) * 4099
-                                                + self.member)  # fmt: skip
+            gen = torch.Generator().manual_seed(
+                (self.cfg.seed * 1_000_003 + round_index) * 4099 + self.member
+            )
             sigma_D = honest_MD.float().std(0, unbiased=False)
             bad_D = bad_D + self.cfg.jitter * sigma_D * torch.randn(bad_D.shape, generator=gen)
         self._previous[names] = own_D

@@ -2,7 +2,7 @@
 
 Plain dataclasses without torch, so the command line can show their defaults in ``--help`` and
 check a user's values in milliseconds; the code that uses them lives in ``train.inner``,
-``train.outer`` and ``train.simulate`` (which re-export them).
+``train.outer`` and ``harness.simulate`` (which re-export them).
 """
 
 from __future__ import annotations

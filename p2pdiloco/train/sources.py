@@ -256,9 +256,13 @@ def _capped(
     for doc in documents:
         if time.monotonic() - said >= PROGRESS_EVERY:  # a long read says how far it got
             said = time.monotonic()
-            log.info("reading %s: %d documents, %.1f MB so far (at most %.0f MB)",
-                     describe_source(source), stats.documents, stats.bytes / 1e6,
-                     max_bytes / 1e6)  # fmt: skip
+            log.info(
+                "reading %s: %d documents, %.1f MB so far (at most %.0f MB)",
+                describe_source(source),
+                stats.documents,
+                stats.bytes / 1e6,
+                max_bytes / 1e6,
+            )
         if not doc.text.strip():
             continue
         data = doc.text.encode("utf-8")

@@ -4,7 +4,7 @@ Fresh identities (no history on the certified roster) send every syncer a poison
 (±``scale`` per entry: about a hundred times an honest delta's norm at 0.05) with the largest
 claim a header may make, once for every certified version from ``start`` until the nodes reach
 ``until``. They speak the real sync protocol from one DHT client of this process, as any peer
-could; the nodes are real processes (``p2pdiloco.demo.LocalNetwork``).
+could; the nodes are real processes (``p2pdiloco.harness.demo.LocalNetwork``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import pack_deltas
-from p2pdiloco.demo import LocalNetwork, NodeProc
 from p2pdiloco.errors import UserError
+from p2pdiloco.harness.demo import LocalNetwork
+from p2pdiloco.harness.demo_config import NodeProc
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import read_peers
 from p2pdiloco.net.p2p_bridge import P2PBridge
@@ -123,15 +124,23 @@ def flood(
                 if base not in sent_for:  # every copy at once: a round closes in a second
                     sends = []
                     for ident, payload in sybils:
-                        ref = FragmentRef(index=0, digest=payload_digest(payload),
-                                          nbytes=len(payload))  # fmt: skip
+                        ref = FragmentRef(
+                            index=0, digest=payload_digest(payload), nbytes=len(payload)
+                        )
                         header = SubmissionHeader(
-                            peer_id=ident.peer_id, base_version=base, steps=steps, tokens=tokens,
-                            loss=1.0, codec=m.compression, fragments=[ref],
-                        )  # fmt: skip
+                            peer_id=ident.peer_id,
+                            base_version=base,
+                            steps=steps,
+                            tokens=tokens,
+                            loss=1.0,
+                            codec=m.compression,
+                            fragments=[ref],
+                        )
                         raw = seal_submission(ident, run_id, header)
-                        sends += [_submit(bridge, target, addrs, [raw, payload])
-                                  for target, addrs in targets.items()]  # fmt: skip
+                        sends += [
+                            _submit(bridge, target, addrs, [raw, payload])
+                            for target, addrs in targets.items()
+                        ]
                     report.replies += bridge.run(_all(sends), 120)
                 sent_for.add(base)
                 for n in nodes:

@@ -11,7 +11,6 @@ evaluates the start and end models on the held-out split of the corpus.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -22,88 +21,20 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pdiloco.cli.signals import default_in_fork
-from p2pdiloco.demo_summary import DemoResult, summarize
 from p2pdiloco.errors import ConfigError, UserError
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
+from p2pdiloco.harness.demo_summary import DemoResult, summarize
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.manifests import create_manifest, publish_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.signals import default_in_fork
 from p2pdiloco.sync.rules import check_supported
 from p2pdiloco.train.attacks import ATTACKS
 from p2pdiloco.train.models import get_spec
-
-
-@dataclass
-class DemoConfig:
-    nodes: int = 4  # training nodes (each a learner; the committee is drawn from them)
-    rounds: int = 3  # outer rounds: each syncs every fragment once (rounds × fragments versions)
-    fragments: int = 1  # Streaming DiLoCo fragments P (sync.fragments); H must be a multiple
-    model: str = "gemma-tiny"
-    inner_steps: int = 20  # H
-    adversary: str | None = None  # the last node attacks with this kind
-    aggregation: str = "median"  # as `run create` signs (ADR 0039)
-    clone_factor: float | None = 0.25  # clone folding (ADR 0036), as `run create` signs
-    compression: str = "int8"
-    update_compression: str = "int8"  # the certified update's codec (ADR 0029), as `run create`
-    committee_size: int = 4
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.5  # short runs: ADR 0006
-    inner_lr: float = 4e-4
-    batch_size: int = 8
-    seq_len: int = 128
-    # Round timing, written into the manifest's rules (every syncer follows the run's).
-    grace: float = 60.0  # a round closes at 60 % of learners, or after this many seconds
-    agree_timeout: float = 15.0  # seconds without a proposal before the next syncer leads
-    timeout: float = 900.0  # whole demo
-    workdir: Path | None = None  # keep logs and states here (default: a temporary directory)
-    # Share of wall time each node trains (join --compute-share): 1 trains on all the time, as
-    # a volunteer's GPU would; below 1 leaves the cores to the rounds (the tests' networks).
-    compute_share: float = 1.0
-    eval_batches: int = 8
-
-    @property
-    def versions(self) -> int:
-        """Certified versions to reach: every round syncs each fragment once."""
-        return self.rounds * self.fragments
-
-
-@dataclass
-class NodeProc:
-    name: str
-    identity: Identity
-    dir: Path
-    proc: subprocess.Popen[bytes]
-    adversary: str | None = None
-    log: Path | None = None
-
-    def status(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads((self.dir / "state" / "status.json").read_text()))
-        except (OSError, ValueError):
-            return {}
-
-    def kill(self) -> None:
-        """SIGKILL the node's whole process group (daemons included), as a crash would."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def text(self) -> str:
-        try:
-            return (self.log or self.dir / "node.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return (self.log or self.dir / "node.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
 
 def _free_port_pair() -> int:
@@ -216,15 +147,20 @@ class LocalNetwork:
         boot = _spawn(
             [
                 "bootstrap",
-                "--host", "127.0.0.1",
-                "--port", str(port),
-                "--http-host", "127.0.0.1",
-                "--http-port", "0",
-                "--identity", str(self.workdir / "bootstrap.key"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--identity",
+                str(self.workdir / "bootstrap.key"),
             ],
             log,
             self.env,
-        )  # fmt: skip
+        )
         self.procs.append(boot)
         self.boot_proc = boot
         self.boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_key.peer_id}"
@@ -298,18 +234,26 @@ class LocalNetwork:
             key.save(d / "identity.key")
         args = [
             "join",
-            "--run", self.run_id,
-            "--bootstrap", self.boot_addr,
-            "--identity", str(d / "identity.key"),
-            "--host", "127.0.0.1",
+            "--run",
+            self.run_id,
+            "--bootstrap",
+            self.boot_addr,
+            "--identity",
+            str(d / "identity.key"),
+            "--host",
+            "127.0.0.1",
             "--no-tui",
-            "--state-dir", str(d / "state"),
-            "--threads", "1",
-            "--until-version", str(until_version),
-            "--heartbeat-interval", "2",
+            "--state-dir",
+            str(d / "state"),
+            "--threads",
+            "1",
+            "--until-version",
+            str(until_version),
+            "--heartbeat-interval",
+            "2",
             *(["--compute-share", str(share)] if (share := self.cfg.compute_share) < 1 else []),
             *extra,  # after: a node's own flags win (the last of a repeated option counts)
-        ]  # fmt: skip
+        ]
         if adversary:
             args += ["--adversary", adversary]
         log_name = "node.log" if not (d / "node.log").exists() else f"node.{len(self.procs)}.log"

@@ -23,12 +23,12 @@ import torch
 
 from p2pdiloco.core.learner import LearnerMachine
 from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.net.plane import MemoryDirectory
+from p2pdiloco.net.transport import MemoryHub
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.runtime.node_runtime import NodeRuntime, RuntimeConfig
-from p2pdiloco.runtime.plane import MemoryDirectory
 from p2pdiloco.runtime.trainer import Trainer
-from p2pdiloco.runtime.transport import MemoryHub
 from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.data import PackedCorpus, build_corpus
 from p2pdiloco.train.learner import Learner
@@ -81,8 +81,13 @@ class MemoryNetwork:
         self.k = committee_size or nodes
         self.inner_steps = inner_steps
         self.compression = compression
-        self.rules = {"aggregation": aggregation, "grace": 5.0, "linger": 1.0,
-                      "agree_timeout": 2.0, **(rules or {})}  # fmt: skip
+        self.rules = {
+            "aggregation": aggregation,
+            "grace": 5.0,
+            "linger": 1.0,
+            "agree_timeout": 2.0,
+            **(rules or {}),
+        }
         self.attackers = dict(attackers or {})
         self.learners = nodes if learners is None else learners
         self.seed = seed
@@ -128,9 +133,14 @@ class MemoryNetwork:
             state_dir=self.workdir / name, tick=0.05, heartbeat=0.1, poll=0.3, evaluate=False
         )
         runtime = NodeRuntime(
-            identity, self.run_id, self.manifest, self.directory.plane(me),
-            self.hub.transport(me), cfg, corpus=self.corpus,
-        )  # fmt: skip
+            identity,
+            self.run_id,
+            self.manifest,
+            self.directory.plane(me),
+            self.hub.transport(me),
+            cfg,
+            corpus=self.corpus,
+        )
         state = await runtime.start()
         node = MemNode(name, identity, runtime)
         if train:
@@ -144,12 +154,19 @@ class MemoryNetwork:
                 from p2pdiloco.island.spec import IslandSpec
 
                 spec = IslandSpec(("cpu",) * self.islands[index], threads=1, timeout_s=60)
+                manifest, corpus = self.manifest, self.corpus  # narrowed above, for the lambda
                 learner: Learner = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: IslandLearner(
-                        self.manifest, self.corpus, me, state.params, spec=spec,  # type: ignore[arg-type]
-                        log_dir=self.workdir / name, **kw,
+                    None,
+                    lambda: IslandLearner(
+                        manifest,
+                        corpus,
+                        me,
+                        state.params,
+                        spec=spec,
+                        log_dir=self.workdir / name,
+                        **kw,
                     ),
-                )  # fmt: skip
+                )
             else:
                 learner = Learner(
                     self.manifest, self.corpus, me, state.params, device=torch.device("cpu"), **kw
@@ -160,11 +177,18 @@ class MemoryNetwork:
                 self.manifest, state.version, inner_steps=self.inner_steps, chunk=1
             )
             node.trainer = Trainer(
-                learner, machine, state, identity=identity, run_id=self.run_id,
-                manifest=self.manifest, submit=runtime.submit, catch_up=runtime.request_version,
-                replay=attack == "replay", inflate=attack == "inflate",
+                learner,
+                machine,
+                state,
+                identity=identity,
+                run_id=self.run_id,
+                manifest=self.manifest,
+                submit=runtime.submit,
+                catch_up=runtime.request_version,
+                replay=attack == "replay",
+                inflate=attack == "inflate",
                 compute_share=self.compute_share,
-            )  # fmt: skip
+            )
             trainer = node.trainer
             await runtime.attach(trainer.deliver, lambda: trainer.view, state.version)
             trainer.start()

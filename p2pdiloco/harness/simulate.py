@@ -10,9 +10,9 @@ so before compression DiLoCo sends H times fewer bytes. With a codec (``compress
 learner's delta goes through its own error feedback and the codec, as ``join`` sends it; its
 upload then counts the encoded payload bytes.
 
-The outer sync is the network's: attackers transform their own delta (``sync.attacks.Attacker``,
+The outer sync is the network's: attackers transform their own delta (``train.attacks.Attacker``,
 omniscient here: they see the honest deltas of the round), then ``sync.aggregator.merge_round``
-screens, merges with token weights (``sync.weights.merge_weights``, lag 0) and applies the outer
+screens, merges with token weights (``core.weights.merge_weights``, lag 0) and applies the outer
 Nesterov step, one fragment at a time. The attackers also see one another's own deltas (the
 ``collude`` coalition uses them).
 """

@@ -53,7 +53,7 @@ class MemoryDirectory:
     certs: dict[str, bytes] = field(default_factory=dict)  # newest certificate by publisher
     inboxes: dict[str, list[bytes]] = field(default_factory=dict)  # "gossip" not yet ticked
     down: set[str] = field(default_factory=set)
-    # Largest certificate "gossip" carries (net.gossip.MAX_MESSAGE_BYTES on the real plane);
+    # Largest certificate "gossip" carries (net.gossip_limits.MAX_MESSAGE_BYTES on the real plane);
     # None: any. Larger ones are found as on the real plane: ``cert`` from announcing peers.
     gossip_max: int | None = None
 

@@ -8,9 +8,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2pdiloco.errors import UserError
+from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.reasons import TIMING, Reason
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
@@ -20,9 +21,6 @@ from p2pdiloco.train.data import build_corpus, eval_batches
 from p2pdiloco.train.inner import evaluate
 from p2pdiloco.train.models import build_for_loading, get_spec, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from p2pdiloco.demo import DemoConfig, NodeProc
 
 
 @dataclass
