@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.delivery import intake_order, next_targets
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.submissions import open_submission
-from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.runtime.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains
 
