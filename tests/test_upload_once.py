@@ -1,5 +1,5 @@
 """A learner uploads each delta once: to one committee member, which relays it to the others
-(``runtime.delivery``, ``sync.relay``). In process, over the in-memory transport, whose hub
+(``core.delivery``, ``sync.relay``). In process, over the in-memory transport, whose hub
 sees every request with its bytes and the answer it got."""
 
 from __future__ import annotations

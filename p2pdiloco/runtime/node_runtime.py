@@ -358,15 +358,16 @@ class NodeRuntime:
             self._pending = pending = _Pending(sub, Delivery(sub.digest, self.me))
             self.tally.on_sent()
             try:
-                await self._deliver(pending, Committee(self._committee_now()))
+                await self._deliver(pending, Committee(self._committee_now()), first=True)
             except Exception:
                 log.exception("sending a submission failed")
 
-    async def _deliver(self, pending: _Pending, event: DeliveryEvent) -> None:
+    async def _deliver(self, pending: _Pending, event: DeliveryEvent, first: bool = False) -> None:
         """Feed the delta's delivery machine (``core.delivery``) ``event`` and carry out what it
         says until the delivery under way ends: uploads (``submit_to``, a pass's at once),
         back-offs, messages to the trainer, the pause reason. A certificate above the delta's
-        base, or a newer delta, settles it."""
+        base, or a newer delta, settles it, but a new delta's ``first`` pass always goes out:
+        a member judges a stale base (STALE, with the version to fetch)."""
         loop = asyncio.get_running_loop()
         machine = pending.machine
         effects = deque(machine.handle(event, loop.time()))
@@ -375,10 +376,10 @@ class NodeRuntime:
         try:
             while effects:
                 e = effects.popleft()
-                if isinstance(e, (Send, Wait)) and self._settled(pending):
+                if isinstance(e, (Send, Wait)) and not first and self._settled(pending):
                     effects = deque(machine.handle(Settled(), loop.time()))
                 elif isinstance(e, Send):
-                    sent = True
+                    sent, first = True, False
                     replies = await asyncio.gather(
                         *(
                             submit_to(self.transport, self.service, self.me, p, pending.sub)

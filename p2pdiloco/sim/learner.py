@@ -205,7 +205,7 @@ class SimLearner:
         self.machine.on_sent(sub.digest)
         w.subs[sub.digest] = sub
         self.pending = Pending(sub, Delivery(sub.digest, peer_id))
-        self._feed(self.pending, Committee(w.committee.members))
+        self._feed(self.pending, Committee(w.committee.members), first=True)
 
     def redeliver(self) -> None:
         """A new view's committee: the delivery machine offers it the delta in flight unless a
@@ -243,13 +243,17 @@ class SimLearner:
         if self.alive and p is self.pending:
             self._feed(p, Timer())
 
-    def _feed(self, p: Pending, event: DeliveryEvent) -> None:
-        """One event to the delta's delivery machine, and its effects carried out. The learner
-        knows of a certificate as soon as it is made (the delta is then settled)."""
+    def _feed(self, p: Pending, event: DeliveryEvent, first: bool = False) -> None:
+        """One event to the delta's delivery machine, and its effects carried out. As in the
+        runtime, a certificate above the delta's base settles it before anything more is sent
+        (the learner knows of one as soon as it is made), but a new delta's ``first`` pass
+        always goes out."""
         w = self.world
-        if w.version != p.sub.base_version:
-            p.machine.handle(Settled(), w.clock.now)
         for e in p.machine.handle(event, w.clock.now):
+            settled = w.version != p.sub.base_version
+            if isinstance(e, DeliverySend | DeliveryWait) and settled and not first:
+                p.machine.handle(Settled(), w.clock.now)
+                return
             if isinstance(e, DeliverySend):
                 for peer_id in e.peers:
                     w.deliver_one(self, p.sub, w.by_id[peer_id])
