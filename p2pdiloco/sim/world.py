@@ -200,11 +200,10 @@ class World:
 
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
         """An upload the delivery machine asks for (``SimLearner._feed``). The signed header goes
-        first; the payload follows only if the syncer has the round
-        open (else it answers "later" from the header alone, as ``Intake.screen`` does) and its
-        relays would not outlast the round's collecting (else BUSY from the header alone,
-        ``Relayer.screening``). A learner on the committee hands its delta to its own syncer:
-        no transfer."""
+        first; the payload follows only if the syncer has the round open (else it answers
+        "later" from the header alone, as ``Intake.screen`` does) and its relays would not
+        outlast the round's collecting (else BUSY from the header alone, ``Relayer.screening``).
+        A learner on the committee hands its delta to its own syncer: no transfer."""
         if not learner.alive:
             return
         member = self.live_member(index)
