@@ -61,7 +61,6 @@ LAYER = {unit: k for k, units in enumerate(LAYERS) for unit in units}
 # skip exactly these edges, and fail once one is gone, so that its line goes too.
 PENDING = frozenset(
     {
-        ("p2pdiloco.sync.service", "p2pdiloco.runtime.delivery"),
         ("p2pdiloco.sim.learner", "p2pdiloco.sim.world"),
         ("p2pdiloco.sim.relay", "p2pdiloco.sim.world"),
         ("p2pdiloco.sim.syncer", "p2pdiloco.sim.world"),

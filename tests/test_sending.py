@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+from p2pdiloco.core.delivery import fetch_order, intake_order
 from p2pdiloco.net.sync_rpc import RpcError
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.delivery import fetch_order, intake_order
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES, send_to
 
 

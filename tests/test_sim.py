@@ -4,11 +4,13 @@ guarantees held on simulated time (quorum certificates, view changes, faulty syn
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
+from p2pdiloco.core.delivery import Delivery
 from p2pdiloco.core.roster import committee_for
 from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import Reason
@@ -265,23 +267,34 @@ def test_what_a_sender_had_in_flight_is_lost_when_it_crashes() -> None:
 
 
 def test_when_every_member_is_busy_the_one_asked_longest_ago_is_asked_again() -> None:
-    # As runtime.delivery.next_targets: one at a time, round the busy members (ADR 0046).
+    # As core.delivery.next_targets: one at a time, round the busy members (ADR 0046).
     retried: list[int] = []
+    ids = {i: f"m{i}" for i in (1, 2, 3)}
+
+    class Clock:
+        now = 0.0
+
+        def at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+            self.now = t  # the retry's time comes at once
+            fn(*args)
 
     class World:  # what SimLearner.reply touches: no fresh member is left to ask
         version = 3
-        peers = {0: SimpleNamespace(up=True, epoch=0)}
-        clock = SimpleNamespace(after=lambda _dt, _fn, _lr, _sub, member: retried.append(member))
+        peers = {0: SimpleNamespace(up=True, epoch=0)} | {
+            i: SimpleNamespace(profile=SimpleNamespace(peer_id=m)) for i, m in ids.items()
+        }
+        by_id = {m: i for i, m in ids.items()}
+        clock = Clock()
 
-        def deliver(self, *_: object) -> None:
-            pass
-
-        def deliver_one(self, *_: object) -> None:
-            pass
+        def deliver_one(self, _learner: object, _sub: object, member: int) -> None:
+            retried.append(member)
 
     learner = SimLearner(World(), 0, machine=None, epoch=0)  # type: ignore[arg-type]
     sub = Submission("p", "run", 3, 10, 10, "d" * 64)
-    learner.pending = Pending(sub, asked={1, 2, 3}, busy={1: None, 2: None})
+    machine = Delivery(sub.digest, "p", order=["m1", "m2", "m3"], running=True, passes=3)
+    machine.statuses = {"m1": "busy", "m2": "busy"}
+    machine.retry, machine.outstanding = ["m1", "m2"], {"m3"}  # m3 asked, not answered yet
+    learner.pending = Pending(sub, machine)
     for member in (3, 1, 2, 3):
         learner.reply(sub.digest, member, False, Reason.BUSY, None)
     assert retried == [1, 2, 3, 1]

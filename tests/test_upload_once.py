@@ -1,5 +1,5 @@
 """A learner uploads each delta once: to one committee member, which relays it to the others
-(``runtime.delivery``, ``sync.relay``). In process, over the in-memory transport, whose hub
+(``core.delivery``, ``sync.relay``). In process, over the in-memory transport, whose hub
 sees every request with its bytes and the answer it got."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.delivery import intake_order, next_targets
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.submissions import open_submission
-from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.testing.memnet import MemoryNetwork
 from tests.test_runtime_memory import check_chains
 

@@ -19,12 +19,30 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from p2pdiloco.aio import cancel_and_wait
+from p2pdiloco.core.delivery import (
+    Answer,
+    Committee,
+    Delivery,
+    DeliveryEffect,
+    DeliveryEvent,
+    Pause,
+    PollReceipt,
+    Receipt,
+    ReceiptDue,
+    Send,
+    Settled,
+    Tell,
+    Timer,
+    Verdict,
+    Wait,
+)
 from p2pdiloco.core.ledger import build_ledger
 from p2pdiloco.core.roster import committee_for
 from p2pdiloco.net.cert_records import cert_version, fetch_cert, signed_claims
@@ -37,7 +55,7 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
-from p2pdiloco.runtime.delivery import intake_order, next_targets, submit_to
+from p2pdiloco.runtime.delivery import submit_to
 from p2pdiloco.runtime.evaluator import Evaluator
 from p2pdiloco.runtime.obtain import obtain_state
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
@@ -68,7 +86,7 @@ class RuntimeConfig:
 @dataclass
 class _Pending:
     sub: Submission
-    statuses: dict[str, str] = field(default_factory=dict)  # syncer → its latest answer
+    machine: Delivery  # whom it goes to, when, and what the trainer is told
     delivering: bool = False  # a delivery is under way (the poller starts none beside it)
 
 
@@ -105,9 +123,11 @@ class NodeRuntime:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False  # close() began: peers' requests are refused from then on
         self.evaluator = Evaluator(
-            manifest, corpus if cfg.evaluate else None, cfg.max_eval_params,
+            manifest,
+            corpus if cfg.evaluate else None,
+            cfg.max_eval_params,
             self.tally.eval_losses.append,
-        )  # fmt: skip
+        )
         self._apply_lock = asyncio.Lock()
         self._retries: dict[tuple[int, int], int] = {}  # cleared whenever a version applies
 
@@ -268,14 +288,23 @@ class NodeRuntime:
     async def _apply_locked(self, raw: bytes, computed: CertifiedState | None) -> None:
         target = parse_certificate(raw, run_id=self.run_id)
         chain = await catch_up(
-            self.transport, self.run_id, self.manifest, self.chain.cert, target,
+            self.transport,
+            self.run_id,
+            self.manifest,
+            self.chain.cert,
+            target,
             lambda v: self._holders(target, v),
-        )  # fmt: skip
+        )
         cert = chain[-1]  # below target if target's chain does not verify (its claim ignored)
         new = await obtain_state(
-            self.transport, self.manifest, self.chain.current, chain, computed, self._holders,
+            self.transport,
+            self.manifest,
+            self.chain.current,
+            chain,
+            computed,
+            self._holders,
             self.tally,
-        )  # fmt: skip
+        )
         # Serve it at once (peers download from the signers), then make it durable.
         self.chain.add_certs(chain)
         self.chain.install(new)
@@ -326,78 +355,76 @@ class NodeRuntime:
         """Deliver each sealed submission to the committee of its base version + 1."""
         while True:
             sub = await self._outbox.get()
-            self._pending = _Pending(sub)
+            self._pending = pending = _Pending(sub, Delivery(sub.digest, self.me))
             self.tally.on_sent()
             try:
-                await self._deliver_submission(self._pending)
+                await self._deliver(pending, Committee(self._committee_now()), first=True)
             except Exception:
                 log.exception("sending a submission failed")
 
-    async def _deliver_submission(self, pending: _Pending) -> None:
+    async def _deliver(self, pending: _Pending, event: DeliveryEvent, first: bool = False) -> None:
+        """Feed the delta's delivery machine (``core.delivery``) ``event`` and carry out what it
+        says until the delivery under way ends: uploads (``submit_to``, a pass's at once),
+        back-offs, messages to the trainer, the pause reason. A certificate above the delta's
+        base, or a newer delta, settles it, but a new delta's ``first`` pass always goes out:
+        a member judges a stale base (STALE, with the version to fetch)."""
+        loop = asyncio.get_running_loop()
+        machine = pending.machine
+        effects = deque(machine.handle(event, loop.time()))
+        sent = False
         pending.delivering = True
         try:
-            await self._deliver(pending)
+            while effects:
+                e = effects.popleft()
+                if isinstance(e, (Send, Wait)) and not first and self._settled(pending):
+                    effects = deque(machine.handle(Settled(), loop.time()))
+                elif isinstance(e, Send):
+                    sent, first = True, False
+                    replies = await asyncio.gather(
+                        *(
+                            submit_to(self.transport, self.service, self.me, p, pending.sub)
+                            for p in e.peers
+                        )
+                    )
+                    machine.handle(Committee(self._committee_now()), loop.time())  # next pass's
+                    for peer, (status, code, hint) in zip(e.peers, replies, strict=True):
+                        if status == "rejected" and code not in RETRYABLE:
+                            self.tally.event(f"delta refused by {peer[-8:]}: {code}")
+                        effects += machine.handle(Answer(peer, status, code, hint), loop.time())
+                elif isinstance(e, Wait):
+                    await asyncio.sleep(max(0.0, e.until - loop.time()))
+                    effects += machine.handle(Timer(), loop.time())
+                else:
+                    self._carry_out(pending, e)
         finally:
             pending.delivering = False
+        if sent:
+            holders = len(machine.holders)
+            log.info(
+                "submitted delta on version %d to %d syncers: %d accepted for merging",
+                pending.sub.base_version,
+                len(machine.statuses),
+                holders,
+            )
 
-    async def _deliver(self, pending: _Pending) -> None:
-        """Send to one member of the current view's committee, which relays it to the others
-        (``runtime.delivery``); to the next member when one cannot be reached, to the same one
-        again when it says "later", to a member of a later view when the view changes. Tells
-        the trainer once: accepted as soon as one syncer holds it, or refused (the first code).
-        Unreachable syncers never hold up the others' answer."""
-        sub, backoff, told = pending.sub, 1.0, False
-        retry: list[str] = []
-        codes: list[Reason] = []
-        ff: int | None = None
-        for _ in range(20):
-            order = self._order(sub)  # this pass's committee (a view may change between)
-            targets = next_targets(order, pending.statuses, retry)
-            if not targets:
-                break
-            if any(t in pending.statuses for t in targets):  # asking again: not at once
-                await asyncio.sleep(backoff)
-                if self.chain.version > sub.base_version or self._pending is not pending:
-                    break
-            retry = [m for m in retry if m not in targets]
-            replies = await asyncio.gather(
-                *(submit_to(self.transport, self.service, self.me, p, sub) for p in targets)
-            )
-            for peer, (status, code, hint) in zip(targets, replies, strict=True):
-                busy = status == "rejected" and code is Reason.BUSY  # another member may not be
-                pending.statuses[peer] = "busy" if busy else status
-                if status != "accepted" and (code in RETRYABLE or status == "error"):
-                    retry.append(peer)
-                elif status == "rejected":
-                    codes.append(code or Reason.MALFORMED)
-                    ff = max(ff or 0, hint) if hint is not None else ff
-                    self.tally.event(f"delta refused by {peer[-8:]}: {code}")
-            accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
-            if accepted and not told and self.deliver is not None:
-                self.deliver(Reply(sub.digest, True, None, ff))
-                told = True
-            # None reachable: every member asked could not be reached, and none is left to try.
-            unreachable = all(s == "error" for s in pending.statuses.values()) and all(
-                m in pending.statuses for m in order
-            )
-            self.tally.paused_reason = (
-                f"no syncer reachable, retrying in {backoff:.0f} s" if unreachable else None
-            )
-            if self.chain.version > sub.base_version or self._pending is not pending:
-                break
-            gone = all(s == "error" for s, _, _ in replies)  # only unreachable ones left to ask
-            backoff = min(backoff * 2, 30.0 if unreachable else 8.0) if gone else 1.0
-        self.tally.paused_reason = None
-        accepted = sum(1 for s in pending.statuses.values() if s == "accepted")
-        log.info(
-            "submitted delta on version %d to %d syncers: %d accepted for merging",
-            sub.base_version, len(pending.statuses), accepted,
-        )  # fmt: skip
-        if self.deliver is not None and not told and codes:
-            self.deliver(Reply(sub.digest, False, codes[0], ff))
+    def _carry_out(self, pending: _Pending, e: DeliveryEffect) -> None:
+        """A message to the trainer, or the pause reason."""
+        if isinstance(e, Pause):
+            self.tally.paused_reason = e.reason
+        elif isinstance(e, Tell) and self.deliver is not None:
+            digest = pending.sub.digest
+            if e.verdict is Verdict.DROPPED:
+                if self._pending is not pending:
+                    return
+                self._pending = None
+                self.tally.event(f"delta on version {pending.sub.base_version} dropped: {e.code}")
+                assert e.code is not None
+                self.deliver(Dropped(digest, e.code))
+            else:
+                self.deliver(Reply(digest, e.verdict is Verdict.ACCEPTED, e.code, e.hint))
 
-    def _order(self, sub: Submission) -> list[str]:
-        return intake_order(sub.digest, self._committee_now(), self.me)
+    def _settled(self, pending: _Pending) -> bool:
+        return self.chain.version > pending.sub.base_version or self._pending is not pending
 
     def _committee_now(self) -> tuple[str, ...]:
         """The committee a submission on the current version goes to: that of the view this
@@ -408,17 +435,17 @@ class NodeRuntime:
         return st.committee(st.expected_view(time.monotonic())).members
 
     async def _poller(self) -> None:
-        """While a delta is in flight: ask the committee for the next certificate and whether
-        our submission is still pending (a dropped one is reported to the trainer)."""
+        """While a delta is in flight: offer it to a later view's committee (the machine says
+        whether), ask the committee for the next certificate and the holders whether our
+        submission is still pending (a dropped one is reported to the trainer)."""
         while True:
             await asyncio.sleep(self.cfg.poll)
             pending = self._pending
-            if pending is None or self.chain.version > pending.sub.base_version:
+            if pending is None or self._settled(pending):
                 continue
             try:
-                fresh = next_targets(self._order(pending.sub), pending.statuses, [])
-                if fresh and not pending.delivering:
-                    await self._deliver_submission(pending)  # a later view's committee
+                if not pending.delivering:
+                    await self._deliver(pending, Committee(self._committee_now()))
                 await self._poll_certificate(pending.sub.base_version + 1)
                 await self._poll_receipt(pending)
             except Exception:
@@ -436,29 +463,27 @@ class NodeRuntime:
             return
 
     async def _poll_receipt(self, pending: _Pending) -> None:
-        holders = [p for p, s in pending.statuses.items() if s == "accepted"]
-        if not holders:
-            return
-        dropped: list[Reason] = []
-        for peer in holders:
-            try:
-                if peer == self.me:
-                    assert self.service is not None
-                    reply, _ = await self.service.handle(
-                        "receipt", self.me, {"digest": pending.sub.digest}, []
-                    )
-                else:
-                    args = {"digest": pending.sub.digest}
-                    reply, _ = await self.transport.call(peer, "receipt", args=args, timeout=10)
-            except (RpcError, RpcRefused):
-                return  # cannot tell: assume still pending
-            if reply.get("status") != "dropped":
-                return
-            dropped.append(Reason.parse(reply.get("code")))
-        if self.deliver is not None and self._pending is pending:
-            self._pending = None
-            self.tally.event(f"delta on version {pending.sub.base_version} dropped: {dropped[0]}")
-            self.deliver(Dropped(pending.sub.digest, dropped[0]))
+        """Ask each holder the machine names, one at a time, until one still holds the delta
+        or cannot be reached (then it is assumed still pending)."""
+        loop = asyncio.get_running_loop()
+        for poll in pending.machine.handle(ReceiptDue(), loop.time()):
+            assert isinstance(poll, PollReceipt)
+            args = {"digest": pending.sub.digest}
+            for peer in poll.peers:
+                try:
+                    if peer == self.me:
+                        assert self.service is not None
+                        reply, _ = await self.service.handle("receipt", self.me, args, [])
+                    else:
+                        reply, _ = await self.transport.call(peer, "receipt", args=args, timeout=10)
+                except (RpcError, RpcRefused):
+                    return
+                dropped = reply.get("status") == "dropped"
+                code = Reason.parse(reply.get("code")) if dropped else None
+                for e in pending.machine.handle(Receipt(peer, dropped, code), loop.time()):
+                    self._carry_out(pending, e)
+                if not dropped:
+                    return
 
     async def _claims_from_network(self) -> list[bytes]:
         """At start: the newest certificates above ours in the DHT or held by live peers (at
@@ -484,7 +509,7 @@ class NodeRuntime:
             committee_version=committee.version if committee is not None else 0,
             me=self.me,
             rejections=tuple(svc.rejections) if svc is not None else (),
-            statuses=self._pending.statuses if self._pending is not None else None,
+            statuses=self._pending.machine.statuses if self._pending is not None else None,
         )
 
     async def write_status(self) -> None:

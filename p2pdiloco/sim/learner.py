@@ -1,10 +1,9 @@
 """One island in the simulator: a real ``LearnerMachine`` whose inner steps take simulated time.
 
-Like the trainer thread, it looks at certificates between chunks of steps, never waits on the
-network (sending runs beside training), and sends each delta to one member of the committee it
-knows (``runtime.delivery``: the first of the delta's order), which relays it to the others;
-to the next member when one is down, again to one that answers "later" (retryable codes),
-telling the machine once: as soon as one syncer accepts, or once one refused.
+Like the trainer thread, it looks at certificates between chunks of steps and never waits on
+the network (sending runs beside training). Each delta is delivered by the same machine the
+runtime drives (``core.delivery``): its sends go over the world's links (``World.deliver_one``),
+its waits onto the event heap, and what it tells the trainer to the learner machine.
 """
 
 from __future__ import annotations
@@ -13,6 +12,19 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from p2pdiloco.core.delivery import (
+    Answer,
+    Committee,
+    Delivery,
+    DeliveryEvent,
+    Receipt,
+    Settled,
+    Tell,
+    Timer,
+    Verdict,
+)
+from p2pdiloco.core.delivery import Send as DeliverySend
+from p2pdiloco.core.delivery import Wait as DeliveryWait
 from p2pdiloco.core.learner import (
     CatchUp,
     LearnerAction,
@@ -23,28 +35,19 @@ from p2pdiloco.core.learner import (
     Wait,
 )
 from p2pdiloco.core.round import Submission
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.reasons import Reason
 
 if TYPE_CHECKING:
     from p2pdiloco.sim.world import World
 
-RETRY = 1.0  # seconds before a retryable refusal is sent again
-MAX_TRIES = 20
-
 
 @dataclass
 class Pending:
+    """The delta in flight and its delivery machine (``core.delivery``)."""
+
     sub: Submission
-    asked: set[int] = field(default_factory=set)  # member indices sent to
-    answers: dict[int, bool] = field(default_factory=dict)  # member index → accepted
-    accepted_coming: bool = False  # an "accepted" reply is on its way
-    codes: list[Reason] = field(default_factory=list)
-    hint: int | None = None
-    told: bool = False
-    tries: dict[int, int] = field(default_factory=dict)
-    unreachable: set[int] = field(default_factory=set)  # asked, but down when it arrived
-    # Asked, answered BUSY (ADR 0046), the one that answered longest ago first.
-    busy: dict[int, None] = field(default_factory=dict)
+    machine: Delivery
+    accepted_coming: bool = False  # an "accepted" reply is on its way (``World._arrival``)
 
 
 @dataclass
@@ -189,7 +192,7 @@ class SimLearner:
         self.machine.on_certified(newest, merged)
         self.pending = None
 
-    # -- sending ---------------------------------------------------------------------------
+    # -- sending: the delivery machine's effects on the event heap ----------------------------
 
     def _send(self, send: Send) -> None:
         w = self.world
@@ -201,73 +204,69 @@ class SimLearner:
         sub = w.merge.seal(self.index, sub, w.deltas_sent, w.clock.now)
         self.machine.on_sent(sub.digest)
         w.subs[sub.digest] = sub
-        self.pending = Pending(sub)
-        w.deliver(self, sub, self.pending)
+        self.pending = Pending(sub, Delivery(sub.digest, peer_id))
+        self._feed(self.pending, Committee(w.committee.members), first=True)
 
     def redeliver(self) -> None:
-        """A new view's committee: send the delta in flight to one of its members unless one
-        holds it (an old member that accepted it may never certify), as the runtime's poller
-        does."""
+        """A new view's committee: the delivery machine offers it the delta in flight unless a
+        member holds or refused it (an old member that accepted it may never certify)."""
         p = self.pending
         if p is not None and self.alive and self.machine.in_flight is not None:
-            self.world.deliver(self, p.sub, p)
+            self._feed(p, Committee(self.world.committee.members))
 
     def unreachable(self, digest: str, member: int) -> None:
-        """A member was down: the next one at once, or this one again later if none is left."""
-        p, w = self.pending, self.world
-        if not self.alive or p is None or p.sub.digest != digest:
-            return
-        p.unreachable.add(member)
-        asked = len(p.asked)
-        w.deliver(self, p.sub, p)
-        tries = p.tries.get(member, 0)
-        if len(p.asked) == asked and tries < MAX_TRIES and w.version == p.sub.base_version:
-            p.tries[member] = tries + 1
-            p.unreachable.discard(member)
-            w.clock.after(RETRY, w.deliver_one, self, p.sub, member)
+        p = self.pending
+        if self.alive and p is not None and p.sub.digest == digest:
+            self._feed(p, Answer(self.world.peers[member].profile.peer_id, "error"))
 
-    def reply(self, digest: str, member: int, accepted: bool, code: Reason | None,
-              hint: int | None) -> None:  # fmt: skip
-        p, w = self.pending, self.world
+    def reply(
+        self, digest: str, member: int, accepted: bool, code: Reason | None, hint: int | None
+    ) -> None:
+        p = self.pending
         if not self.alive or p is None or p.sub.digest != digest:
             return
         self.poke()
-        if not accepted and code is Reason.BUSY:  # the next member at once (ADR 0046)
-            p.busy.pop(member, None)
-            p.busy[member] = None
-            asked = len(p.asked)
-            w.deliver(self, p.sub, p)
-            if len(p.asked) > asked:
-                return
-        if not accepted and code in RETRYABLE:
-            tries = p.tries.get(member, 0)
-            # Every member busy: at most MAX_TRIES asks in all, as the runtime's delivery passes
-            spent = sum(p.tries.values()) if code is Reason.BUSY else tries
-            if spent < MAX_TRIES and w.version == p.sub.base_version:
-                # Every member busy: the one asked longest ago, as ``next_targets`` says.
-                again = next(iter(p.busy)) if code is Reason.BUSY else member
-                p.tries[again] = p.tries.get(again, 0) + 1
-                w.clock.after(RETRY, w.deliver_one, self, p.sub, again)
-            return
-        p.answers[member] = accepted
-        p.unreachable.discard(member)
-        p.busy.pop(member, None)
-        if not accepted:
-            p.codes.append(code or Reason.MALFORMED)
-            p.hint = hint if hint is not None else p.hint
-        if p.told:
-            return
-        if accepted:
-            p.told = True
-            self.machine.on_reply(digest, True, None, None)
-        elif len(p.answers) + len(p.unreachable) >= len(p.asked) and not any(p.answers.values()):
-            p.told = True
-            self._after(self.machine.on_reply(digest, False, p.codes[0], p.hint))
+        status = "accepted" if accepted else "rejected"
+        self._feed(p, Answer(self.world.peers[member].profile.peer_id, status, code, hint))
 
-    def dropped(self, digest: str, code: Reason) -> None:
-        if self.alive:
-            self.poke()
-            self._after(self.machine.on_dropped(digest, code))
+    def dropped(self, digest: str, member: int, code: Reason) -> None:
+        """Member ``member`` dropped the delta (the simulator's syncers say so as they drop it,
+        where real learners poll their holders' receipts)."""
+        p = self.pending
+        if not self.alive:
+            return
+        self.poke()
+        if p is not None and p.sub.digest == digest:
+            self._feed(p, Receipt(self.world.peers[member].profile.peer_id, True, code))
+
+    def _timer(self, p: Pending) -> None:
+        if self.alive and p is self.pending:
+            self._feed(p, Timer())
+
+    def _feed(self, p: Pending, event: DeliveryEvent, first: bool = False) -> None:
+        """One event to the delta's delivery machine, and its effects carried out. As in the
+        runtime, a certificate above the delta's base settles it before anything more is sent
+        (the learner knows of one as soon as it is made), but a new delta's ``first`` pass
+        always goes out."""
+        w = self.world
+        for e in p.machine.handle(event, w.clock.now):
+            settled = w.version != p.sub.base_version
+            if isinstance(e, DeliverySend | DeliveryWait) and settled and not first:
+                p.machine.handle(Settled(), w.clock.now)
+                return
+            if isinstance(e, DeliverySend):
+                for peer_id in e.peers:
+                    w.deliver_one(self, p.sub, w.by_id[peer_id])
+            elif isinstance(e, DeliveryWait):
+                w.clock.at(e.until, self._timer, p)
+            elif isinstance(e, Tell) and e.verdict is Verdict.ACCEPTED:
+                self.machine.on_reply(p.sub.digest, True, None, e.hint)
+            elif isinstance(e, Tell) and e.verdict is Verdict.REFUSED:
+                self._after(self.machine.on_reply(p.sub.digest, False, e.code, e.hint))
+            elif isinstance(e, Tell):
+                assert e.code is not None
+                self._after(self.machine.on_dropped(p.sub.digest, e.code))
+            # Pause (a status line) and PollReceipt (drops are said here, not polled): none
 
     def _after(self, actions: list[LearnerAction]) -> None:
         for a in actions:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from p2pdiloco.core.delivery import fetch_order
 from p2pdiloco.core.round import (
     Action,
     Aggregate,
@@ -23,7 +24,6 @@ from p2pdiloco.core.round import (
     SyncerRound,
 )
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.runtime.delivery import fetch_order
 from p2pdiloco.sim.backend import MergeFailed
 from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES

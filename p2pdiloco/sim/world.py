@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from p2pdiloco.core.learner import LearnerMachine
@@ -31,19 +30,15 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, ViewVote, timeout_lock
-from p2pdiloco.runtime.delivery import intake_order, next_targets
 from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
-from p2pdiloco.sim.learner import Pending, SimLearner
+from p2pdiloco.sim.learner import SimLearner
 from p2pdiloco.sim.relay import Relays
 from p2pdiloco.sim.syncer import TICK, Member, open_member
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
-
-# A delta is delivered again after each answer: its order among a view's members is the same.
-_intake_order = lru_cache(maxsize=1 << 15)(intake_order)
 
 
 @dataclass
@@ -203,34 +198,12 @@ class World:
 
     # -- delivery ----------------------------------------------------------------------------
 
-    def deliver(self, learner: SimLearner, sub: Submission, p: Pending) -> None:
-        """To one member, by the runtime's own rules (``runtime.delivery``): once no member is
-        still answering, ``next_targets`` of the delta's order names the member to ask (none
-        when a member of this view holds it or refused it); the member that accepts it relays
-        it to the others (``_relay``). Asking an unreachable one again is ``SimLearner``'s."""
-        me = self.peers[learner.index].profile.peer_id
-        order = _intake_order(sub.digest, self.committee.members, me)
-        index = {m: self.by_id[m] for m in order}
-        if (p.asked - p.answers.keys() - p.unreachable - p.busy.keys()) & set(index.values()):
-            return  # one is answering
-        statuses = {m: "accepted" if p.answers[i] else "rejected"
-                    for m, i in index.items() if i in p.answers}  # fmt: skip
-        down = [m for m, i in index.items() if i in p.unreachable]
-        statuses.update((m, "error") for m in down)
-        member_of = {i: m for m, i in index.items()}  # busy ones: the longest ago first
-        busy = [member_of[i] for i in p.busy if i in member_of and i not in p.answers]
-        statuses.update((m, "busy") for m in busy)
-        for m in next_targets(order, statuses, down + busy):
-            if index[m] not in p.asked:
-                p.asked.add(index[m])
-                self.deliver_one(learner, sub, index[m])
-
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None:
-        """The signed header goes first; the payload follows only if the syncer has the round
-        open (else it answers "later" from the header alone, as ``Intake.screen`` does) and its
-        relays would not outlast the round's collecting (else BUSY from the header alone,
-        ``Relayer.screening``). A learner on the committee hands its delta to its own syncer:
-        no transfer."""
+        """An upload the delivery machine asks for (``SimLearner._feed``). The signed header goes
+        first; the payload follows only if the syncer has the round open (else it answers
+        "later" from the header alone, as ``Intake.screen`` does) and its relays would not
+        outlast the round's collecting (else BUSY from the header alone, ``Relayer.screening``).
+        A learner on the committee hands its delta to its own syncer: no transfer."""
         if not learner.alive:
             return
         member = self.live_member(index)
@@ -291,7 +264,7 @@ class World:
         if learner is not None and learner.pending is not None:
             digest = learner.pending.sub.digest
             t = self.links.transfer(src, learner.index, SMALL, self.clock.now)
-            self.clock.at(t, learner.dropped, digest, code)
+            self.clock.at(t, learner.dropped, digest, src, code)
 
     def catch_up(self, learner: SimLearner) -> None:
         size = self.cfg.fragment_update_bytes + self.cert_bytes

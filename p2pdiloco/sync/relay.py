@@ -1,6 +1,6 @@
 """A member passes a learner's delta on to its fellow members: the learner uploads it once.
 
-A learner sends each delta to one member and asks it to relay (``runtime.delivery``). The
+A learner sends each delta to one member and asks it to relay (``core.delivery``). The
 member that accepts a submission straight from its signer, so asked, sends the same signed
 bytes to every other member of the committee, each of which checks it like any submission:
 the signature is the learner's, so a relaying member can neither alter a delta nor make one up.

@@ -23,6 +23,7 @@ from p2pdiloco import failpoints
 from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.core.arrivals import ArrivalWindow
 from p2pdiloco.core.bounded import BoundedLog, ReplayGuard
+from p2pdiloco.core.delivery import fetch_order
 from p2pdiloco.core.roster import CommitteeInfo, with_roster
 from p2pdiloco.core.round import (
     Action,
@@ -47,7 +48,6 @@ from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
-from p2pdiloco.runtime.delivery import fetch_order
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
 from p2pdiloco.sync.certified import CertifiedState, next_state
 from p2pdiloco.sync.committee_msgs import (
