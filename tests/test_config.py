@@ -84,7 +84,7 @@ def test_join_refuses_a_model_that_does_not_fit_within_seconds(tmp_path: Path) -
 
 
 def test_join_settings_flags_over_env_over_config_file(tmp_path: Path, monkeypatch) -> None:
-    from p2pdiloco.cli.join_cmd import _gpus, _typed
+    from p2pdiloco.cli.join_config import _gpus, _typed
     from p2pdiloco.errors import ConfigError
 
     conf = {"batch_size": 2, "max_memory": 10.0, "device": "cpu", "gpus": "1"}
@@ -108,3 +108,45 @@ def test_join_rejects_a_bad_gpus_flag_in_one_line(tmp_path: Path) -> None:
     out = cli("join", "--model", "gemma-tiny", "--gpus", "0,x", home=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().startswith("error: --gpus")
+
+
+def test_join_config_from_flags_env_and_config_file(tmp_path: Path, monkeypatch) -> None:
+    """``JoinConfig.from_flags`` is ``join`` resolved in one place: each setting from its flag,
+    else P2PDILOCO_<NAME>, else the config file, else its default, cast; the others as given."""
+    from p2pdiloco.cli.join_config import JoinConfig
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "p2pdiloco").mkdir()
+    (tmp_path / "p2pdiloco" / "config.toml").write_text(
+        f'bootstrap = ["{C}"]\nbatch_size = 2\nmax_memory = 10\nstate_dir = "/srv/p2p"\n'
+    )
+    for name in ("BOOTSTRAP", "MODEL", "RUN", "PORT", "DEVICE", "GPUS", "MAX_MEMORY"):
+        monkeypatch.delenv(f"P2PDILOCO_{name}", raising=False)
+    monkeypatch.setenv("P2PDILOCO_BATCH_SIZE", "4")
+    monkeypatch.setenv("P2PDILOCO_COMPUTE_SHARE", "0.5")
+    flags = {"model": "gemma-tiny", "gpus": "0,2", "announce": [A], "no_gossip": True}
+    cfg = JoinConfig.from_flags(flags)
+    assert cfg == JoinConfig(
+        bootstrap=(C,),
+        bootstrap_source=f"config {tmp_path / 'p2pdiloco' / 'config.toml'}",
+        model="gemma-tiny",
+        gpus=(0, 2),
+        announce=(A,),
+        no_gossip=True,
+        batch_size=4,  # env over the file
+        compute_share=0.5,  # env, cast
+        max_memory=10.0,  # the file, cast
+        state_dir=Path("/srv/p2p"),
+    )
+    node = cfg.node_config()
+    assert (node.bootstrap, node.announce, node.gossip, node.port) == ([C], [A], False, 0)
+    assert JoinConfig.from_flags({**flags, "bootstrap": [B]}).bootstrap == (B,)
+    for bad, match in (
+        ({"lan_island": True}, "--lan-island needs --island"),
+        ({"compute_share": 1.5}, "--compute-share"),
+        ({"model": None}, "--model NAME"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"bootstrap": ["/ip4/1.1.1.1"]}, "bad bootstrap address"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            JoinConfig.from_flags({**flags, **bad})

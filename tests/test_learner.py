@@ -180,6 +180,33 @@ def test_rebase_after_a_send_keeps_progress_since_sending(
     assert moved, "the second stretch did not move the weights"
 
 
+def test_one_rebase_gives_what_the_learner_and_the_island_computed_before() -> None:
+    """``rebased`` replaced two copies of the maths (``Learner.rebase`` and
+    ``IslandLearner.rebase``): bit for bit what each wrote, for a delta in flight over one
+    fragment (other tensors anchored at the old base) and for none."""
+    from p2pdiloco.train.learner import rebase_anchor, rebased
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
+    old = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    new = {n: t + 1e-2 * torch.randn(t.shape, generator=gen) for n, t in old.items()}
+    local = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in old.items()}
+    sent = Outgoing(0, b"", 1, 1, 1.0, sent_params={"b": local["b"] - 1e-4})
+    for flight in (None, sent):
+        anchor = rebase_anchor(old, flight)
+        island_before = {n: new[n].float() + (t - anchor[n].float()) for n, t in local.items()}
+        learner_before = {
+            n: new[n].float() + (t.detach().float().cpu() - anchor[n].float())
+            for n, t in local.items()
+        }
+        got = dict(rebased(local, new, old, flight))
+        assert list(got) == list(local)
+        for n in local:
+            assert torch.equal(got[n], island_before[n])
+            assert torch.equal(got[n], learner_before[n])
+    assert not torch.equal(got["b"], new["b"] + (local["b"] - old["b"]))  # b anchored at θ_sent
+
+
 def test_data_seed_is_stable_and_per_peer() -> None:
     a = data_seed(7, "peer-a")
     assert a == data_seed(7, "peer-a")

@@ -342,11 +342,29 @@ def test_config_typo_is_refused_with_the_nearest_key(tmp_path: Path) -> None:
 
 
 def test_every_join_setting_is_a_known_config_key() -> None:
-    import inspect
+    from p2pdiloco.cli.join_config import SETTINGS
 
-    from p2pdiloco.cli import join_cmd
-
-    src = inspect.getsource(join_cmd.join)
-    read = {part.split('"')[1] for part in src.split("_typed(")[1:]}
+    read = set(SETTINGS)
     assert read and read <= config.CONFIG_KEYS
     assert "bootstrap" in config.CONFIG_KEYS
+    assert read | {"bootstrap"} == config.CONFIG_KEYS  # and every config key is read
+
+
+def test_joins_options_map_straight_onto_its_config() -> None:
+    """``join``'s typer options are ``JoinConfig``'s fields by name (``from_flags`` takes them
+    as they are), and each field has the option's default."""
+    import dataclasses
+    import inspect
+
+    from p2pdiloco.cli.join_cmd import join
+    from p2pdiloco.cli.join_config import SETTINGS, JoinConfig
+
+    options = inspect.signature(join).parameters
+    fields = {f.name: f for f in dataclasses.fields(JoinConfig)}
+    assert set(options) == set(fields) - {"bootstrap_source"}
+    for name, option in options.items():
+        default = SETTINGS[name][1] if name in SETTINGS else option.default
+        if name in ("bootstrap", "announce", "gpus"):
+            assert option.default is None and fields[name].default == ()
+        else:
+            assert fields[name].default == default, name

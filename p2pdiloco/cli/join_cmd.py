@@ -13,9 +13,8 @@ import typer
 
 from p2pdiloco.choices import ATTACKS
 from p2pdiloco.cli.common import user_errors
+from p2pdiloco.cli.join_config import JoinConfig
 from p2pdiloco.cli.join_logs import json_logging, log_to_file
-from p2pdiloco.cli.net_common import bootstrap_addrs
-from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
 from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
@@ -25,32 +24,10 @@ from p2pdiloco.signals import stop_event
 
 if TYPE_CHECKING:  # hivemind, torch: imported once the settings and addresses are known good
     from p2pdiloco.node import Node
+    from p2pdiloco.preflight import PreflightConfig
 
 log = logging.getLogger("p2pdiloco.join")
 GiB = 2**30
-
-
-def _typed(name: str, flag: Any, default: Any, cast: Any, config: dict[str, Any]) -> Any:
-    """flags > env P2PDILOCO_<NAME> > config file > default, cast to the option's type."""
-    value = resolve(name, flag, default, config=config)
-    if value is None or value == default:
-        return value
-    try:
-        return cast(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"setting '{name}' has an invalid value {value!r}") from None
-
-
-def _gpus(value: str | None) -> tuple[int, ...]:
-    if not value:
-        return ()
-    try:
-        ids = tuple(int(x) for x in str(value).split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--gpus takes indices like 0,2, not {value!r}") from None
-    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-        raise ConfigError(f"--gpus takes distinct non-negative indices like 0,2, not {value!r}")
-    return ids
 
 
 @user_errors
@@ -148,128 +125,52 @@ def join(
     ~/.config/p2pdiloco/config.toml, then defaults. The first Ctrl-C stops cleanly (saves and
     says what was kept); a second one exits at once.
     """
-    conf = load_config_file()
-    model = _typed("model", model, None, str, conf)
-    run = _typed("run", run, None, str, conf)
-    identity = _typed("identity", identity, None, Path, conf)
-    port = _typed("port", port, 0, int, conf)
-    dev_name = _typed("device", device, "auto", str, conf)
-    gpu_ids = _gpus(_typed("gpus", gpus, None, str, conf))
-    ranks = _typed("island_ranks", island_ranks, None, int, conf)
-    if lan_island and not island:
-        raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
-    max_mem = _typed("max_memory", max_memory, None, float, conf)
-    micro = _typed("batch_size", batch_size, None, int, conf)
-    cache = _typed("cache_dir", cache_dir, None, Path, conf)
-    state = _typed("state_dir", state_dir, None, Path, conf)
-    mport = _typed("metrics_port", metrics_port, None, int, conf)
-    share = _typed("compute_share", compute_share, 1.0, float, conf)
-    if not 0.0 < share <= 1.0:
-        raise ConfigError(f"--compute-share must be in (0, 1], not {share}")
-    if not model and not run:
-        raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
-    if micro is not None and micro < 1:
-        raise ConfigError("--batch-size must be at least 1")
-    # Before anything heavy is imported: a missing or mistyped address fails at once.
-    addrs, source = bootstrap_addrs(bootstrap)
-    if not gpu_ids and ranks is None and dev_name in ("auto", "cuda"):
-        gpu_ids = default_gpus()  # every visible GPU, as one island
-    island_spec = spec_from_flags(
-        dev_name, gpu_ids, ranks, threads,
-        lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
-    )  # fmt: skip
-    if gpu_ids:
-        dev_name = f"cuda:{gpu_ids[0]}"
-    if cache is not None:
-        os.environ["HF_HOME"] = str(cache)  # read by transformers when tokenizers load
-    if json_logs:
+    run_join(JoinConfig.from_flags(locals()))  # the options are JoinConfig's fields, by name
+
+
+def run_join(cfg: JoinConfig) -> None:
+    """Assemble a node from ``cfg`` and run it until Ctrl-C or a fatal error: refuse what
+    cannot work before any network or allocation (placement, memory, preflight, ports), join
+    the run (``node.Node``), serve another host's LAN island or start training
+    (``runtime.launch.RunningNode``), show it (``node_view.NodeView``: dashboard, log lines,
+    metrics), then stop cleanly and say what was kept. UserError (exit 2) for what the user
+    can fix; the node is closed whatever happens."""
+    device, gpus, island = _placement(cfg)
+    if cfg.cache_dir is not None:
+        os.environ["HF_HOME"] = str(cfg.cache_dir)  # read by transformers when tokenizers load
+    if cfg.json_logs:
         json_logging()
-    if model:  # refuse before any network or allocation work, with what would fit instead
-        from p2pdiloco.train.device import resolve_device
-        from p2pdiloco.train.memory import check_fits
-
-        dev = resolve_device(dev_name)
-        available = int(max_mem * GiB) if max_mem else None
-        if island_spec is not None:
-            from p2pdiloco.cli.join_island import plan_island_for
-
-            island_spec = plan_island_for(model, island_spec, available)
-        else:
-            precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
-            check_fits(model, dev, precision, available=available)
-    _preflight(model, dev_name, gpu_ids, max_mem, micro, state)
-    _check_ports(host, port, mport, not no_gossip)
+    if cfg.model:  # refuse before any network or allocation work, with what would fit instead
+        island = _refuse_what_does_not_fit(cfg.model, device, island, cfg.max_memory)
+    _preflight(cfg.preflight_config(device, gpus))
+    _check_ports(cfg.host, cfg.port, cfg.metrics_port, not cfg.no_gossip)
     stop = stop_event()
-    log.info("bootstrap servers from %s: %s", source, ", ".join(addrs))
-    from p2pdiloco.net.known_peers import known_peers_path
-    from p2pdiloco.node import Node, NodeConfig
+    log.info("bootstrap servers from %s: %s", cfg.bootstrap_source, ", ".join(cfg.bootstrap))
+    from p2pdiloco.node import Node
 
-    node = Node(
-        NodeConfig(
-            bootstrap=addrs,
-            model=model,
-            run=run,
-            identity=identity,
-            known_peers=known_peers_path(identity or default_identity_path()),
-            host=host,
-            port=port,
-            announce=announce or [],
-            island=island or "",
-            gossip=not no_gossip,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_ttl=heartbeat_ttl,
-        )
-    )
-    running = None
-    metrics_api = None
-    announcer: Any = None
+    node = Node(cfg.node_config())
+    running, metrics_api, announcer = None, None, None
     try:
         node.start()
-        snap: dict[str, Any] = dict(node.snapshot())
-        print(
-            f"joined run {snap['run_name']} ({snap['run_id'][:12]}) as {snap['peer_id']}",
-            flush=True,
-        )
-        print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
-        if node.reachability.fix:
-            print(f"fix: {node.reachability.fix}", flush=True)
-        _network_findings(node)
-        if lan_island:
-            from p2pdiloco.cli.join_island import serve_lan_member
-            from p2pdiloco.island.lan import Announcer, find_leader
-
-            if (leader := find_leader(node, node.island)) is not None:
-                serve_lan_member(node, leader, dev_name, stop)
-                return
-        running = _start_node(
-            node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
-            share, island_spec,
-        )  # fmt: skip
+        _say_joined(node)
+        if cfg.lan_island and _serve_a_lan_island(node, device, stop):
+            return
+        running = _start_training(node, cfg, device, island)
+        training = None if cfg.no_train else running  # what the view and the loop show
         from p2pdiloco.runtime.node_view import NodeView
 
-        view = NodeView(node, running if not no_train else None)
-        if mport is not None:
-            from p2pdiloco.runtime.node_metrics import serve_metrics
-
-            try:
-                metrics_api = serve_metrics(host, mport, view.metrics, lambda: True)
-            except OSError as e:  # taken since the check before joining
-                raise UserError(
-                    f"cannot listen on {host}:{mport} for the metrics server: "
-                    f"{e.strerror or e}; pass another --metrics-port"
-                ) from None
-            print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
-        tui = sys.stdout.isatty() and not no_tui and not json_logs
-        if lan_island and running.trainer is not None:
-            announcer = Announcer(node, node.island, running.trainer.learner)
-            announcer.start()
-            print(f"island {node.island}: leading; members join at {announcer.address}", flush=True)
-        _serve(view, running if not no_train else None, stop, tui, json_logs, heartbeat_interval)
+        view = NodeView(node, training)
+        if cfg.metrics_port is not None:
+            metrics_api = _serve_metrics(view, cfg.host, cfg.metrics_port)
+        if cfg.lan_island and running.trainer is not None:
+            announcer = _lead_lan_island(node, running)
+        tui = sys.stdout.isatty() and not cfg.no_tui and not cfg.json_logs
+        _serve(view, training, stop, tui, cfg.json_logs, cfg.heartbeat_interval)
         if announcer is not None:
             announcer.stop()
         kept = running.stop()
         error, running = running.error, None
-        if no_train:
+        if cfg.no_train:
             print("stopped", flush=True)
         else:
             print(f"stopped {'cleanly' if not error else 'on an error'}; kept {kept}", flush=True)
@@ -283,27 +184,99 @@ def join(
         node.close()
 
 
-def _preflight(
-    model: str | None,
-    device: str,
-    gpus: tuple[int, ...],
-    max_mem: float | None,
-    micro: int | None,
-    state: Path | None,
-) -> None:
+def _placement(cfg: JoinConfig) -> tuple[str, tuple[int, ...], IslandSpec | None]:
+    """The device rank 0 trains on, the GPUs used, and the island formed (None: one process).
+    Without ``--gpus`` or ``--island-ranks`` on ``auto`` or ``cuda``, every visible GPU forms
+    one island. ConfigError for a combination that cannot be (``island.spec.island_spec``)."""
+    gpus = cfg.gpus
+    if not gpus and cfg.island_ranks is None and cfg.device in ("auto", "cuda"):
+        gpus = default_gpus()
+    host = lan_host(cfg.host) if cfg.lan_island else "127.0.0.1"
+    island = spec_from_flags(
+        cfg.device,
+        gpus,
+        cfg.island_ranks,
+        cfg.threads,
+        lan=cfg.lan_island,
+        host=host,
+        offload=cfg.offload,
+    )
+    return (f"cuda:{gpus[0]}" if gpus else cfg.device), gpus, island
+
+
+def _refuse_what_does_not_fit(
+    model: str, device: str, island: IslandSpec | None, max_memory: float | None
+) -> IslandSpec | None:
+    """ModelTooLarge (one line, with what would fit) if ``model`` cannot train here; an
+    island's spec comes back following the plan printed for it."""
+    from p2pdiloco.train.device import resolve_device
+    from p2pdiloco.train.memory import check_fits
+
+    dev = resolve_device(device)
+    available = int(max_memory * GiB) if max_memory else None
+    if island is not None:
+        from p2pdiloco.cli.join_island import plan_island_for
+
+        return plan_island_for(model, island, available)
+    precision = "bf16-mixed" if dev.type in ("cuda", "xla") else "fp32"
+    check_fits(model, dev, precision, available=available)
+    return None
+
+
+def _say_joined(node: Node) -> None:
+    """The lines a volunteer sees once the node has joined: the run, reachability (with the
+    fix when relayed), then the checks that need the network."""
+    snap: dict[str, Any] = dict(node.snapshot())
+    print(f"joined run {snap['run_name']} ({snap['run_id'][:12]}) as {snap['peer_id']}", flush=True)
+    print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
+    if node.reachability.fix:
+        print(f"fix: {node.reachability.fix}", flush=True)
+    _network_findings(node)
+
+
+def _serve_a_lan_island(node: Node, device: str, stop: Any) -> bool:
+    """With ``--lan-island``: if another host already leads the island, serve it as a member
+    until it stops or Ctrl-C, and return True; False if this host is to lead it."""
+    from p2pdiloco.cli.join_island import serve_lan_member
+    from p2pdiloco.island.lan import find_leader
+
+    if (leader := find_leader(node, node.island)) is None:
+        return False
+    serve_lan_member(node, leader, device, stop)
+    return True
+
+
+def _lead_lan_island(node: Node, running: Any) -> Any:
+    """This host leads its LAN island: announce where members join, and say it."""
+    from p2pdiloco.island.lan import Announcer
+
+    announcer = Announcer(node, node.island, running.trainer.learner)
+    announcer.start()
+    print(f"island {node.island}: leading; members join at {announcer.address}", flush=True)
+    return announcer
+
+
+def _serve_metrics(view: Any, host: str, port: int) -> Any:
+    """Prometheus /metrics from the node's view; UserError if the port was taken since the
+    check before joining."""
+    from p2pdiloco.runtime.node_metrics import serve_metrics
+
+    try:
+        metrics_api = serve_metrics(host, port, view.metrics, lambda: True)
+    except OSError as e:
+        raise UserError(
+            f"cannot listen on {host}:{port} for the metrics server: "
+            f"{e.strerror or e}; pass another --metrics-port"
+        ) from None
+    print(f"metrics: http://{host}:{metrics_api.port}/metrics", flush=True)
+    return metrics_api
+
+
+def _preflight(cfg: PreflightConfig) -> None:
     """The rest of the preflight (memory was checked above): warnings printed, errors fatal.
     Without a model (``--run`` only) the disk is checked again once the run's model is known."""
-    from p2pdiloco.preflight import (
-        PreflightConfig,
-        check_disk,
-        check_python,
-        check_torch,
-    )
+    from p2pdiloco.preflight import check_disk, check_python, check_torch
 
-    cfg = PreflightConfig(
-        model=model, device=device, gpus=gpus, max_memory_gb=max_mem, batch_size=micro,
-        state_dir=state,
-    )  # fmt: skip
     findings = [check_python(), *check_torch(), check_disk(cfg)]
     errors = [f for f in findings if f.severity == "error"]
     for f in findings:
@@ -364,40 +337,31 @@ def _network_findings(node: Node) -> None:
     print(line, flush=True)
 
 
-def _start_node(
-    node: Node,
-    device: str,
-    micro: int | None,
-    max_mem: float | None,
-    state: Path | None,
-    threads: int | None,
-    until_version: int | None,
-    adversary: str | None,
-    no_train: bool,
-    compute_share: float = 1.0,
-    island: IslandSpec | None = None,
-) -> Any:
+def _start_training(node: Node, cfg: JoinConfig, device: str, island: IslandSpec | None) -> Any:
+    """The running node (``runtime.launch.RunningNode``) started: membership only with
+    ``--no-train``; else the run's state directory checked, the micro-batch chosen and said,
+    and training started from the certified version (said too)."""
     from p2pdiloco.preflight import auto_batch_size
     from p2pdiloco.runtime.launch import RunningNode, TrainConfig
 
     assert node.run is not None
-    if no_train:
+    if cfg.no_train:
         running = RunningNode(node, TrainConfig(state_dir=Path("."), train=False))
         running.start()
         return running
-    if adversary is not None and adversary not in ATTACKS:
-        raise ConfigError(f"unknown attack '{adversary}'; one of {', '.join(ATTACKS)}")
+    if cfg.adversary is not None and cfg.adversary not in ATTACKS:
+        raise ConfigError(f"unknown attack '{cfg.adversary}'; one of {', '.join(ATTACKS)}")
     manifest = node.run.manifest
-    state = state or default_state_dir(node.run.run_id)
+    state = cfg.state_dir or default_state_dir(node.run.run_id)
     _refuse_disk(manifest.model, state)
     step_batch = manifest.inner.batch_size
+    micro = cfg.batch_size
     if micro is None:
         from p2pdiloco.train.device import resolve_device
         from p2pdiloco.train.memory import available_memory
 
         dev = resolve_device(device)
-
-        have = int(max_mem * GiB) if max_mem else available_memory(dev)[0]
+        have = int(cfg.max_memory * GiB) if cfg.max_memory else available_memory(dev)[0]
         micro = auto_batch_size(manifest.model, dev, have)
         how = "auto"
     else:
@@ -409,19 +373,7 @@ def _start_node(
         f"steps per inner step of {step_batch} × {manifest.inner.seq_len} tokens{ranks}",
         flush=True,
     )
-    running = RunningNode(
-        node,
-        TrainConfig(
-            state_dir=state,
-            device=device,
-            threads=threads,
-            until_version=until_version,
-            attack=adversary,
-            micro_batch=micro,
-            compute_share=compute_share,
-            island=island,
-        ),
-    )
+    running = RunningNode(node, cfg.train_config(state, device, micro, island))
     version = running.start()
     print(f"training from version {version}", flush=True)
     return running

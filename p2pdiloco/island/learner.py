@@ -21,7 +21,7 @@ from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.train.data import PackedCorpus
 from p2pdiloco.train.inner import InnerStats
-from p2pdiloco.train.learner import Learner, Outgoing, rebase_anchor
+from p2pdiloco.train.learner import Learner, Outgoing, rebased
 
 
 class IslandLearner(Learner):
@@ -42,11 +42,16 @@ class IslandLearner(Learner):
         )
 
     def _setup(self, base_params: Mapping[str, torch.Tensor], global_step: int) -> None:
+        accum = self.cfg.grad_accum
+        micro = self.cfg.batch_size // accum if accum > 1 else None
         self.island = Island(
-            self.spec, self.manifest.model, self.manifest.seed, self.cfg, log_dir=self.log_dir,
-            micro_batch=self.cfg.batch_size // self.cfg.grad_accum
-            if self.cfg.grad_accum > 1 else None,
-        )  # fmt: skip
+            self.spec,
+            self.manifest.model,
+            self.manifest.seed,
+            self.cfg,
+            log_dir=self.log_dir,
+            micro_batch=micro,
+        )
         try:
             self._adopt(self.island.form(global_step))
             self.load(base_params)
@@ -91,9 +96,7 @@ class IslandLearner(Learner):
         old_base: Mapping[str, torch.Tensor],
         sent: Outgoing | None,
     ) -> None:
-        anchor = rebase_anchor(old_base, sent)
-        local = self.params()
-        self.load({n: new_base[n].float() + (t - anchor[n].float()) for n, t in local.items()})
+        self.load(dict(rebased(self.params(), new_base, old_base, sent)))
 
     def reform(self, state: Mapping[str, torch.Tensor]) -> int:
         """After ``IslandBroken``: form the next generation from the members still running

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.aggregate.base import check_weights
+from p2pdiloco.aggregate.base import AggregationRule, check_weights
 from p2pdiloco.aggregate.clipping import judge_norms
 from p2pdiloco.aggregate.exact import SqSums
 from p2pdiloco.aggregate.rows import RowSet
@@ -102,8 +102,41 @@ def merge_round(
     """
     names = sorted(params)
     chosen = get_rule(rules.aggregation, **rules.aggregation_params)
-    rejected: dict[str, str] = {}
+    rows, rejected = _well_shaped(inputs, params, names)
+    # The deltas stay where they are: never one [M, D] copy (RowSet hands out column windows).
+    deltas = RowSet([[inputs[i].delta[n] for n in names] for i in rows])
+    trusted = [inputs[i].trusted for i in rows]
+    kept, reasons = _screen(deltas, trusted, rules.screen_norm_factor)
+    rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
+    if not kept:
+        raise MergeError("screening rejected every delta of the round", rejected)
+    into = _fold(deltas, kept, trusted, rules.clone_factor)
+    voters = [j for j in kept if j not in into]  # one row per group of clones
+    chosen, applied = _rule_or_fallback(chosen, rules.aggregation, len(voters))
+    weights = check_weights([inputs[rows[j]].weight for j in voters], len(voters))
+    new_params, new_momentum = _fresh_state(params, momentum, names)
+    update = _outer_step(
+        deltas, voters, weights, chosen, new_params, new_momentum, outer, update_codec
+    )
+    order = {inp.digest: k for k, inp in enumerate(inputs)}
+    return MergeResult(
+        params=new_params,
+        momentum=new_momentum,
+        accepted=[inputs[rows[j]].digest for j in kept],
+        rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
+        rule=applied,
+        folded={inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items()},
+        update={n: update[n] for n in names if n in update},
+    )
+
+
+def _well_shaped(
+    inputs: Sequence[MergeInput], params: Mapping[str, torch.Tensor], names: list[str]
+) -> tuple[list[int], dict[str, str]]:
+    """The indices of the inputs whose delta holds every tensor of ``names`` in its shape in
+    ``params``, and digest → reason for the others. Raises MergeError if none does."""
     rows: list[int] = []
+    rejected: dict[str, str] = {}
     for i, inp in enumerate(inputs):
         reason = _shape_mismatch(inp.delta, params, names)
         if reason:
@@ -112,60 +145,102 @@ def merge_round(
             rows.append(i)
     if not rows:
         raise MergeError("no delta of the round has the model's tensors", rejected)
-    # The deltas stay where they are: never one [M, D] copy (RowSet hands out column windows).
-    deltas = RowSet([[inputs[i].delta[n] for n in names] for i in rows])
-    everyone = list(range(len(rows)))
-    anchors = [j for j, i in enumerate(rows) if inputs[i].trusted]
+    return rows, rejected
+
+
+def _screen(
+    deltas: RowSet, trusted: list[bool], norm_factor: float | None
+) -> tuple[list[int], dict[int, str]]:
+    """Screening: the rows kept (in row order), and row → reason for the others. A row is
+    dropped if it is not finite, if its norm exceeds ``norm_factor`` (None: no bound) × the
+    median norm of the trusted rows (``aggregate.clipping.judge_norms``; every row anchors it
+    when all are trusted), or if it is probationary and points away from the trusted rows'
+    mean (:func:`_away_from_trusted`)."""
+    everyone = list(range(deltas.m))
+    anchors = [j for j in everyone if trusted[j]]
     verdict = judge_norms(
-        len(rows),
+        deltas.m,
         dict(zip(everyone, deltas.sq_norms(everyone), strict=True)),
         {},
-        rules.screen_norm_factor,
-        anchors if len(anchors) < len(rows) else None,
+        norm_factor,
+        anchors if len(anchors) < deltas.m else None,
     )
-    trusted = [inputs[i].trusted for i in rows]
     away = _away_from_trusted(deltas, verdict.accepted, trusted)
     kept = [j for j in verdict.accepted if j not in away]
-    reasons = {**verdict.rejected, **away}
-    rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
-    if not kept:
-        raise MergeError("screening rejected every delta of the round", rejected)
-    into: dict[int, int] = {}
-    if rules.clone_factor is not None:
-        into = fold_clones(deltas, kept, [j for j in kept if trusted[j]], rules.clone_factor)
-    voters = [j for j in kept if j not in into]  # one row per group of clones
-    applied = rules.aggregation
-    if len(voters) < chosen.min_learners:
-        chosen, applied = get_rule("median"), f"median (fallback from {rules.aggregation})"
-    weights = [inputs[rows[j]].weight for j in voters]
+    return kept, {**verdict.rejected, **away}
 
+
+def _fold(
+    deltas: RowSet, kept: list[int], trusted: list[bool], clone_factor: float | None
+) -> dict[int, int]:
+    """Copies of one vector among ``kept`` (``sync.clones``, ADR 0036): row → the row of its
+    group that stands for it (the group's first); {} when the run does not fold clones."""
+    if clone_factor is None:
+        return {}
+    return fold_clones(deltas, kept, [j for j in kept if trusted[j]], clone_factor)
+
+
+def _rule_or_fallback(rule: AggregationRule, name: str, voters: int) -> tuple[AggregationRule, str]:
+    """The rule to apply to ``voters`` rows and how the certificate names it: the run's rule,
+    or the coordinate median when fewer rows remain than the run's rule needs, so a round
+    that closed with few learners still produces a state."""
+    if voters < rule.min_learners:
+        return get_rule("median"), f"median (fallback from {name})"
+    return rule, name
+
+
+def _fresh_state(
+    params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Float32 copies of the merged names' parameters and momentum buffers, which the outer
+    step updates in place (the caller's stay untouched); a name without a buffer starts from
+    zero."""
     new_params = {n: params[n].detach().float().clone() for n in names}
     new_momentum = {
         n: momentum[n].detach().float().clone() if n in momentum else torch.zeros_like(p)
         for n, p in new_params.items()
     }
+    return new_params, new_momentum
+
+
+def _outer_step(
+    deltas: RowSet,
+    voters: list[int],
+    weights: list[float] | None,
+    chosen: AggregationRule,
+    new_params: dict[str, torch.Tensor],
+    new_momentum: dict[str, torch.Tensor],
+    outer: OuterConfig,
+    update_codec: Codec | None,
+) -> dict[str, Encoded]:
+    """Merge the ``voters`` rows with ``chosen`` and apply the outer step to ``new_params``
+    and ``new_momentum`` in place, window by window of columns for a coordinate-wise rule (the
+    merge then holds the M deltas, the new state and one window), in one window of width D
+    for the others. With ``update_codec``, each tensor's merged g is kept until its last
+    window, encoded, and the step applies the decoded values; returns those encodings by
+    name ({} without a codec). ``weights`` are already checked (``check_weights``): the rule's
+    arithmetic runs per window without validating each window again."""
+    names = sorted(new_params)
     flat_p = [new_params[n].view(-1) for n in names]
     flat_m = [new_momentum[n].view(-1) for n in names]
-    # The rule's own checks once (the rows are screened: finite float32), then its arithmetic
-    # per window: re-validating each window would scan it again, in ops above GRAIN.
-    checked = check_weights(weights, len(voters))
-    rows_in, rule, w_in = voters, chosen, checked
+    rows_in, rule, w_in = voters, chosen, weights
     if not chosen.coordinatewise:
         # Krum and multi-Krum choose rows in a pass over the windows, then merge them by a
         # coordinate-wise rule; the others (centered clipping, geometric median) see all
         # columns at once: one window of width D, a stack of the kept rows.
-        picked = chosen.select(deltas, voters, checked)
+        picked = chosen.select(deltas, voters, weights)
         if picked is not None:
             rows_in, rule, w_in = picked
-    # A coordinate-wise rule merges and steps one window of columns at a time, so the merge
-    # holds the M deltas, the new state and one window.
     spans = deltas.windows() if rule.coordinatewise else iter([(0, deltas.d)])
     update: dict[str, Encoded] = {}
     g_of: dict[int, torch.Tensor] = {}  # tensor index → its merged g so far (update codec only)
-    for k, n in enumerate(names):
-        if update_codec is not None and not flat_p[k].numel():  # no window ever covers it
-            _step_encoded(update_codec, update, n, flat_p[k].new_zeros(0), new_params[n],
-                          flat_p[k], flat_m[k], outer)  # fmt: skip
+    if update_codec is not None:
+        for k, n in enumerate(names):
+            if not flat_p[k].numel():  # no window ever covers it
+                empty = flat_p[k].new_zeros(0)
+                _step_encoded(
+                    update_codec, update, n, empty, new_params[n], flat_p[k], flat_m[k], outer
+                )
     for s, e in spans:
         with torch.no_grad():
             merged_n = rule.aggregate(deltas.window(rows_in, s, e), w_in)
@@ -181,18 +256,11 @@ def merge_round(
             g_D[first:last].copy_(g)
             if last == g_D.numel():  # the tensor's last window: encode, then step with ĝ
                 del g_of[k]
-                _step_encoded(update_codec, update, names[k], g_D, new_params[names[k]],
-                              flat_p[k], flat_m[k], outer)  # fmt: skip
-    order = {inp.digest: k for k, inp in enumerate(inputs)}
-    return MergeResult(
-        params=new_params,
-        momentum=new_momentum,
-        accepted=[inputs[rows[j]].digest for j in kept],
-        rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
-        rule=applied,
-        folded={inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items()},
-        update={n: update[n] for n in names if n in update},
-    )
+                n = names[k]
+                _step_encoded(
+                    update_codec, update, n, g_D, new_params[n], flat_p[k], flat_m[k], outer
+                )
+    return update
 
 
 def _step_encoded(

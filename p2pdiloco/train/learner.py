@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -267,10 +267,10 @@ class Learner:
         sent: Outgoing | None,
     ) -> None:
         """Move onto a newly certified version (see the module docstring)."""
-        anchor = rebase_anchor(old_base, sent)
-        for n, p in self.params().items():
-            progress = p.detach().float().cpu() - anchor[n].float()
-            p.copy_((new_base[n].float() + progress).to(p.device, p.dtype))
+        params = self.params()
+        for n, moved in rebased(params, new_base, old_base, sent):
+            p = params[n]
+            p.copy_(moved.to(p.device, p.dtype))
 
 
 def rebase_anchor(
@@ -281,6 +281,21 @@ def rebase_anchor(
     if sent is None:
         return old_base
     return {**old_base, **sent.sent_params}
+
+
+def rebased(
+    local: Mapping[str, torch.Tensor],
+    new_base: Mapping[str, torch.Tensor],
+    old_base: Mapping[str, torch.Tensor],
+    sent: Outgoing | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The rebase, tensor by tensor: θ_new + (θ_local − anchor) for each tensor of ``local``,
+    float32 on the CPU, anchored as :func:`rebase_anchor` says. One tensor at a time, so a
+    caller that copies each back into its model holds one tensor more, not a second model.
+    The one place the rebase is computed (``Learner.rebase``, ``IslandLearner.rebase``)."""
+    anchor = rebase_anchor(old_base, sent)
+    for n, t in local.items():
+        yield n, new_base[n].float() + (t.detach().float().cpu() - anchor[n].float())
 
 
 def _l2(tensors: Iterable[torch.Tensor]) -> float:
