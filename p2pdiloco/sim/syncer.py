@@ -4,11 +4,12 @@ links, fetches, the merge). The rules are the core's; this module only schedules
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round import (
     Action,
     Aggregate,
@@ -22,24 +23,70 @@ from p2pdiloco.core.round import (
     SyncerRound,
 )
 from p2pdiloco.core.syncer_node import SyncerNode
-from p2pdiloco.core.views import leave_view
+from p2pdiloco.core.views import ViewState, leave_view
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.runtime.delivery import fetch_order
-from p2pdiloco.sim.backend import MergeFailed
-from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER
+from p2pdiloco.sim.backend import Merge, MergeFailed, Outcome
+from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
+from p2pdiloco.sim.config import Profile, SimConfig
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
-if TYPE_CHECKING:
-    from p2pdiloco.sim.world import World
-
 TICK = 1.0  # seconds between a member's timer events (grace, linger, leader silence, view)
+
+
+class PeerState(Protocol):
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...  # bumped by every crash
+
+
+class Network(Protocol):
+    """What a member needs of the simulated network (``sim.world.World`` is it): the clock,
+    the links, the peers, the certified chain and its views, and where a member's messages go."""
+
+    cfg: SimConfig
+    clock: Clock
+    links: Links
+    outcomes: dict[str, Outcome]  # merged state → what went into it
+    failed_merges: int
+    fetched_bytes: int
+    syncer_in: int
+
+    @property
+    def peers(self) -> Mapping[int, PeerState]: ...
+    @property
+    def by_id(self) -> Mapping[str, int]: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def view(self) -> int: ...
+    @property
+    def views(self) -> ViewState: ...
+    @property
+    def committee(self) -> CommitteeInfo: ...
+    @property
+    def subs(self) -> Mapping[str, Submission]: ...
+    @property
+    def merge(self) -> Merge: ...
+    def live_member(self, index: int) -> Member | None: ...
+    def member_by_id(self, view: int, peer_id: str) -> Member | None: ...
+    def later(self, dst: int, tries: int) -> bool: ...
+    def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+    def dropped(self, peer_id: str, code: Reason, src: int) -> None: ...
+    def retry_proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None: ...
+    def vote(self, member: Member, signed: str | None) -> None: ...
+    def certify(self, member: Member, done: Done) -> None: ...
+    def wrong_hash(self, version: int) -> str: ...
 
 
 @dataclass
 class Member:
     """Peer ``index`` on the committee of ``view`` of the round after version ``base``."""
 
-    world: World
+    world: Network
     index: int
     view: int
     node: SyncerNode[int, None]  # the peer's, in this life; holds who sent each held delta
