@@ -62,8 +62,6 @@ LAYER = {unit: k for k, units in enumerate(LAYERS) for unit in units}
 PENDING = frozenset(
     {
         ("p2pdiloco.sim.learner", "p2pdiloco.sim.world"),
-        ("p2pdiloco.sim.relay", "p2pdiloco.sim.world"),
-        ("p2pdiloco.sim.syncer", "p2pdiloco.sim.world"),
     }
 )
 

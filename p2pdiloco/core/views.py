@@ -19,6 +19,12 @@ verified votes and asks it what to do.
 
 Views are numbered 0 … MAX_VIEWS − 1; the last view never times out (there is nothing to hand
 over to), it waits for its certificate or for the run to be restarted by its members.
+
+The view driver's decisions are here too, for the runtime (``sync/view_driver.py``, which signs
+and sends) and the simulator (whose votes reach every node at once, so one ``ViewState`` pooled
+over the network stands for each member's): ``leave_view`` says when a member votes, over what
+and to whom (``VoteIntent``); ``hear_vote`` what a fellow's vote message changes; ``seat`` what
+the current view asks of the ``SyncerNode`` (``core/syncer_node.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2pdiloco.core.roster import CommitteeInfo, committee_for
+from p2pdiloco.core.round import SyncerRound
 from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.view_change import (
@@ -35,6 +42,30 @@ from p2pdiloco.protocol.view_change import (
     timeout_cert_of,
     timeout_lock,
 )
+
+
+@dataclass(frozen=True)
+class Seat:
+    """The current view as a ``SyncerNode`` opens it: its committee and what it is bound to."""
+
+    version: int  # the version the view's round would certify
+    view: int
+    committee: CommitteeInfo
+    lock: str | None  # the content earlier views locked (None: free)
+    locked: tuple[str, ...] | None  # its input set (None while the lock's body is unheard)
+    holders: tuple[str, ...]  # voters that signed the lock: they hold its inputs
+
+
+@dataclass(frozen=True)
+class VoteIntent:
+    """Vote to leave ``view`` of ``version``: signed over ``signed`` (the state the member's
+    round signed in it, None: nothing), sent to ``recipients``. The driver names the content of
+    that state (its certificate body), signs the vote and ``cast``s it."""
+
+    version: int
+    view: int
+    signed: str | None
+    recipients: tuple[str, ...]
 
 
 @dataclass
@@ -82,18 +113,21 @@ class ViewState:
         last = min(self.view + ahead, MAX_VIEWS - 1)
         return any(self.member(j) for j in range(self.view + 1, last + 1))
 
-    def due(self, now: float, leader_silent: bool = False) -> bool:
+    def due(
+        self, now: float, leader_silent: bool = False, voter: str | None = None, voted: bool = False
+    ) -> bool:
         """True when this member should vote to leave the current view: it has been open for
         ``view_timeout`` without a certificate, or (``leader_silent``) the round closed and
         its leader proposed nothing within ``agree_timeout``, or the round's quorum is out of
-        reach (``SyncerRound.quorum_unreachable``, ADR 0041)."""
+        reach (``SyncerRound.quorum_unreachable``, ADR 0041). ``voter``: another member, of a
+        state pooled over the network (the simulator's), which has ``voted`` in this view or
+        not; this node's own votes are in ``self.voted``."""
         timed_out = now >= self.opened_at + self.manifest.rules.view_timeout_s
-        return (
-            self.view + 1 < MAX_VIEWS
-            and self.view not in self.voted
-            and self.member()
-            and (timed_out or leader_silent)
-        )
+        if voter is None:
+            voted, member = self.view in self.voted, self.member()
+        else:
+            member = voter in self.committee().members
+        return self.view + 1 < MAX_VIEWS and not voted and member and (timed_out or leader_silent)
 
     def cast(self, vote: ViewVote, now: float, body: CertificateBody | None = None) -> bool:
         """Record this node's own vote (the driver signed it, over ``body``'s content if it
@@ -157,6 +191,17 @@ class ViewState:
         """Voters that signed the locked content: they hold its submissions."""
         return sorted(self.signers.get(self.lock, set())) if self.lock is not None else []
 
+    def seat(self) -> Seat:
+        """The current view, as a syncer node opens its round."""
+        return Seat(
+            self.version,
+            self.view,
+            self.committee(),
+            self.lock,
+            self.locked_inputs(),
+            tuple(self.holders()),
+        )
+
     def _advance(self, now: float) -> bool:
         moved = False
         while self.view + 1 < MAX_VIEWS:
@@ -178,3 +223,38 @@ class ViewState:
         self.view += 1
         self.opened_at = now
         return True
+
+
+def leave_view(
+    st: ViewState,
+    rnd: SyncerRound | None,
+    now: float,
+    voter: str | None = None,
+    voted: bool = False,
+) -> VoteIntent | None:
+    """Whether member ``voter`` (None: ``st.me``; else it has ``voted`` in this view or not),
+    whose round of the current view is ``rnd``, votes to leave it now (``ViewState.due``: timed out, or its round stuck on a silent leader
+    or an unreachable quorum), and over what: its round then abandons the view (it signs
+    nothing more in it). The vote goes to the committees of this view and the next."""
+    stuck = rnd is not None and (rnd.leader_silent(now) or rnd.quorum_unreachable(now))
+    if not st.due(now, stuck, voter, voted):
+        return None
+    signed = rnd.abandon() if rnd is not None else None
+    return VoteIntent(st.version, st.view, signed, tuple(st.recipients(st.view)))
+
+
+def hear_vote(
+    st: ViewState,
+    vote: ViewVote,
+    tcs: list[TimeoutCert],
+    body: CertificateBody | None,
+    lock: CertificateBody | None,
+    now: float,
+) -> bool:
+    """A fellow's verified vote message (its vote, the TCs of earlier views it carries, the
+    body it signed and the lock's body): True if this node moved to a later view. A vote for
+    another version changes nothing."""
+    if vote.version != st.version:
+        return False
+    moved = st.adopt(tcs, now, lock)
+    return st.add(vote, now, body) or moved

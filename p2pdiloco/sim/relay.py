@@ -10,16 +10,16 @@ it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import RETRYABLE
-from p2pdiloco.sim.clock import SMALL
+from p2pdiloco.sim.clock import SMALL, Clock, Links
+from p2pdiloco.sim.config import SimConfig
+from p2pdiloco.sim.syncer import Member, PeerState
 from p2pdiloco.sync.sending import LATER_EVERY
-
-if TYPE_CHECKING:
-    from p2pdiloco.sim.world import World
 
 RELAY_TRIES = 4  # a relayed copy answered with another retryable code is sent again this often
 # Copies that begin within this many seconds of now are sent in one go: an event per copy
@@ -28,9 +28,29 @@ RELAY_TRIES = 4  # a relayed copy answered with another retryable code is sent a
 AHEAD = 0.05
 
 
+class Network(Protocol):
+    """What the relays need of the simulated network (``sim.world.World`` is it)."""
+
+    cfg: SimConfig
+    clock: Clock
+    links: Links
+    relayed: int
+    syncer_in: int
+
+    @property
+    def peers(self) -> Mapping[int, PeerState]: ...
+    @property
+    def round_key(self) -> tuple[int, int]: ...
+    @property
+    def member_indices(self) -> tuple[int, ...]: ...
+    def live_member(self, index: int) -> Member | None: ...
+    def later(self, dst: int, tries: int) -> bool: ...
+    def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+
+
 @dataclass
 class Relays:
-    world: World
+    world: Network
     queues: dict[int, deque[tuple[tuple[int, int], Submission, int, int]]] = field(
         default_factory=dict
     )
@@ -63,9 +83,9 @@ class Relays:
     def _pump(self, src: int) -> None:
         w, q = self.world, self.queues[src]
         # Nothing else happens while this runs: the round and its members are as they are.
-        now_key, member = w.round_key, w.members.get(w.view, {}).get(src)
-        relaying = member is not None and member.alive
-        undecided = relaying and member.round.undecided  # type: ignore[union-attr]
+        now_key, member = w.round_key, w.live_member(src)
+        relaying = member is not None
+        undecided = member is not None and member.round.undecided
         live: dict[int, bool] = {}
         link, delta_bytes = w.links.by_index[src], w.cfg.delta_bytes
         while q:

@@ -1,53 +1,101 @@
-"""One committee member's round in the simulator: a real ``SyncerRound`` and what its actions
-cost in simulated time (messages over links, fetches, the merge)."""
+"""One committee member's round in the simulator: the peer's real ``SyncerNode`` and its
+``SyncerRound`` (``core/``), and what their effects cost in simulated time (messages over
+links, fetches, the merge). The rules are the core's; this module only schedules."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from p2pdiloco.core.delivery import fetch_order
+from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round import (
     Action,
     Aggregate,
     Done,
-    FastForward,
     Fetch,
     Phase,
     Propose,
     Reject,
-    RoundParams,
     Sign,
     Submission,
     SyncerRound,
 )
+from p2pdiloco.core.syncer_node import SyncerNode
+from p2pdiloco.core.views import ViewState, leave_view
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sim.backend import MergeFailed
-from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER
+from p2pdiloco.sim.backend import Merge, MergeFailed, Outcome
+from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
+from p2pdiloco.sim.config import Profile, SimConfig
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
-if TYPE_CHECKING:
-    from p2pdiloco.sim.world import World
-
 TICK = 1.0  # seconds between a member's timer events (grace, linger, leader silence, view)
+
+
+class PeerState(Protocol):
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...  # bumped by every crash
+
+
+class Network(Protocol):
+    """What a member needs of the simulated network (``sim.world.World`` is it): the clock,
+    the links, the peers, the certified chain and its views, and where a member's messages go."""
+
+    cfg: SimConfig
+    clock: Clock
+    links: Links
+    outcomes: dict[str, Outcome]  # merged state → what went into it
+    failed_merges: int
+    fetched_bytes: int
+    syncer_in: int
+
+    @property
+    def peers(self) -> Mapping[int, PeerState]: ...
+    @property
+    def by_id(self) -> Mapping[str, int]: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def view(self) -> int: ...
+    @property
+    def views(self) -> ViewState: ...
+    @property
+    def committee(self) -> CommitteeInfo: ...
+    @property
+    def subs(self) -> Mapping[str, Submission]: ...
+    @property
+    def merge(self) -> Merge: ...
+    def live_member(self, index: int) -> Member | None: ...
+    def member_by_id(self, view: int, peer_id: str) -> Member | None: ...
+    def later(self, dst: int, tries: int) -> bool: ...
+    def sent_by(self, src: int, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+    def dropped(self, peer_id: str, code: Reason, src: int) -> None: ...
+    def retry_proposal(self, sender: str, digests: tuple[str, ...], attempt: int) -> None: ...
+    def vote(self, member: Member, signed: str | None) -> None: ...
+    def certify(self, member: Member, done: Done) -> None: ...
+    def wrong_hash(self, version: int) -> str: ...
 
 
 @dataclass
 class Member:
     """Peer ``index`` on the committee of ``view`` of the round after version ``base``."""
 
-    world: World
+    world: Network
     index: int
     view: int
-    round: SyncerRound
+    node: SyncerNode[int, None]  # the peer's, in this life; holds who sent each held delta
+    round: SyncerRound  # the node's round of this view
     base_hash: str
     epoch: int  # the peer's life when the round opened: a crash ends the member
     faulty: bool
     votes_cast: bool = False
     merging: bool = False
-    senders: dict[str, int] = field(default_factory=dict)  # digest → peer index that sent it
 
     @property
     def peer_id(self) -> str:
@@ -67,47 +115,38 @@ class Member:
     # -- inputs ----------------------------------------------------------------------------
 
     def submit(self, sub: Submission, sender: int) -> tuple[bool, Reason | None, int | None]:
-        """A learner's submission arrived: (accepted, code, fast-forward hint). A copy of one
-        it holds (relayed after the learner's own, or the other way round) is accepted again,
-        as ``SyncService`` answers from what it holds."""
-        if sub.digest in self.round.accepted:
-            return True, None, None
-        self.senders.setdefault(sub.digest, sender)
-        actions = self.round.on_submission(sub, self.world.clock.now)
-        if not actions:  # held, nothing to do (most relayed copies)
-            return True, None, None
-        refusal = next((a for a in actions if isinstance(a, Reject) and a.peer_id == sub.peer_id),
-                       None)  # fmt: skip
-        hint = next((a.to_version for a in actions if isinstance(a, FastForward)), None)
+        """A learner's submission arrived from peer ``sender``: (accepted, code, fast-forward
+        hint), as the node judges it (``SyncerNode.on_submission``)."""
+        verdict, actions = self.node.on_submission(sub, sender, self.world.clock.now)
         self.execute(actions, skip_reply_to=sub.peer_id)
-        if refusal is not None:
-            return False, refusal.code, hint
-        return True, None, None
+        return verdict.accepted, verdict.code, verdict.fast_forward
 
     def proposal(
         self, sender: str, digests: tuple[str, ...], attempt: int, via: str | None = None
     ) -> None:
         """The leader ``sender``'s proposal, from it or passed on by fellow ``via``."""
         if self.alive:
-            fresh = self.round.input_set is None
-            actions = self.round.on_proposal(sender, digests, self.world.clock.now, attempt)
-            for a in actions:
-                if isinstance(a, Reject) and a.code is Reason.NO_OPEN_ROUND:
-                    self.world.retry_proposal(sender, digests, attempt)
+            w = self.world
+            version = self.round.params.version + 1
+            refusal, actions, adopted = self.node.on_proposal(
+                sender, version, self.view, digests, attempt, w.clock.now
+            )
+            if refusal is not None and refusal[0] is Reason.NO_OPEN_ROUND:
+                w.retry_proposal(sender, digests, attempt)
             self.execute([a for a in actions if not isinstance(a, Reject)])
-            if fresh and self.round.input_set is not None:  # adopted: pass it on (ADR 0042)
+            if adopted:  # pass it on (ADR 0042)
                 skip = {sender} if via is None else {sender, via}
                 args = (sender, digests, attempt, self.peer_id)
                 self.to_fellows("proposal", args, skip, lambda: False)  # once: the leader retries
 
-    def fetched(self, subs: list[Submission]) -> None:
+    def fetched(self, subs: list[Submission], src: int) -> None:
         if self.alive:
             for sub in subs:
-                self.execute(self.round.on_fetched(sub))
+                self.execute(self.node.on_fetched(sub, src))
 
     def signature(self, syncer: str, state_hash: str) -> None:
         if self.alive:
-            self.execute(self.round.on_signature(syncer, state_hash))
+            self.execute(self.node.track(self.round.on_signature(syncer, state_hash)))
 
     def unreachable(self, peer_id: str) -> None:
         if self.alive:
@@ -117,12 +156,11 @@ class Member:
         if not self.alive or self.round.phase is Phase.CERTIFIED:
             return
         w, now = self.world, self.world.clock.now
-        self.execute(self.round.on_tick(now))
-        timed_out = now >= w.view_opened + w.manifest.rules.view_timeout_s
-        stuck = self.round.leader_silent(now) or self.round.quorum_unreachable(now)
-        if not self.votes_cast and (timed_out or stuck):
+        self.execute(self.node.track(self.round.on_tick(now)))
+        vote = leave_view(w.views, self.round, now, self.peer_id, self.votes_cast)
+        if vote is not None:
             self.votes_cast = True
-            w.vote(self, self.round.abandon())
+            w.vote(self, vote.signed)
         w.clock.after(TICK, self.tick)
 
     # -- actions ---------------------------------------------------------------------------
@@ -132,8 +170,10 @@ class Member:
         for a in actions:
             if isinstance(a, Reject):
                 if a.peer_id != skip_reply_to and a.code in (
-                    Reason.SCREENED_OUT, Reason.MERGE_FAILED, Reason.BUSY
-                ):  # fmt: skip
+                    Reason.SCREENED_OUT,
+                    Reason.MERGE_FAILED,
+                    Reason.BUSY,
+                ):
                     w.dropped(a.peer_id, a.code, self.index)
             elif isinstance(a, Propose):  # again on "later" while this attempt lasts (ADR 0037)
                 same = partial(_in_attempt, self.round, a.attempt)
@@ -145,8 +185,12 @@ class Member:
                 cost = w.cfg.merge_seconds * len(a.digests)
                 w.clock.after(cost, self._merged, a)
             elif isinstance(a, Sign):  # again on "later" while uncertified (ADR 0041)
-                self.to_fellows("signature", (self.peer_id, a.state_hash), set(),
-                                lambda: self.round.phase is not Phase.CERTIFIED)  # fmt: skip
+                self.to_fellows(
+                    "signature",
+                    (self.peer_id, a.state_hash),
+                    set(),
+                    lambda: self.round.phase is not Phase.CERTIFIED,
+                )
             elif isinstance(a, Done):
                 w.certify(self, a)
 
@@ -200,7 +244,7 @@ class Member:
             t = w.links.transfer(src, self.index, w.cfg.delta_bytes * len(subs), w.clock.now)
             w.fetched_bytes += w.cfg.delta_bytes * len(subs)
             w.syncer_in += w.cfg.delta_bytes * len(subs)
-            w.clock.at(t, self.fetched, subs)
+            w.clock.at(t, self.fetched, subs, src)
 
     def _merged(self, agg: Aggregate) -> None:
         self.merging = False
@@ -212,21 +256,17 @@ class Member:
             out = w.merge.merge(self.base_hash, agg, subs)
         except MergeFailed as e:
             w.failed_merges += 1
-            self.execute(self.round.on_merge_failed(now, agg.attempt, e.screened_out))
+            self.execute(
+                self.node.track(self.round.on_merge_failed(now, agg.attempt, e.screened_out))
+            )
             return
         w.outcomes[out.state_hash] = out
         state_hash = out.state_hash
         if self.faulty:  # colluding faulty syncers all sign the same wrong state
             state_hash = w.wrong_hash(self.round.params.version)
-        self.execute(self.round.on_aggregated(state_hash, agg.attempt))
+        self.execute(self.node.track(self.round.on_aggregated(state_hash, agg.attempt)))
 
 
 def _in_attempt(rnd: SyncerRound, attempt: int) -> bool:
     """A leader still wants its proposal taken (``sync.sending.still_proposing``)."""
     return rnd.attempt == attempt and rnd.phase is not Phase.CERTIFIED
-
-
-def open_member(world: World, index: int, view: int, params: RoundParams) -> Member:
-    peer = world.peers[index]
-    rnd = SyncerRound(params, peer.profile.peer_id)
-    return Member(world, index, view, rnd, world.state_hash, peer.epoch, peer.profile.faulty)

@@ -1,41 +1,45 @@
 """The simulated network: peers, the certified chain, committees and their views.
 
 Certification follows the real rules: the round of version v + 1 is driven by the committee
-``committee_for`` draws from the certificate of v (its roster and beacon); its members run
-``SyncerRound``; a ``Done`` certifies, and the certificate body is the one real syncers build
-(``body_of``: receipts, roster by ``next_roster``), so elections, trust (``trusted_peers``)
-and beacons are exactly the network's. Signatures are counted by the round, not made. A view
-whose members time out (or whose leader is silent) is left once their votes (unsigned) are a
-timeout certificate by the network's rule (``timeout_lock``: more than k − q votes, so dead
-members do not hold a view), as ``ViewState`` does; the next view's committee is
-``committee_for(view=j)``, locked to the input set of the state the certificate locks.
+``committee_for`` draws from the certificate of v (its roster and beacon); each member peer
+runs the real ``SyncerNode`` (held submissions, carrying them across views, the locked inputs
+it lacks) and its ``SyncerRound``; a ``Done`` certifies, and the certificate body is the one
+real syncers build (``body_of``: receipts, roster by ``next_roster``), so elections, trust
+(``trusted_peers``) and beacons are exactly the network's. Signatures are counted by the round,
+not made. A member votes to leave its view by ``core.views.leave_view`` (timed out, a silent
+leader, a quorum out of reach); the votes (unsigned) reach every node at once, so one real
+``ViewState`` pooled over the network moves everyone on once they are a timeout certificate
+(more than k − q votes, so dead members do not hold a view). The next view's committee is
+``committee_for(view=j)``, locked to the input set of the state the certificates lock.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pdiloco.core.learner import LearnerMachine
-from p2pdiloco.core.roster import CommitteeInfo, committee_for, with_roster
+from p2pdiloco.core.roster import CommitteeInfo, with_roster
 from p2pdiloco.core.round import Done, Submission
-from p2pdiloco.core.round_types import held_cap
+from p2pdiloco.core.round_types import RoundParams, held_cap
+from p2pdiloco.core.syncer_node import SyncerNode
 from p2pdiloco.core.trust import trust_progress, trusted_count, trusted_peers
+from p2pdiloco.core.views import Seat, ViewState
 from p2pdiloco.core.weights import plausible_claim
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.certificates import Certificate, assemble, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
-from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, ViewVote, timeout_lock
+from p2pdiloco.protocol.view_change import ViewVote
 from p2pdiloco.sim.backend import Merge, Outcome
 from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
 from p2pdiloco.sim.config import Fault, Profile, SimConfig
 from p2pdiloco.sim.learner import SimLearner
 from p2pdiloco.sim.relay import Relays
-from p2pdiloco.sim.syncer import TICK, Member, open_member
+from p2pdiloco.sim.syncer import TICK, Member
 from p2pdiloco.sync.committee_msgs import body_of
 from p2pdiloco.sync.rules import params_of
 from p2pdiloco.sync.sending import LATER_TRIES
@@ -76,12 +80,21 @@ def manifest_for(cfg: SimConfig, genesis: list[str]) -> tuple[str, RunManifest]:
     rules = {"grace": max(60.0, 1.5 * stretch), "linger": 3.0, **cfg.rules}
     creator = Identity.from_seed(hashlib.sha256(f"sim/{cfg.seed}/creator".encode()).digest())
     run_id, manifest, _ = create_manifest(
-        creator, created_at=0.0, name="sim", model="gemma-tiny", data="embedded", seed=cfg.seed,
-        inner_steps=cfg.inner_steps, committee_size=cfg.committee_size,
-        time_budget=cfg.budget, compression=cfg.codec, outer={"fragments": cfg.fragments},
+        creator,
+        created_at=0.0,
+        name="sim",
+        model="gemma-tiny",
+        data="embedded",
+        seed=cfg.seed,
+        inner_steps=cfg.inner_steps,
+        committee_size=cfg.committee_size,
+        time_budget=cfg.budget,
+        compression=cfg.codec,
+        outer={"fragments": cfg.fragments},
         inner={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len},
-        rules=rules, genesis_committee=genesis,
-    )  # fmt: skip
+        rules=rules,
+        genesis_committee=genesis,
+    )
     return run_id, manifest
 
 
@@ -121,12 +134,14 @@ class World:
         self.cert: Certificate | None = None  # the last certificate (body real, unsigned)
         self.round_opened = 0.0
         self.view = 0
-        self.view_opened = 0.0
+        # Votes reach every node at once: one ViewState stands for each member's (me: none).
+        self.views = ViewState(self.run_id, self.manifest, None, "", 0.0)
         self.members: dict[int, dict[int, Member]] = {}  # view → peer index → member
-        self.votes: dict[int, dict[str, str | None]] = {}  # view → voter → state it signed
+        self.nodes: dict[int, tuple[int, SyncerNode[int, None]]] = {}  # index → (epoch, node)
         self.trusted: frozenset[str] | None = None
         self.progress: dict[str, int] | None = None  # roster credits (RoundParams.progress)
-        self.committee = self._committee(0)
+        self.committee = self.views.committee()
+        self.seat = self.views.seat()
         self.member_indices = tuple(self.by_id[m] for m in self.committee.members)
         self.prev_agreed: set[int] = set()  # members that computed the last certified state
         self.wrong = hashlib.sha256(b"faulty").hexdigest()
@@ -156,17 +171,22 @@ class World:
         peer.up, peer.up_since = True, self.clock.now
         peer.epoch += 1
         delay = self.cfg.restart_seconds if download else 0.0
-        ready = self.links.download(peer.profile.index, self.cfg.state_bytes, self.clock.now + delay) \
-            if download else self.clock.now  # fmt: skip
+        ready = (
+            self.links.download(peer.profile.index, self.cfg.state_bytes, self.clock.now + delay)
+            if download
+            else self.clock.now
+        )
         self.clock.at(ready, self._start_learner, peer, peer.epoch)
 
     def _start_learner(self, peer: Peer, epoch: int) -> None:
         if not (peer.up and peer.epoch == epoch):
             return
         machine = LearnerMachine.for_run(
-            self.manifest, self.version, inner_steps=self.cfg.inner_steps,
+            self.manifest,
+            self.version,
+            inner_steps=self.cfg.inner_steps,
             chunk=self.cfg.inner_steps,
-        )  # fmt: skip
+        )
         peer.learner = SimLearner(self, peer.profile.index, machine, epoch)
         peer.learner.go()
         old = self.members.get(self.view, {}).get(peer.profile.index)
@@ -297,20 +317,16 @@ class World:
 
     # -- committees --------------------------------------------------------------------------
 
-    def _committee(self, view: int) -> CommitteeInfo:
-        return committee_for(self.run_id, self.manifest, self.cert, view)
-
     def members_of_view(self, view: int) -> list[Member]:
         return [m for m in self.members.get(view, {}).values() if m.alive]
 
     def member_by_id(self, view: int, peer_id: str) -> Member | None:
         return self.members.get(view, {}).get(self.by_id.get(peer_id, -1))
 
-    def _open_view(self, locked: tuple[str, ...] | None = None) -> None:
-        self.view_opened = self.clock.now
-        self.committee = self._committee(self.view)
+    def _open_view(self) -> None:
+        self.committee = self.views.committee()
         self.member_indices = tuple(self.by_id[m] for m in self.committee.members)
-        self.locked = locked
+        self.seat = self._seat()
         for peer_id in self.committee.members:
             index = self.by_id[peer_id]
             peer = self.peers.get(index)
@@ -324,6 +340,28 @@ class World:
                 self.syncer_in += self.cfg.state_bytes
             self.clock.at(ready, self._open_member, index, self.round_key, peer.epoch)
 
+    def _seat(self) -> Seat:
+        """The view as its members open it. The votes name states, not certificate bodies: the
+        lock's input set is that of the state it names; a lock on a state no honest syncer
+        computed binds nobody here."""
+        seat = self.views.seat()
+        out = self.outcomes.get(seat.lock) if seat.lock is not None else None
+        if out is None:
+            return replace(seat, lock=None, locked=None)
+        return replace(seat, locked=tuple(sorted((*out.merged, *out.screened_out))))
+
+    def _node(self, index: int, epoch: int) -> SyncerNode[int, None]:
+        """Peer ``index``'s syncer node in its life ``epoch`` (a restart forgets what it held),
+        installed on the current version."""
+        got = self.nodes.get(index)
+        if got is None or got[0] != epoch:
+            peer_id = self.peers[index].profile.peer_id
+            got = self.nodes[index] = (epoch, SyncerNode(peer_id, self.run_id, self.manifest))
+        node = got[1]
+        if node.version != self.version:
+            node.install(self.cert, self.version, self.clock.now, self.views)
+        return node
+
     def _open_member(
         self, index: int, key: tuple[int, int] | None = None, epoch: int | None = None
     ) -> None:
@@ -335,60 +373,68 @@ class World:
         old = self.members.setdefault(self.view, {}).get(index)
         if old is not None and old.alive:
             return
-        live = [p.profile.peer_id for p in self.peers.values() if p.up]
-        params = params_of(
-            self.run_id, self.manifest, self.version, self.trusted, self.committee, len(live),
-            self.clock.now, locked=self.locked, trusted_learners=trusted_count(self.trusted, live),
-            progress=self.progress, max_inputs=self.cfg.max_inputs or held_cap(self.cfg.delta_bytes),
-        )  # fmt: skip
-        member = open_member(self, index, self.view, params)
+        node = self._node(index, peer.epoch)
+        opening = node.open_view(self._params, self.clock.now, self.seat)
+        assert node.round is not None  # the view's committee holds it, and the lock is known
+        member = Member(
+            self,
+            index,
+            self.view,
+            node,
+            node.round,
+            self.state_hash,
+            peer.epoch,
+            peer.profile.faulty,
+        )
         self.member_rounds += 1
         self.members[self.view][index] = member
         self.clock.after(TICK, member.tick)
-        before = self.members.get(self.view - 1, {})
-        prev = before.get(index)
-        if prev is not None and prev.epoch == peer.epoch:
-            # What it held in the view before goes into this view's round (``SyncService``
-            # carries its held submissions the same way); a locked round takes the set only.
-            carried = [sub for d, sub in prev.round.accepted.items()
-                       if self.locked is None or d in self.locked]  # fmt: skip
-            for sub in carried:
-                member.submit(sub, prev.senders.get(sub.digest, index))
-        if self.locked is not None:  # fetch the locked set from a voter that signed it
-            holders = [m for m in before.values()
-                       if m.round.own_hash and self.peers[m.index].epoch == m.epoch]  # fmt: skip
-            src = holders[0].index if holders else index
-            subs = [self.subs[d] for d in self.locked if d in self.subs]
+        for sub, actions in opening.carried:  # what it held in the views before (SyncerNode)
+            member.execute(list(actions), skip_reply_to=sub.peer_id)
+        if (fetch := opening.fetch) is not None:  # the locked inputs it lacks, from a voter
+            voters = [self.by_id[h] for h in fetch.holders]
+            src = next((h for h in voters if self._holds(h)), index)
+            subs = [self.subs[d] for d in fetch.digests if d in self.subs]
             t = self.links.transfer(src, index, self.cfg.delta_bytes * len(subs), self.clock.now)
-            self.clock.at(t, self._hand_locked, member, subs, src)
+            self.clock.at(t, member.fetched, subs, src)
 
-    def _hand_locked(self, member: Member, subs: list[Submission], src: int) -> None:
-        for sub in subs:
-            if member.alive:
-                member.submit(sub, src)
+    def _holds(self, index: int) -> bool:
+        """Peer ``index`` is up and in the life whose node signed the lock: it holds the lock's
+        inputs (as the runtime asks the lock's voters in turn)."""
+        got, peer = self.nodes.get(index), self.peers.get(index)
+        return got is not None and peer is not None and peer.up and got[0] == peer.epoch
+
+    def _params(
+        self, committee: CommitteeInfo, locked: tuple[str, ...] | None, close_after: float
+    ) -> RoundParams:
+        """The round's parameters (the simulator keeps the manifest's fixed grace)."""
+        live = [p.profile.peer_id for p in self.peers.values() if p.up]
+        return params_of(
+            self.run_id,
+            self.manifest,
+            self.version,
+            self.trusted,
+            committee,
+            len(live),
+            self.clock.now,
+            locked=locked,
+            trusted_learners=trusted_count(self.trusted, live),
+            progress=self.progress,
+            max_inputs=self.cfg.max_inputs or held_cap(self.cfg.delta_bytes),
+        )
 
     def vote(self, member: Member, signed: str | None) -> None:
-        """A member votes to leave its view. The votes move everyone on once they are a timeout
-        certificate by the real rule (``timeout_lock``: the silent members alone could not
-        certify, and at most one signed state could have), which is locked on that state."""
+        """A member votes to leave its view. The votes move everyone on once the pooled
+        ``ViewState`` finds them a timeout certificate (the silent members alone could not
+        certify, and at most one signed state could have), locked on that state."""
         if member.view != self.view:
             return
-        votes = self.votes.setdefault(self.view, {})
-        votes[member.peer_id] = signed
-        if self.view + 1 >= MAX_VIEWS:
+        vote = ViewVote(self.run_id, self.version + 1, self.view, signed, member.peer_id, "")
+        if not self.views.add(vote, self.clock.now):
             return
-        version = self.version + 1
-        tc = TimeoutCert(self.view, tuple(ViewVote(self.run_id, version, self.view, s, v, "")
-                                          for v, s in sorted(votes.items())))  # fmt: skip
-        proved, lock = timeout_lock(tc, self.committee.members, self.committee.quorum)
-        if not proved:
-            return
-        locked = None  # a lock on a state no honest syncer computed binds nobody here
-        if lock is not None and (out := self.outcomes.get(lock)) is not None:
-            locked = tuple(sorted((*out.merged, *out.screened_out)))
-        self.view_changes += 1
-        self.view += 1
-        self._open_view(locked)
+        self.view_changes += self.views.view - self.view
+        self.view = self.views.view
+        self._open_view()
         for peer in self.peers.values():
             if peer.learner is not None:
                 peer.learner.redeliver()
@@ -408,27 +454,51 @@ class World:
         h = self.cfg.inner_steps
         counted = [plausible_claim(self.subs[d].steps, self.subs[d].tokens, h) for d in merged]
         judged = set(merged).union(out.screened_out if out is not None else ())
-        senders = {d: (self.subs[d].peer_id, self.subs[d].steps, self.subs[d].tokens)
-                   for d in self.subs if d in judged}  # fmt: skip
+        senders = {
+            d: (self.subs[d].peer_id, self.subs[d].steps, self.subs[d].tokens)
+            for d in self.subs
+            if d in judged
+        }
         body = body_of(
-            self.run_id, self.manifest, self.version, self.cert, self.committee, done.state_hash,
-            senders, list(merged), out.screened_out if out is not None else {}, self.view,
+            self.run_id,
+            self.manifest,
+            self.version,
+            self.cert,
+            self.committee,
+            done.state_hash,
+            senders,
+            list(merged),
+            out.screened_out if out is not None else {},
+            self.view,
             out.update_hash if out is not None else None,
-        )  # fmt: skip
+        )
         self.cert = with_roster(self.manifest, self.cert, Certificate(body, done.signers, b""))
         self.cert_bytes = len(assemble(body, dict.fromkeys(done.signers, "0" * 128)))
         self.trusted = trusted_peers(self.manifest, self.cert)
         self.progress = None if self.trusted is None else trust_progress(self.manifest, self.cert)
-        self.certs.append(CertRecord(
-            done.version, done.state_hash, self.view, self.round_opened, self.clock.now, merged,
-            sum(self.subs[d].tokens for d in merged), sum(t for _, t in counted), out is None,
-            self.committee.members, done.signers, content_digest(body), self.cert_bytes,
-        ))  # fmt: skip
+        self.certs.append(
+            CertRecord(
+                done.version,
+                done.state_hash,
+                self.view,
+                self.round_opened,
+                self.clock.now,
+                merged,
+                sum(self.subs[d].tokens for d in merged),
+                sum(t for _, t in counted),
+                out is None,
+                self.committee.members,
+                done.signers,
+                content_digest(body),
+                self.cert_bytes,
+            )
+        )
         self.prev_agreed = {
             m.index for m in self.members_of_view(self.view) if m.round.last_hash == done.state_hash
         }
         self.version, self.state_hash = done.version, done.state_hash
-        self.round_opened, self.view, self.members, self.votes = self.clock.now, 0, {}, {}
+        self.round_opened, self.view, self.members = self.clock.now, 0, {}
+        self.views = ViewState(self.run_id, self.manifest, self.cert, "", self.clock.now)
         self._forget_old_subs()
         for peer in self.peers.values():
             learner = peer.learner

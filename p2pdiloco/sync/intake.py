@@ -171,12 +171,10 @@ class Intake:
 
 
 @dataclass
-class Held:
-    """An accepted submission, kept by a syncer until the round that merges it is over."""
+class Received:
+    """An accepted submission as this syncer serves and merges it: parsed, its signed bytes
+    and its payload (what a ``SyncerNode`` holds with it, ``core/syncer_node.py``)."""
 
     sub: ParsedSubmission
     raw: bytes
     payload: bytes
-    # Came from a fellow syncer or an earlier view, not (yet) from the learner itself: a copy
-    # the learner sends is then accepted once more, not refused as a replay.
-    fetched: bool = False

@@ -1,10 +1,12 @@
 """The asyncio driver of one node's syncer duty: the sans-IO ``SyncerRound`` on the runtime loop.
 
-When the node sits on the committee of the next version, this feeds the round with what
-arrives (submissions, the leader's proposal, fellow syncers' signatures, clock ticks) and
-carries out the actions it returns: reject (logged with the peer id and a ``Reason`` code),
-propose, fetch, merge (``sync.certified.next_state`` in a worker thread), sign, assemble the
-certificate. Every rule that changes certified bytes comes from the signed manifest
+What the node decides as a (possible) committee member is its ``SyncerNode``'s
+(``core/syncer_node.py``: held, seen and buffered submissions, fast-forward hints, which view's
+round is open and what it carries; ``core/views.py``: when to vote). This interpreter checks
+what arrives (signatures, payloads), feeds the node and its round (submissions, the leader's
+proposal, fellow syncers' signatures, votes, clock ticks) and carries out what they return:
+reject (logged with the peer id and a ``Reason`` code), relay, propose, fetch, merge
+(``sync.certified.next_state`` in a worker thread), sign, vote, assemble the certificate. Every rule that changes certified bytes comes from the signed manifest
 (``manifest.rules``); nothing local does. A merge that fails starts the round's next attempt
 instead of leaving it stuck. Every per-peer and per-submission structure is bounded. All
 methods run on the runtime's loop; nothing here is called from another thread.
@@ -21,8 +23,7 @@ from typing import Any
 
 from p2pdiloco import failpoints
 from p2pdiloco.aio import cancel_and_wait
-from p2pdiloco.core.arrivals import ArrivalWindow
-from p2pdiloco.core.bounded import BoundedLog, ReplayGuard
+from p2pdiloco.core.bounded import BoundedLog
 from p2pdiloco.core.delivery import fetch_order
 from p2pdiloco.core.roster import CommitteeInfo, with_roster
 from p2pdiloco.core.round import (
@@ -30,15 +31,15 @@ from p2pdiloco.core.round import (
     Aggregate,
     Clipped,
     Done,
-    Dropped,
-    FastForward,
     Fetch,
     Propose,
     Reject,
+    RoundParams,
     Sign,
     Submission,
     SyncerRound,
 )
+from p2pdiloco.core.syncer_node import Held, Seating, SyncerNode
 from p2pdiloco.core.trust import learners_awaited
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.net.transport import Transport
@@ -58,7 +59,7 @@ from p2pdiloco.sync.committee_msgs import (
     seal_proposal,
 )
 from p2pdiloco.sync.fetch import fetch_submission
-from p2pdiloco.sync.intake import Held, Intake, Refusal
+from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
 from p2pdiloco.sync.sending import Fellows, still_proposing, still_signing
@@ -68,9 +69,9 @@ from p2pdiloco.train.outer import OuterConfig
 
 log = logging.getLogger(__name__)
 
-MAX_BUFFERED = 256  # early proposals/signatures kept for a round this syncer has not opened
 MAX_REJECTIONS_KEPT = 1000
-MAX_FAST_FORWARD_KEPT = 4096
+
+Early = tuple[str, str, list[bytes]]  # a committee message before its round: op, peer, frames
 
 
 class SyncService:
@@ -99,96 +100,108 @@ class SyncService:
         self.on_certified = on_certified
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
-        self.committee: CommitteeInfo | None = None
-        self.round: SyncerRound | None = None
-        self.held: dict[str, Held] = {}  # bounded by the round's max_inputs
-        self.seen = ReplayGuard.for_staleness(self.rules.staleness)
-        self.fast_forward: dict[str, int] = {}
+        self.node: SyncerNode[Received, Early] = SyncerNode(self.me, run_id, manifest)
         self.signatures = RoundSignatures()  # this round's bodies, signatures, merged states
-        self.buffered: list[tuple[int, str, str, list[bytes]]] = []
         self.rejections: BoundedLog[dict[str, Any]] = BoundedLog(MAX_REJECTIONS_KEPT)
         self.clipped = 0  # submissions counted with a clipped claim (plausible_claim)
-        self.arrivals = ArrivalWindow(self.rules.grace, self.rules.grace_min)  # adaptive grace
         self._tasks: set[asyncio.Task[Any]] = set()
         call = transport.call
         self.fellows = Fellows(  # who answers and who is gone, told to the round (ADR 0041)
             lambda p, o, f: call(p, o, frames=f), lambda: self.round, self._others
         )
-        self.views = ViewDriver(identity, run_id, manifest, self.fellows.send, self._spawn)
+        views = lambda: self.node.views  # noqa: E731
+        self.views = ViewDriver(identity, run_id, views, self.fellows.send, self._spawn)
+
+    @property
+    def round(self) -> SyncerRound | None:
+        return self.node.round
+
+    @property
+    def committee(self) -> CommitteeInfo | None:
+        return self.node.committee
+
+    @property
+    def held(self) -> dict[str, Held[Received]]:
+        return self.node.held
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def install(self, state: CertifiedState) -> None:
         """A newly certified (or genesis, or downloaded) version: open the next round if this
         node is on its committee."""
-        if self.current is not None and state.version <= self.current.version:
+        early = self.node.install(state.cert, state.version, time.monotonic())
+        if early is None:
             return
         self.current = state
-        self.seen.advance(state.version)
-        self.held.clear()
         self.signatures.clear()
-        self.fast_forward.clear()
-        self.views.reset(state.cert, time.monotonic())
-        self._open_view([])
-        early = [b for b in self.buffered if b[0] == state.version + 1]
-        self.buffered = [b for b in self.buffered if b[0] > state.version + 1]
-        for _, op, peer, frames in early:
+        self._open_view()
+        for op, peer, frames in early:
             try:
                 await self.handle(op, peer, {}, frames)
             except RpcRefused as e:
                 log.info("buffered %s from %s refused: %s", op, peer, e)
 
-    def _open_view(self, carry: list[Held]) -> None:
-        """Open the round of the node's current view if it sits on that view's committee, with
-        the submissions it held in the view before (still for the same base version); a view
-        bound to an earlier view's lock opens on exactly that input set and fetches what it
-        lacks from the lock's signers. Off the committee, it keeps serving what it holds."""
-        st = self.views.state
-        assert self.current is not None and st is not None
-        self.committee, self.round = st.committee(), None
-        if self.me not in self.committee.members:
+    def _open_view(self) -> None:
+        """Open the round of the node's current view if it sits on that view's committee (the
+        node carries what it held in the view before); a view bound to an earlier view's lock
+        opens on exactly that input set and fetches what it lacks from the lock's signers."""
+        opening = self.node.open_view(self._params, time.monotonic())
+        st = opening.seat
+        if opening.seating is Seating.WAITING:
+            log.error(
+                "view %d of version %d is locked on %s, whose inputs this node has not heard: "
+                "it waits for them",
+                st.view,
+                st.version,
+                (st.lock or "")[:12],
+            )
+        if opening.seating is not Seating.MEMBER:
             return
-        locked = st.locked_inputs()
-        if st.lock is not None and locked is None:
-            log.error("view %d of version %d is locked on %s, whose inputs this node has not "
-                      "heard: it waits for them", st.view, st.version, st.lock[:12])  # fmt: skip
-            return
-        active, trusted = learners_awaited(self.manifest, self.current.cert, self.live_learners())
-        params = round_params(self.run_id, self.manifest, self.current, self.committee, active,
-                              time.monotonic(), locked, self.arrivals.next_round(), trusted,
-                              self.intake.max_inputs)  # fmt: skip
-        self.round = rnd = SyncerRound(params, self.me)
-        self.held.clear()
         log.info(
             "on the committee for version %d, view %d (%d members, quorum %d)%s",
-            st.version, st.view, len(self.committee.members), self.committee.quorum,
-            "" if locked is None else f", re-certifying {st.lock[:12] if st.lock else ''}",
-        )  # fmt: skip
-        for held in carry:
-            if locked is not None and held.sub.digest not in locked:
-                continue
-            held.fetched = True  # its learner re-sends it to this view: that copy is no replay
-            actions = rnd.on_submission(self._submission(held.sub), time.monotonic())
-            if not any(isinstance(a, Reject) for a in actions):
-                self.held[held.sub.digest] = held
-            self._execute(actions, held.sub.digest)
-        missing = tuple(d for d in locked or () if d not in rnd.accepted)
-        if missing:
-            holders = [h for h in st.holders() if h != self.me]  # the voters that signed the lock
-            self._spawn(self._fetch(missing, lambda d: holders))
+            st.version,
+            st.view,
+            len(st.committee.members),
+            st.committee.quorum,
+            "" if st.locked is None else f", re-certifying {st.lock[:12] if st.lock else ''}",
+        )
+        for sub, actions in opening.carried:
+            self._execute(list(actions), sub.digest)
+        if (fetch := opening.fetch) is not None:
+            holders = list(fetch.holders)  # the voters that signed the lock
+            self._spawn(self._fetch(fetch.digests, lambda d: holders))
+
+    def _params(
+        self, committee: CommitteeInfo, locked: tuple[str, ...] | None, close_after: float
+    ) -> RoundParams:
+        assert self.current is not None
+        active, trusted = learners_awaited(self.manifest, self.current.cert, self.live_learners())
+        return round_params(
+            self.run_id,
+            self.manifest,
+            self.current,
+            committee,
+            active,
+            time.monotonic(),
+            locked,
+            close_after,
+            trusted,
+            self.intake.max_inputs,
+        )
 
     def _enter_view(self) -> None:
         """The node moved to a later view of the same version (its votes proved the timeout)."""
-        carry = list(self.held.values())
         self.signatures.clear()
-        self._open_view(carry)
+        self._open_view()
 
     def tick(self) -> None:
         now = time.monotonic()
-        if self.views.tick(now, self.round, self.signatures.bodies):
-            self._enter_view()
+        if (intent := self.node.vote_due(now)) is not None:
+            body = self.signatures.bodies[intent.signed] if intent.signed is not None else None
+            if self.views.vote(intent, body, now):
+                self._enter_view()
         if self.round is not None:
-            self._execute(self.round.on_tick(now))
+            self._execute(self.node.track(self.round.on_tick(now)))
 
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks), "sync service")
@@ -210,7 +223,7 @@ class SyncService:
             held = self.held.get(str(control.get("digest")))
             if held is None or failpoints.hit("serve_fetch"):
                 raise RpcRefused(Reason.NOT_FOUND, "no such submission here")
-            return {}, [held.raw, held.payload]
+            return {}, [held.data.raw, held.data.payload]
         if op == "receipt":
             return self._on_receipt(str(control.get("digest", ""))), []
         raise RpcRefused(Reason.UNKNOWN_OP, f"unknown op {op[:32]!r}")
@@ -228,12 +241,7 @@ class SyncService:
         except InvalidRecord as e:
             self._reject(e.signer or stream_peer, None, Reason.INVALID_SIGNATURE, str(e))
             raise RpcRefused(Reason.INVALID_SIGNATURE, f"invalid submission: {e}") from None
-        held = self.held.get(sub.digest)
-        if held is not None:
-            # Held already: the learner's own copy after a fellow syncer's (fetched), or the
-            # same submission sent again because the reply to the first was lost. Either way
-            # it is in this round once; answering as the first time makes a resend idempotent.
-            held.fetched = False
+        if self.node.resent(sub.digest) is not None:
             return {"status": "accepted", "version": sub.header.base_version + 1}, []
         refusal = await self._check(sub, rest[0] if rest else None)
         if refusal is not None:
@@ -242,37 +250,31 @@ class SyncService:
                 self._reject(sub.envelope.signer, sub.digest, code, text)
             return {"status": "rejected", "code": code.value, "reason": text}, []
         assert self.current is not None and rest
-        h = sub.header
-        # Seen (a later copy is a replay) once a round judged it, not when refused with a code
-        # asking for a retry (NO_OPEN_ROUND, BUSY): an honest retry was logged as "replayed".
-        if self.round is None:
-            later = self.views.state is not None and self.views.state.member_soon()
-            code = Reason.NO_OPEN_ROUND if later else Reason.NOT_ON_COMMITTEE  # later: retry
-            text = f"not on the committee of this view of version {self.current.version + 1}"
-            ff = self.current.version if h.base_version < self.current.version else None
-            return {"status": "rejected", "code": code.value, "reason": text,
-                    "fast_forward": ff}, []  # fmt: skip
-        rnd, now = self.round, time.monotonic()
-        relaying = pass_on and stream_peer == h.peer_id and rnd.undecided  # to pass on
-        if relaying and (busy := self.relayer.busy(rnd, now)):  # its own learner's: no screen
-            return {"status": "rejected", "code": Reason.BUSY.value, "reason": busy}, []
-        actions = rnd.on_submission(self._submission(sub), now)
-        rejected = [a for a in actions if isinstance(a, Reject) and a.peer_id == h.peer_id]
-        if not rejected or rejected[0].code not in RETRYABLE:
-            self.seen.add(sub.digest, h.base_version)
-        if not rejected:
-            self.held[sub.digest] = Held(sub, raw, rest[0])
-            self.arrivals.arrived(time.monotonic() - rnd.params.opened_at)
-            if relaying:
-                still = lambda: self.round is rnd and rnd.undecided  # noqa: E731
-                self._spawn(self.relayer.relay(self._others(), raw, rest[0], still))
+        now, own = time.monotonic(), pass_on and stream_peer == sub.header.peer_id
+        verdict, actions = self.node.on_submission(
+            self._submission(sub),
+            Received(sub, raw, rest[0]),
+            now,
+            pass_on=own,
+            busy=lambda rnd: self.relayer.busy(rnd, now),  # its own learner's: no screen
+        )
+        if verdict.relay and (rnd := self.round) is not None:
+            still = lambda: self.round is rnd and rnd.undecided  # noqa: E731
+            self._spawn(self.relayer.relay(self._others(), raw, rest[0], still))
         self._execute(actions, sub.digest)
-        if rejected:
-            no = rejected[0]
-            return {"status": "rejected", "code": no.code.value, "reason": no.reason,
-                    "fast_forward": self.fast_forward.pop(h.peer_id, None)}, []  # fmt: skip
-        clipped = any(isinstance(a, Clipped) for a in actions)  # counted with a smaller claim
-        return {"status": "accepted", "version": self.current.version + 1, "clipped": clipped}, []
+        if not verdict.accepted:
+            assert verdict.code is not None
+            return {
+                "status": "rejected",
+                "code": verdict.code.value,
+                "reason": verdict.reason,
+                "fast_forward": verdict.fast_forward,
+            }, []
+        return {
+            "status": "accepted",
+            "version": self.current.version + 1,
+            "clipped": verdict.clipped,
+        }, []
 
     def _submission(self, sub: ParsedSubmission) -> Submission:
         h = sub.header
@@ -280,7 +282,7 @@ class SyncService:
 
     async def _check(self, sub: ParsedSubmission, payload: bytes | None) -> Refusal | None:
         version = self.current.version if self.current is not None else None
-        return await self.intake.check(sub, payload, version, self.seen)
+        return await self.intake.check(sub, payload, version, self.node.seen)
 
     def _on_proposal(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         try:
@@ -288,21 +290,15 @@ class SyncService:
         except BadMessage as e:
             self._reject(e.signer or peer, None, e.code, str(e))
             raise RpcRefused(e.code, str(e)) from None
-        if self._buffer_if_early(prop.version, "propose", peer, frames):
+        if self.node.buffer_if_early(prop.version, ("propose", peer, frames)):
             return {"buffered": True}, []
-        rnd, view = self.round, self._view
-        if rnd is None or self.current is None or prop.version != self.current.version + 1:
-            raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {prop.version}")
-        if prop.view != view:  # a later view: retry once this node is in it; an earlier: over
-            code = Reason.NO_OPEN_ROUND if prop.view > view else Reason.ROUND_CLOSED
-            raise RpcRefused(code, f"proposal for view {prop.view}; this syncer is in {view}")
-        fresh = rnd.input_set is None
-        actions = rnd.on_proposal(prop.signer, prop.digests, time.monotonic(), prop.attempt)
-        refused = [a for a in actions if isinstance(a, Reject) and a.peer_id == prop.signer]
+        refusal, actions, adopted = self.node.on_proposal(
+            prop.signer, prop.version, prop.view, prop.digests, prop.attempt, time.monotonic()
+        )
         self._execute(actions)
-        if refused:
-            raise RpcRefused(refused[0].code, refused[0].reason)
-        if fresh and rnd.input_set is not None:  # adopted: pass it on, the leader may be gone
+        if refusal is not None:
+            raise RpcRefused(*refusal)
+        if adopted:
             self._spawn(self.fellows.to_all("propose", frames[0], skip={peer, prop.signer}))
         return {}, []
 
@@ -312,7 +308,7 @@ class SyncService:
         except BadMessage as e:
             self._reject(peer, None, e.code, str(e))
             raise RpcRefused(e.code, str(e)) from None
-        if self._buffer_if_early(body.version, "sign", peer, frames):
+        if self.node.buffer_if_early(body.version, ("sign", peer, frames)):
             return {"buffered": True}, []
         if self.round is None or self.current is None or body.version != self.current.version + 1:
             raise RpcRefused(Reason.NO_OPEN_ROUND, f"no open round for version {body.version}")
@@ -322,7 +318,7 @@ class SyncService:
                 self._reject(signer, None, *no)
             raise RpcRefused(*no)
         digest = self.signatures.add(signer, body, sig, len(self.round.params.committee))
-        self._execute(self.round.on_signature(signer, digest))
+        self._execute(self.node.track(self.round.on_signature(signer, digest)))
         return {}, []
 
     def _on_vote(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
@@ -335,13 +331,6 @@ class SyncService:
             self._enter_view()
         return {}, []
 
-    def _buffer_if_early(self, version: int, op: str, peer: str, frames: list[bytes]) -> bool:
-        current = self.current.version if self.current is not None else -1
-        if current + 1 < version <= current + 3 and len(self.buffered) < MAX_BUFFERED:
-            self.buffered.append((version, op, peer, frames))
-            return True
-        return False
-
     # -- actions -----------------------------------------------------------------------------
 
     def _execute(self, actions: list[Action], context: str | None = None) -> None:
@@ -350,9 +339,6 @@ class SyncService:
                 self._reject(a.peer_id, context, a.code, a.reason)
             elif isinstance(a, Clipped):
                 self._record_clip(a)
-            elif isinstance(a, FastForward):
-                if len(self.fast_forward) < MAX_FAST_FORWARD_KEPT:
-                    self.fast_forward[a.peer_id] = a.to_version
             elif isinstance(a, Propose):
                 self._spawn(self._propose(a.digests, a.attempt))
             elif isinstance(a, Fetch):
@@ -365,9 +351,6 @@ class SyncService:
                 msg = self.signatures.message(self.me, a.state_hash)  # "later": while uncertified
                 live = partial(still_signing, lambda: self.round, self.round)
                 self._spawn(self.fellows.to_all("sign", msg, later_while=live))
-            elif isinstance(a, Dropped):
-                for d in a.digests:
-                    self.held.pop(d, None)
             elif isinstance(a, Done):
                 self._finish(a)
 
@@ -383,7 +366,7 @@ class SyncService:
 
     @property
     def _view(self) -> int:
-        return self.views.state.view if self.views.state is not None else 0
+        return self.node.view
 
     def _others(self) -> list[str]:
         assert self.committee is not None
@@ -394,8 +377,9 @@ class SyncService:
         rnd, version = self.round, self.current.version + 1
         view = self._view
         raw = seal_proposal(self.identity, self.run_id, version, attempt, digests, view)
-        log.info("proposing %d submissions for version %d (attempt %d)", len(digests), version,
-                 attempt)  # fmt: skip
+        log.info(
+            "proposing %d submissions for version %d (attempt %d)", len(digests), version, attempt
+        )
         live = partial(still_proposing, lambda: self.round, rnd, attempt)  # fellows not in it yet
         await self.fellows.to_all("propose", raw, later_while=live)
 
@@ -408,21 +392,20 @@ class SyncService:
             try:
                 frames = await fetch_submission(self.transport, d, holders(d), self.max_payload)
                 version = self.current.version if self.current is not None else None
-                sub = await self.intake.open_fetched(d, frames, version, self.seen)
+                sub = await self.intake.open_fetched(d, frames, version, self.node.seen)
             except (RpcError, InvalidRecord) as e:
                 log.warning("could not fetch submission %s: %s", d[:12], e)
                 continue
             if rnd is not self.round or rnd is None:
                 return
-            self.seen.add(d, sub.header.base_version)
-            self.held[d] = Held(sub, frames[0], frames[1], fetched=True)
-            self._execute(rnd.on_fetched(self._submission(sub)), d)
+            received = Received(sub, frames[0], frames[1])
+            self._execute(self.node.on_fetched(self._submission(sub), received), d)
 
     async def _aggregate(self, action: Aggregate) -> None:
         rnd, base, committee = self.round, self.current, self.committee
         assert rnd is not None and base is not None and committee is not None
         inputs = [
-            (d, self.held[d].sub.header.peer_id, self.held[d].payload, w, a)
+            (d, self.held[d].sub.peer_id, self.held[d].data.payload, w, a)
             for d, w, a in zip(action.digests, action.weights, action.anchors(), strict=True)
         ]
         loop = asyncio.get_running_loop()
@@ -432,25 +415,35 @@ class SyncService:
             log.error("round %d: merge failed (%s); starting the next attempt", base.version + 1, e)
             if rnd is self.round:
                 screened = tuple(e.rejected) if isinstance(e, MergeError) else ()
-                self._execute(
-                    rnd.on_merge_failed(time.monotonic(), attempt=action.attempt,
-                                        screened_out=screened)
-                )  # fmt: skip
+                now = time.monotonic()
+                failed = rnd.on_merge_failed(now, attempt=action.attempt, screened_out=screened)
+                self._execute(self.node.track(failed))
             return
         if rnd is not self.round:
             return
-        headers = {d: self.held[d].sub.header for d in action.digests}
+        headers = {d: self.held[d].data.sub.header for d in action.digests}
         for d, r in sorted(result.rejected.items()):
             self._reject(headers[d].peer_id, d, Reason.SCREENED_OUT, f"screened out: {r}")
         view = self._view
         body = certificate_body(
-            self.run_id, self.manifest, base, committee, state.state_hash, headers,
-            result.accepted, result.rejected, view=view, update_hash=state.update_hash,
-        )  # fmt: skip
-        lock = self.views.state.lock if self.views.state is not None else None
+            self.run_id,
+            self.manifest,
+            base,
+            committee,
+            state.state_hash,
+            headers,
+            result.accepted,
+            result.rejected,
+            view=view,
+            update_hash=state.update_hash,
+        )
+        lock = self.node.views.lock if self.node.views is not None else None
         if lock is not None and content_digest(body) != lock:
-            log.error("version %d: merge differs from the locked content %s; not signing",
-                      body.version, lock[:12])  # fmt: skip
+            log.error(
+                "version %d: merge differs from the locked content %s; not signing",
+                body.version,
+                lock[:12],
+            )
             return
         digest = self.signatures.own(self.identity, body, state)
         log.info(
@@ -461,7 +454,7 @@ class SyncService:
             result.rule,
             state.state_hash[:12],
         )
-        self._execute(rnd.on_aggregated(digest, attempt=action.attempt))
+        self._execute(self.node.track(rnd.on_aggregated(digest, attempt=action.attempt)))
 
     def _merge(
         self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
@@ -471,7 +464,7 @@ class SyncService:
         return next_state(base, merge_inputs, self.rules, self.outer)
 
     def _finish(self, done: Done) -> None:
-        tcs = tuple(self.views.state.tcs) if self.views.state is not None else ()
+        tcs = tuple(self.node.views.tcs) if self.node.views is not None else ()
         raw, cert, state = self.signatures.certificate(
             done.state_hash, done.signers, tcs, self.run_id
         )
@@ -479,8 +472,14 @@ class SyncService:
             assert self.current is not None
             state.cert = cert = with_roster(self.manifest, self.current.cert, cert)
         late = "" if done.agreed_with_quorum else " (this syncer's merge differed, failed or late)"
-        log.info("version %d certified by %d/%d syncers (view %d)%s", cert.body.version,
-                 len(done.signers), len(cert.body.committee), cert.body.view, late)  # fmt: skip
+        log.info(
+            "version %d certified by %d/%d syncers (view %d)%s",
+            cert.body.version,
+            len(done.signers),
+            len(cert.body.committee),
+            cert.body.view,
+            late,
+        )
         self.on_certified(raw, state)
 
     def _record_clip(self, clip: Clipped) -> None:
@@ -493,6 +492,11 @@ class SyncService:
         log.warning("rejected input from %s: [%s] %s", peer, code.value, reason)
         version = self.current.version + 1 if self.current is not None else None
         self.rejections.append(
-            {"peer_id": peer, "digest": digest, "code": code.value, "reason": reason[:300],
-             "round": version}
-        )  # fmt: skip
+            {
+                "peer_id": peer,
+                "digest": digest,
+                "code": code.value,
+                "reason": reason[:300],
+                "round": version,
+            }
+        )

@@ -1,11 +1,11 @@
-"""The syncer service's view change: when to vote, the ``vote`` message, and moving on.
+"""The syncer service's view change on the wire: the ``vote`` message, signed and sent.
 
-``SyncService`` owns one ``ViewDriver``; it resets it on every certified version, ticks it, and
-hands it the ``vote`` requests fellow nodes send. The driver signs this node's vote when its
-view times out (the round then signs nothing more in that view), sends it to the committees of
-the view and of the next one, and tells the service when the node has moved to a new view, so
-the service opens that view's round. The protocol is in ``protocol/view_change.py``; the
-sans-IO state in ``core/views.py``.
+``SyncService`` owns one ``ViewDriver``. When the node's ``SyncerNode`` says a vote is due
+(``core/views.py: leave_view``: the view timed out, or its round is stuck; the round then
+signs nothing more in that view), the driver signs it, sends it to the committees of the view
+and of the next one, and casts it; it opens the ``vote`` requests fellow nodes send and hands
+them to the node's ``ViewState`` (``hear_vote``). Either says when the node has moved to a new
+view, so the service opens that view's round. The protocol is in ``protocol/view_change.py``.
 
 Vote message (one frame, canonical JSON, at most ``MAX_VOTE_BYTES``):
 ``{"version": v + 1, "view": j, "voter": peer id, "vote": {"signed", "sig"},
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from p2pdiloco.core.round import SyncerRound
-from p2pdiloco.core.views import ViewState
-from p2pdiloco.protocol.certificates import Certificate, CertificateBody, content_digest
+from p2pdiloco.core.views import ViewState, VoteIntent, hear_vote
+from p2pdiloco.protocol.certificates import CertificateBody, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
 from p2pdiloco.protocol.view_change import (
     MAX_VIEWS,
@@ -51,11 +49,16 @@ def vote_message(
     lock: CertificateBody | None,
 ) -> bytes:
     return canonical_json(
-        {"version": vote.version, "view": vote.view, "voter": vote.voter,
-         "vote": vote.wire(), "views": [tc.wire() for tc in tcs],
-         "body": body.model_dump(mode="json") if body is not None else None,
-         "lock": lock.model_dump(mode="json") if lock is not None else None}
-    )  # fmt: skip
+        {
+            "version": vote.version,
+            "view": vote.view,
+            "voter": vote.voter,
+            "vote": vote.wire(),
+            "views": [tc.wire() for tc in tcs],
+            "body": body.model_dump(mode="json") if body is not None else None,
+            "lock": lock.model_dump(mode="json") if lock is not None else None,
+        }
+    )
 
 
 def _body(obj: object) -> CertificateBody | None:
@@ -97,48 +100,48 @@ def open_vote(raw: bytes, run_id: str) -> VoteMessage:
 
 
 class ViewDriver:
+    """Signs and sends this node's votes and opens fellows' vote messages; what to vote, when
+    and to whom is ``core/views.py``'s (``leave_view``, ``hear_vote``) and the ``ViewState``
+    is the syncer node's."""
+
     def __init__(
         self,
         identity: Identity,
         run_id: str,
-        manifest: RunManifest,
+        views: Callable[[], ViewState | None],
         send: Callable[[str, str, bytes], Awaitable[None]],
         spawn: Callable[[Awaitable[None]], None],
     ) -> None:
         self.identity = identity
         self.run_id = run_id
-        self.manifest = manifest
+        self._views = views  # the syncer node's (its one owner)
         self.send = send
         self.spawn = spawn
-        self.state: ViewState | None = None
 
-    def reset(self, base: Certificate | None, now: float) -> ViewState:
-        """A new certified version: its successor's round starts in view 0."""
-        self.state = ViewState(self.run_id, self.manifest, base, self.identity.peer_id, now)
-        return self.state
+    @property
+    def state(self) -> ViewState | None:
+        """The node's view state (None before its first certified version)."""
+        return self._views()
 
-    def tick(
-        self, now: float, rnd: SyncerRound | None, bodies: Mapping[str, CertificateBody]
-    ) -> bool:
-        """Vote if this node's view timed out (``bodies``: the round's bodies by digest, to
-        name the content it signed); True if that vote moved the node to a new view."""
+    def vote(self, intent: VoteIntent, body: CertificateBody | None, now: float) -> bool:
+        """Sign the vote ``intent`` decided (``body``: the content this node signed in the
+        view, if any), send it, and cast it; True if that vote moved the node to a new view."""
         st = self.state
-        stuck = rnd is not None and (rnd.leader_silent(now) or rnd.quorum_unreachable(now))
-        if st is None or not st.due(now, stuck):
-            return False
-        own = rnd.abandon() if rnd is not None else None
-        body = bodies[own] if own is not None else None
+        assert st is not None
         signed = content_digest(body) if body is not None else None
-        vote = sign_vote(self.identity, self.run_id, st.version, st.view, signed)
-        tcs, recipients = list(st.tcs), st.recipients(st.view)
+        vote = sign_vote(self.identity, self.run_id, intent.version, intent.view, signed)
         log.warning(
             "no certificate for version %d in view %d after %.0f s: voting to hand it to view %d "
-            "(%s)", st.version, st.view, now - st.opened_at, st.view + 1,
+            "(%s)",
+            st.version,
+            st.view,
+            now - st.opened_at,
+            st.view + 1,
             "signed nothing" if signed is None else f"signed {signed[:12]}",
-        )  # fmt: skip
+        )
         lock = st.bodies.get(st.lock) if st.lock is not None else None
-        raw = vote_message(vote, tcs, body, lock)
-        for peer in recipients:
+        raw = vote_message(vote, list(st.tcs), body, lock)
+        for peer in intent.recipients:
             self.spawn(self.send(peer, "vote", raw))
         return st.cast(vote, now, body)
 
@@ -146,7 +149,4 @@ class ViewDriver:
         """A fellow node's vote message (BadMessage if invalid); True if this node moved on."""
         msg = open_vote(raw, self.run_id)
         st = self.state
-        if st is None or msg.vote.version != st.version:
-            return False
-        moved = st.adopt(msg.tcs, now, msg.lock)
-        return st.add(msg.vote, now, msg.body) or moved
+        return st is not None and hear_vote(st, msg.vote, msg.tcs, msg.body, msg.lock, now)
