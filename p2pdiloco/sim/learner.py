@@ -9,8 +9,9 @@ its waits onto the event heap, and what it tells the trainer to the learner mach
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from p2pdiloco.core.delivery import (
     Answer,
@@ -34,11 +35,48 @@ from p2pdiloco.core.learner import (
     Train,
     Wait,
 )
+from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.sim.backend import Merge
+from p2pdiloco.sim.clock import Clock
+from p2pdiloco.sim.config import Profile, SimConfig
 
-if TYPE_CHECKING:
-    from p2pdiloco.sim.world import World
+
+class Peer(Protocol):
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...  # bumped by every crash
+
+
+class Network(Protocol):
+    """What a learner needs of the simulated network (``sim.world.World`` is it): the clock,
+    the peers, the run, the current committee and chain, and where its uploads go."""
+
+    cfg: SimConfig
+    clock: Clock
+    run_id: str
+    trained_tokens: int
+    deltas_sent: int
+
+    @property
+    def peers(self) -> Mapping[int, Peer]: ...
+    @property
+    def by_id(self) -> Mapping[str, int]: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def committee(self) -> CommitteeInfo: ...
+    @property
+    def subs(self) -> dict[str, Submission]: ...
+    @property
+    def merge(self) -> Merge: ...
+    def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None: ...
+    def catch_up(self, learner: SimLearner) -> None: ...
+    def merged_since(self, version: int, newest: int) -> frozenset[str]: ...
 
 
 @dataclass
@@ -68,7 +106,7 @@ class Overtime:
 
 @dataclass
 class SimLearner:
-    world: World
+    world: Network
     index: int
     machine: LearnerMachine
     epoch: int
