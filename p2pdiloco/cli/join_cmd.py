@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,6 +19,7 @@ from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.cli.signals import stop_event
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError, UserError
+from p2pdiloco.island.secret import new_secret, parse_secret
 from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
@@ -94,6 +96,12 @@ def join(
             "--lan-island", help="Form or join the LAN island named by --island (first host leads)."
         ),
     ] = False,
+    island_secret: Annotated[
+        str | None,
+        typer.Option(
+            help="A LAN island's secret (64 hex digits, printed by its leader): members need it."
+        ),
+    ] = None,
     max_memory: Annotated[
         float | None, typer.Option(help="GiB this node may use [default: what is free].")
     ] = None,
@@ -158,6 +166,11 @@ def join(
     ranks = _typed("island_ranks", island_ranks, None, int, conf)
     if lan_island and not island:
         raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
+    secret_hex = _typed("island_secret", island_secret, None, str, conf)
+    try:
+        secret = parse_secret(secret_hex) if secret_hex else None
+    except ValueError as e:
+        raise ConfigError(f"--island-secret: {e}") from None
     max_mem = _typed("max_memory", max_memory, None, float, conf)
     micro = _typed("batch_size", batch_size, None, int, conf)
     cache = _typed("cache_dir", cache_dir, None, Path, conf)
@@ -178,6 +191,8 @@ def join(
         dev_name, gpu_ids, ranks, threads,
         lan=lan_island, host=lan_host(host) if lan_island else "127.0.0.1", offload=offload,
     )  # fmt: skip
+    if island_spec is not None and island_spec.lan:  # other hosts must be told the secret
+        island_spec = replace(island_spec, secret=secret or new_secret())
     if gpu_ids:
         dev_name = f"cuda:{gpu_ids[0]}"
     if cache is not None:
@@ -239,7 +254,12 @@ def join(
             from p2pdiloco.island.lan import Announcer, find_leader
 
             if (leader := find_leader(node, node.island)) is not None:
-                serve_lan_member(node, leader, dev_name, stop)
+                if secret is None:
+                    raise UserError(
+                        f"island {node.island} is led by {leader.peer_id[:16]}; its members "
+                        "need its secret: pass --island-secret (its leader printed it)"
+                    )
+                serve_lan_member(node, leader, secret, dev_name, stop)
                 return
         running = _start_node(
             node, dev_name, micro, max_mem, state, threads, until_version, adversary, no_train,
@@ -264,6 +284,12 @@ def join(
             announcer = Announcer(node, node.island, running.trainer.learner)
             announcer.start()
             print(f"island {node.island}: leading; members join at {announcer.address}", flush=True)
+            assert island_spec is not None and island_spec.secret is not None
+            print(
+                f"island {node.island}: other hosts join with --island {node.island} --lan-island "
+                f"--island-secret {island_spec.secret.hex()}",
+                flush=True,
+            )
         _serve(view, running if not no_train else None, stop, tui, json_logs, heartbeat_interval)
         if announcer is not None:
             announcer.stop()
