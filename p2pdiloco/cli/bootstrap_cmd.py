@@ -68,7 +68,7 @@ def bootstrap(
                 print(f"gossip: {addr}", flush=True)
         web = f"http://{http_host}:{server.http.port}"
         print(f"web page: {web}/  (runs, peers, the verified leaderboard)", flush=True)
-        print(f"HTTP API: {web}/healthz  {web}/api/v1/state  {web}/metrics", flush=True)
+        print(f"HTTP: {web}/healthz  {web}/api/v1/state  {web}/metrics", flush=True)
         stop.wait()
         print("stopping", flush=True)
     finally:
