@@ -82,7 +82,9 @@ def test_a_lan_island_forms_through_the_dht_grows_and_re_forms(tmp_path: Path) -
             )
         finally:
             intruder.kill()
-            told = intruder.communicate(timeout=30)[0].decode()
+            intruder.wait(30)
+            assert intruder.stdout is not None
+            told = intruder.stdout.read().decode()
         assert "rank" not in told  # it never sat in a generation
         grown_at = lead.status()["version"]
         assert "as a member (gloo, 1 ranks now)" in host_b.text()
