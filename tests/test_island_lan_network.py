@@ -1,13 +1,17 @@
 """A LAN island on real processes (issue 13 item 2): ``join --island lab --lan-island`` leads a
 one-rank island and announces it in the DHT (a signed rendezvous record); a second host's
-``join --island lab --lan-island`` finds it and serves as its member (rank 1, gloo over TCP).
+``join --island lab --lan-island --island-secret HEX`` finds it and serves as its member (rank 1,
+gloo over TCP), while a host without the secret and a process with a wrong one are refused.
 The leader takes it in at a send boundary, the certificates credit the leader as one learner
 with both ranks' rows, and when the member is SIGKILLed the leader re-forms alone and goes on.
 Loopback stands in for the LAN."""
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,8 +49,44 @@ def test_a_lan_island_forms_through_the_dht_grows_and_re_forms(tmp_path: Path) -
         net.wait_versions(1, [lead, other], 300)
         assert "island lab: leading; members join at 127.0.0.1:" in lead.text()
 
-        host_b = net.start_node("hostB", Identity.generate(), until_version=100, extra=LAN)
-        wait_for("the leader to take host B in", lambda: "island now 2 ranks" in lead.text(), 180)
+        out = lead.text()
+        address = re.search(r"members join at (\S+)", out)
+        secret = re.search(r"--island-secret ([0-9a-f]{64})", out)
+        assert address is not None and secret is not None
+
+        # A host of the LAN without the secret is told so in one line, before it joins.
+        stranger = net.start_node("hostC", Identity.generate(), until_version=100, extra=LAN)
+        assert stranger.proc.wait(120) != 0
+        assert "its members need its secret: pass --island-secret" in stranger.text()
+        # A process that reaches the store with a wrong secret is refused and logged.
+        intruder = subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco.island.member", f"--store={address[1]}",
+             "--secret-stdin"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            assert intruder.stdin is not None
+            intruder.stdin.write(b"ab" * 32 + b"\n")
+            intruder.stdin.close()
+            wait_for(
+                "the leader to refuse the intruder",
+                lambda: "refused a member" in lead.text(), 180,
+            )  # fmt: skip
+            assert "island_auth_failed" in lead.text()
+
+            host_b = net.start_node(
+                "hostB", Identity.generate(), until_version=100,
+                extra=(*LAN, "--island-secret", secret[1]),
+            )  # fmt: skip
+            wait_for(
+                "the leader to take host B in", lambda: "island now 2 ranks" in lead.text(), 180
+            )
+        finally:
+            intruder.kill()
+            intruder.wait(30)
+            assert intruder.stdout is not None
+            told = intruder.stdout.read().decode()
+        assert "rank" not in told  # it never sat in a generation
         grown_at = lead.status()["version"]
         assert "as a member (gloo, 1 ranks now)" in host_b.text()
         assert "generation 1: rank 1 of 2" in host_b.text()

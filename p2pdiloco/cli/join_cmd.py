@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,6 +17,7 @@ from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.join_config import JoinConfig
 from p2pdiloco.cli.join_logs import json_logging, log_to_file
 from p2pdiloco.errors import ConfigError, UserError
+from p2pdiloco.island.secret import new_secret
 from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
@@ -71,6 +73,12 @@ def join(
             "--lan-island", help="Form or join the LAN island named by --island (first host leads)."
         ),
     ] = False,
+    island_secret: Annotated[
+        str | None,
+        typer.Option(
+            help="A LAN island's secret (64 hex digits, printed by its leader): members need it."
+        ),
+    ] = None,
     max_memory: Annotated[
         float | None, typer.Option(help="GiB this node may use [default: what is free].")
     ] = None,
@@ -153,7 +161,7 @@ def run_join(cfg: JoinConfig) -> None:
     try:
         node.start()
         _say_joined(node)
-        if cfg.lan_island and _serve_a_lan_island(node, device, stop):
+        if cfg.lan_island and _serve_a_lan_island(node, cfg.island_secret, device, stop):
             return
         running = _start_training(node, cfg, device, island)
         training = None if cfg.no_train else running  # what the view and the loop show
@@ -162,8 +170,8 @@ def run_join(cfg: JoinConfig) -> None:
         view = NodeView(node, training)
         if cfg.metrics_port is not None:
             metrics_api = _serve_metrics(view, cfg.host, cfg.metrics_port)
-        if cfg.lan_island and running.trainer is not None:
-            announcer = _lead_lan_island(node, running)
+        if cfg.lan_island and running.trainer is not None and island is not None:
+            announcer = _lead_lan_island(node, running, island)
         tui = sys.stdout.isatty() and not cfg.no_tui and not cfg.json_logs
         _serve(view, training, stop, tui, cfg.json_logs, cfg.heartbeat_interval)
         if announcer is not None:
@@ -201,6 +209,8 @@ def _placement(cfg: JoinConfig) -> tuple[str, tuple[int, ...], IslandSpec | None
         host=host,
         offload=cfg.offload,
     )
+    if island is not None and island.lan:  # its other hosts are told the secret
+        island = replace(island, secret=cfg.island_secret or new_secret())
     return (f"cuda:{gpus[0]}" if gpus else cfg.device), gpus, island
 
 
@@ -234,25 +244,37 @@ def _say_joined(node: Node) -> None:
     _network_findings(node)
 
 
-def _serve_a_lan_island(node: Node, device: str, stop: Any) -> bool:
+def _serve_a_lan_island(node: Node, secret: bytes | None, device: str, stop: Any) -> bool:
     """With ``--lan-island``: if another host already leads the island, serve it as a member
-    until it stops or Ctrl-C, and return True; False if this host is to lead it."""
+    until it stops or Ctrl-C, and return True; False if this host is to lead it. UserError
+    (one line) when it is led elsewhere and ``secret`` was not given."""
     from p2pdiloco.cli.join_island import serve_lan_member
     from p2pdiloco.island.lan import find_leader
 
     if (leader := find_leader(node, node.island)) is None:
         return False
-    serve_lan_member(node, leader, device, stop)
+    if secret is None:
+        raise UserError(
+            f"island {node.island} is led by {leader.peer_id[:16]}; its members need its "
+            "secret: pass --island-secret (its leader printed it)"
+        )
+    serve_lan_member(node, leader, secret, device, stop)
     return True
 
 
-def _lead_lan_island(node: Node, running: Any) -> Any:
-    """This host leads its LAN island: announce where members join, and say it."""
+def _lead_lan_island(node: Node, running: Any, island: IslandSpec) -> Any:
+    """This host leads its LAN island: announce where members join, and say how."""
     from p2pdiloco.island.lan import Announcer
 
     announcer = Announcer(node, node.island, running.trainer.learner)
     announcer.start()
     print(f"island {node.island}: leading; members join at {announcer.address}", flush=True)
+    assert island.secret is not None
+    print(
+        f"island {node.island}: other hosts join with --island {node.island} --lan-island "
+        f"--island-secret {island.secret.hex()}",
+        flush=True,
+    )
     return announcer
 
 

@@ -7,13 +7,14 @@ are this dataclass's fields, by name; the node is assembled from it in ``join_cm
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2pdiloco.cli.net_common import bootstrap_addrs
 from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError
+from p2pdiloco.island.secret import parse_secret
 from p2pdiloco.net import keys
 
 if TYPE_CHECKING:  # hivemind, torch: the library's configs are built once the settings are good
@@ -38,6 +39,7 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "state_dir": (Path, None),
     "metrics_port": (int, None),
     "compute_share": (float, 1.0),
+    "island_secret": (str, None),  # hex; parsed in ``from_flags``
 }
 
 
@@ -59,6 +61,9 @@ class JoinConfig:
     island_ranks: int | None = None  # processes training this node's learner together (gloo)
     offload: bool = False  # a CUDA island keeps optimizer state and weights in host RAM
     lan_island: bool = False  # form or join the LAN island named by ``island``
+    # The LAN island's secret (32 bytes, given as 64 hex digits): a member needs its leader's;
+    # a leader without one makes one and prints it (``island.sealed``).
+    island_secret: bytes | None = field(default=None, repr=False)
     max_memory: float | None = None  # GiB this node may use; None: what is free
     batch_size: int | None = None  # sequences per micro-batch; None: auto, printed
     cache_dir: Path | None = None  # Hugging Face cache for tokenizers and weights
@@ -91,6 +96,11 @@ class JoinConfig:
             for name, (cast, default) in SETTINGS.items()
         }
         got["gpus"] = _gpus(got["gpus"])
+        try:
+            secret = got["island_secret"]
+            got["island_secret"] = parse_secret(secret) if secret else None
+        except ValueError as e:
+            raise ConfigError(f"--island-secret: {e}") from None
         if flags.get("lan_island") and not flags.get("island"):
             raise ConfigError("--lan-island needs --island NAME, the same on every host of the LAN")
         if not 0.0 < got["compute_share"] <= 1.0:

@@ -30,7 +30,7 @@ def plan_island_for(model: str, spec: IslandSpec, available: int | None) -> Isla
     return replace(spec, checkpointing=checkpointing)
 
 
-def serve_lan_member(node: Node, leader: Any, device: str, stop: Any) -> None:
+def serve_lan_member(node: Node, leader: Any, secret: bytes, device: str, stop: Any) -> None:
     """This host serves another's LAN island as a member (no learner of its own), heartbeating
     in the run meanwhile, until rank 0 stops or goes, or Ctrl-C."""
     from p2pdiloco.runtime.launch import RunningNode, TrainConfig
@@ -43,7 +43,7 @@ def serve_lan_member(node: Node, leader: Any, device: str, stop: Any) -> None:
     membership = RunningNode(node, TrainConfig(state_dir=Path("."), train=False))
     membership.start()
     try:
-        member = serve_as_member(leader, device, stop)
+        member = serve_as_member(leader, secret, device, stop)
     finally:
         membership.stop()
     print(f"stopped (island member {member})", flush=True)

@@ -8,7 +8,9 @@ order (``run_op``): each is a collective, so the members never wait in one for a
 0 did not send, and no collective timeout runs while rank 0 waits on the network.
 
 Values are written with ``torch.save`` and read with ``weights_only=True``: a blob holds
-plain values and tensors only, so a bad one is refused with an error, never executed.
+plain values and tensors only, so a bad one is refused with an error, never executed. The
+store is sealed with the island's secret (``island.sealed``): a value nobody of the island
+wrote fails its check before it is read.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from p2pdiloco.train.configs import InnerConfig
 OPS = ("scatter", "gather", "train", "seek", "reform", "stop")
 MEMBERS = "members"  # counter: member ids are handed out by incrementing it
 GENS = "gens"  # counter: generations formed so far
+JOIN = "join"  # queue: another host's member pushes its sealed id to register
+JOINS_PER_LOOK = 64  # registrations rank 0 reads at a time: a flood of junk waits its turn
+BEAT = 0.5
 
 
 def beat_key(member: int) -> str:
-    """Counter a member increments every ``BEAT`` seconds while it runs."""
+    """A member's beat: a sealed, increasing count it writes every ``BEAT`` seconds."""
     return f"beat/{member}"
-
-
-BEAT = 0.5
 
 
 def gen_key(gen: int) -> str:

@@ -56,8 +56,11 @@ def find_leader(node: Any, name: str) -> IslandRendezvous | None:
     return find_island(node.dht, node.run.run_id, name, exclude=node.identity.peer_id)
 
 
-def serve_as_member(rdv: IslandRendezvous, device: str, stop: threading.Event) -> int:
-    """Serve rank 0 of ``rdv`` until it stops us, goes away, or ``stop`` is set."""
+def serve_as_member(
+    rdv: IslandRendezvous, secret: bytes, device: str, stop: threading.Event
+) -> int:
+    """Serve rank 0 of ``rdv`` until it stops us, goes away, or ``stop`` is set; ``secret``
+    is the island's (``join --island-secret``), without which rank 0 refuses this host."""
     import torch
 
     from p2pdiloco.island.member import run_member
@@ -66,4 +69,4 @@ def serve_as_member(rdv: IslandRendezvous, device: str, stop: threading.Event) -
     dev = resolve_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    return run_member(rdv.store, device=dev, stop=stop.is_set)
+    return run_member(rdv.store, secret, device=dev, stop=stop.is_set)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import re
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from p2pdiloco.island import channel
+from p2pdiloco.island.sealed import IslandAuthError, SealedStore
+from p2pdiloco.island.secret import new_secret
 from p2pdiloco.island.shards import Shards
 from p2pdiloco.island.spec import IslandSpec
 from p2pdiloco.train.configs import InnerConfig
@@ -66,66 +69,102 @@ class Island:
         self.spec, self.model, self.seed, self.cfg = spec, model, seed, cfg
         self.micro_batch = micro_batch
         self.device = torch.device(spec.devices[0])
-        self.store = dist.TCPStore(
+        self.raw_store = dist.TCPStore(
             "0.0.0.0" if spec.lan else "127.0.0.1",
             0,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=spec.timeout_s),
         )
+        self.secret = spec.secret or new_secret()
+        self.store = SealedStore(self.raw_store, self.secret)
         # Where members reach the store: other hosts at ``spec.host``, children on loopback.
-        self.address = f"{spec.host if spec.lan else '127.0.0.1'}:{self.store.port}"
+        self.address = f"{spec.host if spec.lan else '127.0.0.1'}:{self.raw_store.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.members: dict[int, subprocess.Popen[bytes]] = {}  # this host's, by member id
         for r in range(1, spec.ranks):
-            i = int(self.store.add(channel.MEMBERS, 1))
+            i = self.store.add(channel.MEMBERS, 1)
             cmd = [
                 sys.executable,
                 "-m",
                 "p2pdiloco.island.member",
-                f"--store=127.0.0.1:{self.store.port}",
+                f"--store=127.0.0.1:{self.raw_store.port}",
                 f"--id={i}",
                 f"--device={spec.devices[r]}",
+                "--secret-stdin",
             ]
             if spec.threads:
                 cmd.append(f"--threads={spec.threads}")
             with open(log_dir / f"island-member-{i}.log", "ab") as out:
-                self.members[i] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                child = subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT
+                )
+            assert child.stdin is not None
+            child.stdin.write(self.secret.hex().encode() + b"\n")  # never in argv or environ
+            child.stdin.close()
+            self.members[i] = child
         self.gen, self.seq = -1, 0
         self.in_gen: list[int] = []  # member ids of the current generation
         self.seen = 0  # members registered when it formed
         self.shards: Shards | None = None
+        self.admitted: set[int] = set()  # other hosts' members whose registration verified
+        self.refused = 0  # registrations that failed the check
 
     @property
     def world(self) -> int:
         return self.shards.world if self.shards is not None else 0
 
-    def registered(self) -> int:
-        return int(self.store.add(channel.MEMBERS, 0))
-
     def alive(self) -> list[int]:
         """Members running now: this host's children that have not exited, and other hosts'
-        members whose beat counter moved within ``BEAT_WINDOW`` seconds."""
+        admitted members (``admit``) whose sealed beat moved on within ``BEAT_WINDOW`` s."""
         local = {i for i, p in self.members.items() if p.poll() is None}
-        remote = [i for i in range(1, self.registered() + 1) if i not in self.members]
+        remote = self.admit()
         if remote:
             before = {i: self._beat(i) for i in remote}
             time.sleep(BEAT_WINDOW)
-            remote = [i for i in remote if self._beat(i) != before[i]]
+            remote = [i for i in remote if self._beat(i) > before[i]]
         return sorted(local | set(remote))
 
+    def admit(self) -> list[int]:
+        """Other hosts' members whose registration (their id, pushed to the join queue) is
+        sealed with this island's secret. One that is not is refused and logged: the queue is
+        read ``JOINS_PER_LOOK`` entries at a time, so a flood of junk costs reads, not memory
+        or a place in the island."""
+        for entry in self.store.pop_all(channel.JOIN, channel.JOINS_PER_LOOK):
+            if isinstance(entry, IslandAuthError):
+                self.refused += 1
+                if math.log10(self.refused).is_integer():  # the 1st, 10th, 100th, ...
+                    log.warning(
+                        "island: refused a member: its registration is not sealed with this "
+                        "island's secret (reason: island_auth_failed; %d refused so far)",
+                        self.refused,
+                    )
+                continue
+            try:
+                member = int(entry)
+            except ValueError:
+                continue  # sealed by a holder of the secret: a bug, not an attack
+            if member not in self.members:
+                self.admitted.add(member)
+        return sorted(self.admitted)
+
     def newcomers(self) -> bool:
-        """Members have registered since this generation formed (LAN hosts joining): forming
-        the next one at a send boundary takes them in without losing a step."""
-        return self.registered() > self.seen
+        """Members have been admitted since this generation formed (LAN hosts joining):
+        forming the next one at a send boundary takes them in without losing a step."""
+        return len(self.admit()) > self.seen
 
     def _beat(self, member: int) -> int:
-        return int(self.store.add(channel.beat_key(member), 0))
+        """The member's last sealed beat; -1 if it has none that verifies."""
+        key = channel.beat_key(member)
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else -1
+        except (IslandAuthError, ValueError):
+            return -1
 
     def form(self, global_step: int) -> Shards:
         """Form the next generation from rank 0 and every member still running."""
         self.gen, self.seq = self.gen + 1, 0
-        self.seen = self.registered()
+        self.seen = len(self.admit())
         ranks = generation_ranks(self.alive(), self.cfg.batch_size)
         self.in_gen = [int(i) for i in ranks if i != "0"]
         channel.put(

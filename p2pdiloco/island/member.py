@@ -1,7 +1,7 @@
 """A member of an island (rank ≥ 1): it trains its rows of each step and holds its shards, and
 never speaks to the network.
 
-    python -m p2pdiloco.island.member --store HOST:PORT [--id 1] [--device cpu] [--threads 1]
+    python -m p2pdiloco.island.member --store HOST:PORT --secret-stdin [--id 1] [--device cpu]
 
 Started by rank 0's ``join`` on its own host (with ``--id``), or run by ``join --lan-island`` on
 another host of the LAN (``run_member``, which registers for an id). It beats a counter in the
@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from p2pdiloco.island import channel
+from p2pdiloco.island.sealed import IslandAuthError, SealedStore
+from p2pdiloco.island.secret import parse_secret
 
 log = logging.getLogger("p2pdiloco.island.member")
 
@@ -64,18 +66,22 @@ def serve_generation(
         dist.destroy_process_group()
 
 
-def _beat(address: tuple[str, int], member: int, done: threading.Event) -> None:
-    """Increment this member's beat counter every ``channel.BEAT`` s (its own connection)."""
+def _beat(address: tuple[str, int], secret: bytes, member: int, done: threading.Event) -> None:
+    """Write this member's sealed, increasing beat every ``channel.BEAT`` s (its own
+    connection)."""
     try:
-        store = dist.TCPStore(address[0], address[1], is_master=False, wait_for_workers=False)
+        conn = dist.TCPStore(address[0], address[1], is_master=False, wait_for_workers=False)
+        store, beat = SealedStore(conn, secret), 0
         while not done.wait(channel.BEAT):
-            store.add(channel.beat_key(member), 1)
+            beat += 1
+            store.set(channel.beat_key(member), str(beat))
     except dist.DistError:
         return  # rank 0 is gone: the main loop notices too
 
 
 def run_member(
     store_addr: str,
+    secret: bytes,
     *,
     member_id: int | None = None,
     device: torch.device | None = None,
@@ -83,23 +89,27 @@ def run_member(
     stop: Callable[[], bool] | None = None,
 ) -> int:
     """Serve rank 0 at ``store_addr`` until it stops us or goes; returns the member id.
-    ``member_id``: given by rank 0 to its own children; None registers for one."""
+    ``secret``: the island's (its store is sealed with it, ``island.sealed``); without it rank
+    0 refuses the registration. ``member_id``: given by rank 0 to its own children; None
+    registers for one."""
     device = device or torch.device("cpu")
     host, _, port = store_addr.rpartition(":")
-    store = dist.TCPStore(
+    conn = dist.TCPStore(
         host,
         int(port),
         is_master=False,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=60),
     )
+    store = SealedStore(conn, secret)
     if member_id is None:  # another host's: its first generation is the next one formed
-        member_id, gen = int(store.add(channel.MEMBERS, 1)), int(store.add(channel.GENS, 0))
+        member_id, gen = store.add(channel.MEMBERS, 1), store.add(channel.GENS, 0)
+        store.push(channel.JOIN, str(member_id).encode())
     else:
         gen = 0
     done = threading.Event()
     threading.Thread(
-        target=_beat, args=((host, int(port)), member_id, done), daemon=True, name="beat"
+        target=_beat, args=((host, int(port)), secret, member_id, done), daemon=True, name="beat"
     ).start()
 
     def wait(key: str) -> bytes | None:
@@ -108,7 +118,12 @@ def run_member(
     served = False
     try:
         while True:
-            raw = wait(channel.gen_key(gen))
+            try:
+                raw = wait(channel.gen_key(gen))
+            except IslandAuthError as e:  # spoiled by someone without the secret: rank 0
+                log.warning("%s (reason: island_auth_failed)", e)  # re-forms without it
+                gen += 1
+                continue
             if raw is None:
                 log.info("rank 0 is gone: stopping")
                 return member_id
@@ -124,7 +139,9 @@ def run_member(
             log.info("generation %d: rank %d of %d", gen, rank, len(plan["ranks"]))
             try:
                 how = serve_generation(store, gen, plan, rank, device, wait)
-            except (RuntimeError, dist.DistError) as e:  # a member died mid-collective
+            except (RuntimeError, dist.DistError, IslandAuthError) as e:
+                # A member died mid-collective, or a command was spoiled by someone without
+                # the secret (never run): rank 0 re-forms the island.
                 log.info("generation %d broke (%s): waiting for the next", gen, str(e)[:200])
                 how = "reform"
             if how != "reform":
@@ -141,7 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--id", type=int, default=None, help="given by rank 0 to its children")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--secret-stdin", action="store_true", help="read the island's secret (hex) from stdin"
+    )
     args = ap.parse_args(argv)
+    if not args.secret_stdin:
+        ap.error("the island's secret comes on stdin (--secret-stdin): rank 0 starts members")
+    secret = parse_secret(sys.stdin.readline())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s member: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parent = os.getppid() if args.id is not None else None
-    run_member(args.store, member_id=args.id, device=device, parent=parent)
+    run_member(args.store, secret, member_id=args.id, device=device, parent=parent)
     return 0
 
 

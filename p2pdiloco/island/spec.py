@@ -4,7 +4,7 @@ import: ``join --help`` stays fast), and whether the run's model trains on it.""
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2pdiloco.errors import ConfigError
 
@@ -25,6 +25,9 @@ class IslandSpec:
     host: str = "127.0.0.1"
     checkpointing: bool = False  # activation checkpointing per decoder layer (the plan's)
     offload: bool = False  # parameters, gradients and moments in host memory (CUDA only)
+    # Seals the island's store (``island.sealed``); None: a fresh one. A LAN island's other
+    # hosts pass the same (``join --island-secret``).
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def ranks(self) -> int:
