@@ -133,7 +133,7 @@ def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEnt
     if cert.roster is None:
         raise ValueError(
             f"the roster of version {cert.body.version} is unknown: verify its certificate "
-            "against the chain first (sync.roster.verify_successor)"
+            "against the chain first (core.roster.verify_successor)"
         )
     return list(cert.roster) or genesis_roster(manifest)
 
@@ -178,7 +178,7 @@ def committee_for(
     """The committee of view ``view`` of the round after ``cert`` (after genesis when None).
 
     View 0 is elected by :func:`committee.elect` over :func:`roster_of` with
-    :func:`beacon_of`, committee size and eligibility (the trust thresholds of ``sync.trust``)
+    :func:`beacon_of`, committee size and eligibility (the trust thresholds of ``core.trust``)
     from the manifest. Later views (the committees that take over once earlier views timed
     out, ``protocol.view_change``) slide a window of k over the election's full ranking (view
     0's members first, then every other eligible candidate in score order, then the rest in

@@ -11,9 +11,9 @@ simulator of thousands of peers all drive this class. Its vocabulary lives in
 Phases of the round that turns certified version v into v+1:
 
     COLLECTING  submissions are screened (run, base version, token claim, duplicates); the
-                attempt closes ``linger`` seconds after ceil(min_fraction × active learners)
-                are accepted (at once when every active learner is in; a full round refuses
-                more with BUSY until then),
+                attempt closes ``linger`` seconds after ceil(min_fraction × trusted live
+                learners) trusted submissions are accepted (ADR 0035; at once when every
+                active learner is in; a full round refuses more with BUSY until then),
                 or ``grace`` seconds after the attempt opened, with at least one;
     AGREEING    the leader proposes the sorted digests of its accepted submissions; the others
                 adopt that set, fetching what they miss;
@@ -475,7 +475,7 @@ class SyncerRound:
 
     def _maybe_close(self, now: float) -> list[Action]:
         p = self.params
-        n = len(self.accepted) - self.probationary  # trusted submissions (sync.trust)
+        n = len(self.accepted) - self.probationary  # trusted submissions (core.trust)
         enough = n >= p.min_learners
         if enough and self.enough_at is None:
             self.enough_at = now

@@ -55,7 +55,7 @@ class RoundParams:
     opened_at: float  # when the round started collecting
     grace: float = 60.0  # seconds after an attempt opens at which it closes with what it has
     # Seconds after which this syncer closes an attempt with what it has: ``grace``, or less
-    # under the adaptive grace (sync.arrivals); None: ``grace``. Deadlines that estimate when
+    # under the adaptive grace (core.arrivals); None: ``grace``. Deadlines that estimate when
     # *another* syncer closes keep ``grace``, the bound every syncer shares.
     close_after: float | None = None
     min_fraction: float = 0.6  # share of active learners that closes the round early
@@ -71,15 +71,15 @@ class RoundParams:
     # A later view bound to re-certify a locked content (protocol.view_change): its input set.
     # The round starts agreed on it: no collecting, no proposal, no further attempts.
     locked: tuple[str, ...] | None = None
-    # Trust (sync.trust): the identities whose submissions close the round and anchor its
+    # Trust (core.trust): the identities whose submissions close the round and anchor its
     # screening; None (a young run) trusts everyone. The rest share ``probation_share``.
     trusted: frozenset[str] | None = None
     probation_share: float = 0.25
-    # Trusted learners alive (``sync.trust.trusted_count``); None: ``active_learners``. The
+    # Trusted learners alive (``core.trust.trusted_count``); None: ``active_learners``. The
     # learner quorum is a share of these: probationary ones never close a round, so a flood of
     # them counted in would keep every round open to its grace.
     trusted_learners: int | None = None
-    # Accepted deltas each identity has on the certified roster (``sync.trust.trust_progress``):
+    # Accepted deltas each identity has on the certified roster (``core.trust.trust_progress``):
     # the leader fills the probation room with the submissions of the identities closest to
     # trust first, arrival order between equals (ADR 0040). None: arrival order. Not consensus:
     # which probationary inputs a leader proposes is its choice, within ``probation_room``.
@@ -182,7 +182,7 @@ class Aggregate:
     digests: tuple[str, ...]
     weights: tuple[float, ...]
     attempt: int
-    trusted: tuple[bool, ...] = ()  # per digest: anchors screening (sync.trust); () all
+    trusted: tuple[bool, ...] = ()  # per digest: anchors screening (core.trust); () all
 
     def anchors(self) -> tuple[bool, ...]:
         """Per digest, whether its norm anchors screening (a trusted sender)."""

@@ -11,7 +11,7 @@ roster credits it with at least ``trust_min_accepted`` accepted deltas and it jo
   ones, so they are at most ``probation_share`` of the inputs, whatever rule merges them;
 - their merge weight is scaled to at most ``probation_share`` of the total;
 - screening measures norms against the trusted inputs' median, not the round's;
-- committee election uses the same threshold (``sync.roster.committee_for``).
+- committee election uses the same threshold (``core.roster.committee_for``).
 
 A young run treats everyone as trusted until k identities (a committee's worth) have earned
 trust through the roster, as the election tops a young committee up with the creator's genesis

@@ -100,7 +100,7 @@ class CertificateBody(_Strict):
     accepted: list[Accepted] = Field(max_length=MAX_RECEIPTS)  # sorted by digest
     rejected: list[Rejected] = Field(default_factory=list, max_length=MAX_REFUSALS)  # by digest
     # sha256 of the candidates of the next election (:func:`roster_digest` of
-    # sync.roster.next_roster over the previous roster and this version's receipts). The roster
+    # core.roster.next_roster over the previous roster and this version's receipts). The roster
     # is derived, not carried: every node computes it from the chain (ADR 0044).
     roster_hash: Hex64
 
@@ -171,9 +171,9 @@ class Certificate:
     signers: tuple[str, ...]  # committee members whose signatures verified
     raw: bytes
     # Timeout certificates of views 0 … body.view − 1, votes verified; that each proves its
-    # view's timeout is checked against the chain (sync.roster.verify_successor).
+    # view's timeout is checked against the chain (core.roster.verify_successor).
     views: tuple[TimeoutCert, ...] = ()
-    # The roster whose hash the body carries, once derived from the chain (sync.roster
+    # The roster whose hash the body carries, once derived from the chain (core.roster
     # .verify_successor, or the committee that made the body); None for a certificate only
     # parsed. Not on the wire.
     roster: tuple[RosterEntry, ...] | None = field(default=None, compare=False, repr=False)

@@ -192,7 +192,7 @@ class SyncRules(_Strict):
     grace: float = Field(default=60.0, gt=0, le=86_400)
     # Adaptive grace: with a lower bound set, a round closes with what it has after twice the
     # 90th percentile of the last rounds' arrival delays, kept within [grace_min, grace]
-    # (sync.arrivals). None: always after ``grace``. Timeouts still count the full ``grace``.
+    # (core.arrivals). None: always after ``grace``. Timeouts still count the full ``grace``.
     grace_min: float | None = Field(default=None, gt=0, le=86_400)
     # Seconds a round keeps collecting after reaching min_quorum_fraction.
     linger: float = Field(default=3.0, ge=0, le=3_600)
@@ -202,7 +202,7 @@ class SyncRules(_Strict):
     # it votes to hand the version to the next view's committee (protocol.view_change); None:
     # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
     view_timeout: float | None = Field(default=None, gt=0, le=86_400)
-    # Trust (sync.trust, ADR 0016): an identity counts fully, closes rounds and may be elected
+    # Trust (core.trust, ADR 0016): an identity counts fully, closes rounds and may be elected
     # once the certified roster credits it with this many accepted deltas and it joined this
     # many versions earlier (or it is on the genesis committee); until then its submissions
     # hold at most ``probation_share`` of a round's inputs and of its merge weight.
@@ -216,9 +216,9 @@ class SyncRules(_Strict):
     # stalling runs under churn: docs/adr/0021-network-simulator.md). None: no such condition.
     committee_recency: int | None = Field(default=2, ge=1, le=10_000)
     # Versions an identity stays on the certified roster, with its counters, after its last
-    # merged delta (sync.roster.next_roster; ADR 0045). A probationary learner waiting for room
+    # merged delta (core.roster.next_roster; ADR 0045). A probationary learner waiting for room
     # in a crowded round keeps its progress towards trust that long. Rounds still wait only for
-    # learners active in the last 3 versions (sync.trust.learners_awaited).
+    # learners active in the last 3 versions (core.trust.learners_awaited).
     roster_window: int = Field(default=10, ge=0, le=10_000)
     # Codec of the certified update, the round's merged pseudo-gradient (ADR 0029): the committee
     # steps with its decoded value and learners download it instead of the state. One of

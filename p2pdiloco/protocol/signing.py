@@ -33,7 +33,7 @@ from p2pdiloco.protocol.identity import (
 # The run protocol (manifest fields and their meaning): a manifest of another version is
 # refused with an upgrade message. 2: sync rules moved into ``RunManifest.rules``. 3: views
 # (a certificate names its view and carries the timeout certificates of earlier views).
-# 4: trust (``rules.trust_min_accepted``, ``trust_min_age``, ``probation_share``; sync.trust).
+# 4: trust (``rules.trust_min_accepted``, ``trust_min_age``, ``probation_share``; core.trust).
 # 5: committee recency (``rules.committee_recency``: only recent contributors are elected).
 # 6: norm screening compares each delta with the median of the others (leave-one-out,
 # ADR 0027): a round's verdicts, and so its certified bytes, differ from protocol 5's.

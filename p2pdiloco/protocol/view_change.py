@@ -1,7 +1,7 @@
 """View change: signed timeout votes, and the timeout certificate that lets the next committee
 take over a version its committee could not certify (docs/adr/0012-view-change.md).
 
-The committee of view j of version v + 1 (``sync.roster.committee_for(..., view=j)``) either
+The committee of view j of version v + 1 (``core.roster.committee_for(..., view=j)``) either
 certifies v + 1 or, once its members time out, *abandons* the view: each member that gives up
 signs a :class:`ViewVote` naming the content (``certificates.content_digest``) it signed in
 that view, if any, and from then on signs nothing more in it. Counting every member that did

@@ -31,7 +31,7 @@ from p2pdiloco.train.outer import OuterConfig, outer_update_
 class MergeInput:
     """One agreed submission, decoded: its id, its sender, its delta per tensor, its weight.
 
-    ``weight`` comes from ``sync.weights.merge_weights`` (tokens / (1 + lag), capped at
+    ``weight`` comes from ``core.weights.merge_weights`` (tokens / (1 + lag), capped at
     ``SyncRules.weight_cap``), computed over the whole input set in sorted-id order.
     """
 
@@ -39,7 +39,7 @@ class MergeInput:
     peer_id: str
     delta: Mapping[str, torch.Tensor]  # at least the names being merged; others are ignored
     weight: float
-    trusted: bool = True  # its norm anchors screening (sync.trust: probationary ones do not)
+    trusted: bool = True  # its norm anchors screening (core.trust: probationary ones do not)
 
 
 @dataclass
@@ -84,7 +84,7 @@ def merge_round(
     must hold every such name; a missing tensor or a wrong shape rejects that input, like
     screening does (finite, size, norm ≤ ``rules.screen_norm_factor`` × the median norm of the
     trusted inputs, so probationary ones cannot move it, and a probationary delta must not point
-    away from the trusted inputs' mean: ``sync.trust``). With ``rules.clone_factor`` set, copies
+    away from the trusted inputs' mean: ``core.trust``). With ``rules.clone_factor`` set, copies
     of one vector (``sync.clones``) count as one row: the first of each group, with its weight;
     the others stay accepted and are named in ``MergeResult.folded``. The rule
     ``rules.aggregation`` merges the rest with the inputs' weights. If fewer remain than the

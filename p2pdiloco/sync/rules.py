@@ -102,9 +102,9 @@ def round_params(
 ) -> RoundParams:
     """Every parameter of the round on the certified ``base``: the consensus ones from the
     signed manifest (its ``rules``, the token bound and H) and the base's certificate (who is
-    trusted, ``sync.trust``), the committee of the view, the learners alive (heartbeats, or
+    trusted, ``core.trust``), the committee of the view, the learners alive (heartbeats, or
     the roster: live heartbeats lag at start-up; at least 1), how many of them are trusted
-    (``sync.trust.learners_awaited``; None: all) and the inputs this member holds at most
+    (``core.trust.learners_awaited``; None: all) and the inputs this member holds at most
     (local: ``sync.intake.Intake.max_inputs``)."""
     trusted = trusted_peers(manifest, base.cert)
     progress = None if trusted is None else trust_progress(manifest, base.cert)
