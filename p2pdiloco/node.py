@@ -64,7 +64,7 @@ class NodeConfig:
     host: str = "0.0.0.0"
     port: int = 0  # DHT TCP port (gossip uses port + 1 when fixed)
     announce: list[str] = field(default_factory=list)
-    island: str = ""  # island name; default: the host name
+    island: str = ""  # island name; default: "island-" and the peer id's last 6 characters
     gossip: bool = True  # False: DHT only (gossip is an accelerator)
     heartbeat_interval: float = keys.HEARTBEAT_INTERVAL
     heartbeat_ttl: float = keys.HEARTBEAT_TTL
@@ -87,7 +87,8 @@ class Node:
             )
         self.cfg = cfg
         self.identity = Identity.load_or_create(cfg.identity or default_identity_path())
-        self.island = cfg.island or platform.node() or "island"
+        # Published in every heartbeat: never the host name (issue 39), one per identity.
+        self.island = cfg.island or f"island-{self.identity.peer_id[-6:]}"
         self.dht: DHTPlane | None = None
         self.gossip: GossipProcess | None = None
         self.bridge: P2PBridge | None = None

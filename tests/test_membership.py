@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from p2pdiloco.net.membership import Membership
@@ -98,3 +100,15 @@ def test_reachability_verdicts() -> None:
     assert relayed.status == "relayed"
     assert "4001, 4002" in relayed.fix and "open or forward TCP port" in relayed.fix
     assert classify([{"error": "bad"}], [1]).status == "unknown"
+
+
+def test_a_node_never_publishes_its_host_name_as_its_island(tmp_path: Path) -> None:
+    import platform
+
+    from p2pdiloco.node import Node, NodeConfig
+
+    boot = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAsa7ZiGkhWgeGvQnAU2A1sdCFVMWXxihKGxzhJE1nYbe"
+    node = Node(NodeConfig(bootstrap=[boot], identity=tmp_path / "key"))  # nothing starts
+    assert node.island == f"island-{node.me[-6:]}" and platform.node() not in node.island
+    named = Node(NodeConfig(bootstrap=[boot], identity=tmp_path / "key", island="lab"))
+    assert named.island == "lab"

@@ -51,7 +51,9 @@ def join(
     announce: Annotated[
         list[str] | None, typer.Option(help="Public multiaddr to advertise.")
     ] = None,
-    island: Annotated[str | None, typer.Option(help="Island name [default: host name].")] = None,
+    island: Annotated[
+        str | None, typer.Option(help="Island name [default: island-<end of peer id>].")
+    ] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda[:N], mps or xla.")] = None,
     gpus: Annotated[
         str | None,

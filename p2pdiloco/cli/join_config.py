@@ -55,7 +55,7 @@ class JoinConfig:
     host: str = "0.0.0.0"  # interface to listen on
     port: int = 0  # DHT TCP port (gossip: port + 1); 0: random
     announce: tuple[str, ...] = ()  # public multiaddrs to advertise
-    island: str | None = None  # island name; None: the host name
+    island: str | None = None  # island name; None: island-<end of the peer id>, never the host's
     device: str = "auto"  # auto, cpu, cuda[:N], mps or xla
     gpus: tuple[int, ...] = ()  # CUDA devices; several form an island, one rank per GPU
     island_ranks: int | None = None  # processes training this node's learner together (gloo)
