@@ -12,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from p2pdiloco.protocol.identity import Identity
 
@@ -174,3 +174,14 @@ def fault_schedule(cfg: SimConfig, rng: random.Random) -> tuple[list[Fault], int
     order = {"leave": 0, "down": 1, "up": 2, "join": 3}
     faults.sort(key=lambda f: (f.time, order[f.kind], f.peer))
     return faults, next_index
+
+
+class PeerState(Protocol):
+    """A simulated peer as the learner and the members see it (``sim.world.Peer`` is it)."""
+
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...  # bumped by every crash

@@ -40,16 +40,7 @@ from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sim.backend import Merge
 from p2pdiloco.sim.clock import Clock
-from p2pdiloco.sim.config import Profile, SimConfig
-
-
-class Peer(Protocol):
-    @property
-    def profile(self) -> Profile: ...
-    @property
-    def up(self) -> bool: ...
-    @property
-    def epoch(self) -> int: ...  # bumped by every crash
+from p2pdiloco.sim.config import PeerState, SimConfig
 
 
 class Network(Protocol):
@@ -63,7 +54,7 @@ class Network(Protocol):
     deltas_sent: int
 
     @property
-    def peers(self) -> Mapping[int, Peer]: ...
+    def peers(self) -> Mapping[int, PeerState]: ...
     @property
     def by_id(self) -> Mapping[str, int]: ...
     @property

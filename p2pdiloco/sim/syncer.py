@@ -28,19 +28,10 @@ from p2pdiloco.core.views import ViewState, leave_view
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.sim.backend import Merge, MergeFailed, Outcome
 from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
-from p2pdiloco.sim.config import Profile, SimConfig
+from p2pdiloco.sim.config import PeerState, SimConfig
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 TICK = 1.0  # seconds between a member's timer events (grace, linger, leader silence, view)
-
-
-class PeerState(Protocol):
-    @property
-    def profile(self) -> Profile: ...
-    @property
-    def up(self) -> bool: ...
-    @property
-    def epoch(self) -> int: ...  # bumped by every crash
 
 
 class Network(Protocol):
