@@ -31,6 +31,7 @@ CONFIG_KEYS = frozenset(
         "device",
         "gpus",
         "island_ranks",
+        "island_secret",
         "max_memory",
         "batch_size",
         "cache_dir",
