@@ -9,7 +9,6 @@ its waits onto the event heap, and what it tells the trainer to the learner mach
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -35,36 +34,19 @@ from p2pdiloco.core.learner import (
     Train,
     Wait,
 )
-from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sim.backend import Merge
-from p2pdiloco.sim.clock import Clock
-from p2pdiloco.sim.config import PeerState, SimConfig
+from p2pdiloco.sim.network import SimNetwork
 
 
-class Network(Protocol):
+class Network(SimNetwork, Protocol):
     """What a learner needs of the simulated network (``sim.world.World`` is it): the clock,
     the peers, the run, the current committee and chain, and where its uploads go."""
 
-    cfg: SimConfig
-    clock: Clock
     run_id: str
     trained_tokens: int
     deltas_sent: int
 
-    @property
-    def peers(self) -> Mapping[int, PeerState]: ...
-    @property
-    def by_id(self) -> Mapping[str, int]: ...
-    @property
-    def version(self) -> int: ...
-    @property
-    def committee(self) -> CommitteeInfo: ...
-    @property
-    def subs(self) -> dict[str, Submission]: ...
-    @property
-    def merge(self) -> Merge: ...
     def deliver_one(self, learner: SimLearner, sub: Submission, index: int) -> None: ...
     def catch_up(self, learner: SimLearner) -> None: ...
     def merged_since(self, version: int, newest: int) -> frozenset[str]: ...

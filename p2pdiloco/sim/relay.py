@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from p2pdiloco.core.round import Submission
 from p2pdiloco.protocol.reasons import RETRYABLE
 from p2pdiloco.sim.clock import SMALL, Clock, Links
-from p2pdiloco.sim.config import SimConfig
-from p2pdiloco.sim.syncer import Member, PeerState
+from p2pdiloco.sim.config import PeerState, SimConfig
+from p2pdiloco.sim.syncer import Member
 from p2pdiloco.sync.sending import LATER_EVERY
 
 RELAY_TRIES = 4  # a relayed copy answered with another retryable code is sent again this often

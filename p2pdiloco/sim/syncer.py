@@ -4,13 +4,12 @@ links, fetches, the merge). The rules are the core's; this module only schedules
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
 from p2pdiloco.core.delivery import fetch_order
-from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round import (
     Action,
     Aggregate,
@@ -26,20 +25,18 @@ from p2pdiloco.core.round import (
 from p2pdiloco.core.syncer_node import SyncerNode
 from p2pdiloco.core.views import ViewState, leave_view
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.sim.backend import Merge, MergeFailed, Outcome
-from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Clock, Links
-from p2pdiloco.sim.config import PeerState, SimConfig
+from p2pdiloco.sim.backend import MergeFailed, Outcome
+from p2pdiloco.sim.clock import SMALL, UNREACHABLE_AFTER, Links
+from p2pdiloco.sim.network import SimNetwork
 from p2pdiloco.sync.sending import LATER_EVERY, LATER_TRIES
 
 TICK = 1.0  # seconds between a member's timer events (grace, linger, leader silence, view)
 
 
-class Network(Protocol):
+class Network(SimNetwork, Protocol):
     """What a member needs of the simulated network (``sim.world.World`` is it): the clock,
     the links, the peers, the certified chain and its views, and where a member's messages go."""
 
-    cfg: SimConfig
-    clock: Clock
     links: Links
     outcomes: dict[str, Outcome]  # merged state → what went into it
     failed_merges: int
@@ -47,21 +44,9 @@ class Network(Protocol):
     syncer_in: int
 
     @property
-    def peers(self) -> Mapping[int, PeerState]: ...
-    @property
-    def by_id(self) -> Mapping[str, int]: ...
-    @property
-    def version(self) -> int: ...
-    @property
     def view(self) -> int: ...
     @property
     def views(self) -> ViewState: ...
-    @property
-    def committee(self) -> CommitteeInfo: ...
-    @property
-    def subs(self) -> Mapping[str, Submission]: ...
-    @property
-    def merge(self) -> Merge: ...
     def live_member(self, index: int) -> Member | None: ...
     def member_by_id(self, view: int, peer_id: str) -> Member | None: ...
     def later(self, dst: int, tries: int) -> bool: ...
