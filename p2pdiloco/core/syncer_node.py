@@ -95,6 +95,9 @@ class Verdict:
     relay: bool = False
 
 
+_ACCEPTED = Verdict(True)  # immutable: one instance serves every plain acceptance
+
+
 @dataclass(frozen=True)
 class FetchLocked:
     """Fetch these inputs of the locked content, asking ``holders`` (the voters that signed
@@ -259,11 +262,13 @@ class SyncerNode(Generic[T, E]):
         """A submission whose signature and payload the interpreter checked (``data``: what it
         keeps with it). ``pass_on``: it came straight from its learner, asking this node to
         relay it; ``busy``: why the relays queued here refuse one more now (None: take it)."""
-        if (again := self.resent(sub.digest)) is not None:
-            return again, []
-        rnd, version = self.round, self.version
-        if rnd is None or version is None:
-            later = self.views is not None and self.views.member_soon()
+        digest = sub.digest
+        if digest in self.held:
+            return _ACCEPTED, []
+        rnd, views = self.round, self.views
+        if rnd is None or views is None:
+            version = self.version
+            later = views is not None and views.member_soon()
             code = Reason.NO_OPEN_ROUND if later else Reason.NOT_ON_COMMITTEE  # later: retry
             text = f"not on the committee of this view of version {(version or 0) + 1}"
             ff = version if version is not None and sub.base_version < version else None
@@ -272,23 +277,27 @@ class SyncerNode(Generic[T, E]):
         if relaying and busy is not None and (why := busy(rnd)) is not None:
             return Verdict(False, Reason.BUSY, why), []
         actions = rnd.on_submission(sub, now)
-        self._track(actions)
-        refused = _refusal_of(actions, sub.peer_id)
+        # Most submissions are taken quietly (no action): the checks below are for the rest.
+        refused = _refusal_of(actions, sub.peer_id) if actions else None
+        if actions:
+            self._track(actions)
         if refused is None or refused.code not in RETRYABLE:
-            self.seen.add(sub.digest, sub.base_version)
-        if sub.digest in rnd.accepted:
-            self.held[sub.digest] = Held(sub, data)
+            self.seen.add(digest, sub.base_version)
+        if digest in rnd.accepted:
+            self.held[digest] = Held(sub, data)
         if refused is not None:
             hint = self.fast_forward.pop(sub.peer_id, None)
             return Verdict(False, refused.code, refused.reason, fast_forward=hint), actions
         self.arrivals.arrived(now - rnd.params.opened_at)
-        clipped = any(isinstance(a, Clipped) for a in actions)
+        clipped = bool(actions) and any(isinstance(a, Clipped) for a in actions)
+        if not clipped and not relaying:
+            return _ACCEPTED, actions
         return Verdict(True, clipped=clipped, relay=relaying), actions
 
     def resent(self, digest: str) -> Verdict | None:
         """A copy of a submission this node holds: "accepted" again (None: not held). The
         interpreter asks before checking a submission's signature and payload."""
-        return Verdict(True) if digest in self.held else None
+        return _ACCEPTED if digest in self.held else None
 
     def on_fetched(self, sub: Submission, data: T) -> list[Action]:
         """An agreed input fetched from a fellow (or a lock's holder), checked as a learner's."""
