@@ -312,10 +312,10 @@ class NodeRuntime:
         await self.service.install(new)
         await asyncio.get_running_loop().run_in_executor(None, self.chain.persist, chain, new)
         self._retries.clear()
-        merged = self.tally.record_chain(chain, self.me)
+        merged, rejected = self.tally.record_chain(chain, self.me)
         self._settle_pending(new.version)
         if self.deliver is not None:
-            self.deliver(Certified(new, frozenset(merged)))
+            self.deliver(Certified(new, frozenset(merged), rejected=frozenset(rejected)))
         await self.plane.publish_certificate(cert)
         self.tally.phase = "training" if self.deliver is not None else "serving"
         self.tally.event(
