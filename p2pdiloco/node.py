@@ -437,6 +437,7 @@ class Node:
             "run_name": self.run.manifest.name if self.run else None,
             "model": self.run.manifest.model if self.run else None,
             "reachability": self.reachability.status,
+            "island": self.island,
             "peers": [
                 {
                     "peer_id": v.peer_id,

@@ -103,6 +103,7 @@ def test_metrics_expose_stalled_and_its_seconds() -> None:
         "sent": 1,
         "accepted": 1,
         "rejected": 0,
+        "late": 0,
         "rounds": 12,
         "bytes_up": 1,
         "bytes_down": 1,

@@ -39,7 +39,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from p2pdiloco.protocol.reasons import RETRYABLE, Reason
+from p2pdiloco.protocol.reasons import RETRYABLE, TIMING, Reason
 from p2pdiloco.protocol.records import RunManifest
 
 
@@ -113,6 +113,7 @@ class InFlight:
     carried: int = 0  # of those, steps carried from a delta no certificate merged
     digest: str | None = None  # set by ``on_sent``
     accepted_by_some: bool = False
+    late: Reason | None = None  # a syncer said it came late (ROUND_CLOSED, STALE)
 
 
 @dataclass
@@ -141,6 +142,10 @@ class LearnerMachine:
     sent: int = field(default=0)
     merged: int = field(default=0)
     lost: int = field(default=0)  # refused, dropped, given up, or missing from the certificate
+    # Of ``lost``, the deltas that came too late, by reason: given up, refused for timing
+    # (``TIMING``), or left out of the certificate without being rejected by it. The others
+    # were refused: by a syncer, a merge, or the certificate's rejected list.
+    late: dict[Reason, int] = field(default_factory=dict)
 
     @classmethod
     def for_run(
@@ -283,6 +288,7 @@ class LearnerMachine:
         if code in RETRYABLE:
             return []  # the runtime sends it again
         if code in (Reason.ROUND_CLOSED, Reason.STALE):
+            fly.late = code
             # Late for its round, not bad: the certificate will not merge it, and then its steps
             # are carried into the next delta (ADR 0014) instead of being thrown away now
             # (the simulator's finding: docs/adr/0021-network-simulator.md). STALE: the syncer
@@ -308,11 +314,14 @@ class LearnerMachine:
         merged_digests: frozenset[str],
         carry: bool = True,
         pace: int | None = None,
+        rejected: frozenset[str] = frozenset(),
     ) -> list[LearnerAction]:
         """Certified ``version`` (the newest of a verified chain) is ready to apply.
         ``merged_digests``: every submission the chain's certificates merged. ``carry=False``
         when those are unknown: a delta in flight is then not carried (it may be merged).
         ``pace``: steps per delta of the run at that version (``round_pace`` of its certificate).
+        ``rejected``: the submissions the chain's certificates rejected (screened out); a delta
+        in flight that is neither merged nor rejected came too late.
         The inner lr schedule is then put at ``version × pace`` plus the progress this learner
         keeps, so every learner, fast or slow, trains at the run's rate: one counting only its
         own steps would stay at a higher lr than the run's and its deltas would be norm
@@ -325,6 +334,8 @@ class LearnerMachine:
         if fly is not None:
             self.merged += merged
             self.lost += not merged
+            if not merged and fly.digest not in rejected:
+                self._count_late(fly.late or Reason.ROUND_CLOSED)
             # A delta of more than H steps (it already holds carried work), or a folded one, is
             # not carried again: its sent part is dropped, so no delta grows past 2H steps.
             # Under a time budget H bounds nothing: there a delta holding carried work is not
@@ -351,7 +362,12 @@ class LearnerMachine:
     def _lose(self, code: Reason) -> list[LearnerAction]:
         self.in_flight = None
         self.lost += 1
+        if code in TIMING:
+            self._count_late(code)
         return [Drop(code)]
+
+    def _count_late(self, code: Reason) -> None:
+        self.late[code] = self.late.get(code, 0) + 1
 
 
 def round_pace(steps: Iterable[int]) -> int | None:

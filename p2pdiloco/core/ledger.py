@@ -28,9 +28,10 @@ class LedgerEntry:
     tokens: int = 0  # tokens of merged deltas
     rejected: int = 0  # deltas screened out, as certified
     last_version: int = 0  # newest version with a receipt
+    reasons: dict[str, int] = field(default_factory=dict)  # of ``rejected``: code → count
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "reasons": dict(self.reasons)}
 
 
 @dataclass
@@ -73,7 +74,9 @@ def build_ledger(run_id: str, manifest: RunManifest, certificates: Iterable[byte
             entry.tokens += a.tokens
             entry.last_version = cert.body.version
         for r in cert.body.rejected:
-            entries.setdefault(r.peer_id, LedgerEntry(r.peer_id)).rejected += 1
+            entry = entries.setdefault(r.peer_id, LedgerEntry(r.peer_id))
+            entry.rejected += 1
+            entry.reasons[str(r.reason)] = entry.reasons.get(str(r.reason), 0) + 1
     ranked = sorted(entries.values(), key=lambda x: (-x.tokens, -x.accepted, x.peer_id))
     return Ledger(versions=len(chain), entries=ranked, ignored=ignored)
 

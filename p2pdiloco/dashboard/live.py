@@ -39,6 +39,8 @@ STATE_STYLES = {
     "connecting": "cyan",
     "syncing state": "cyan",
     "training": "bold green",
+    "training, delta in flight": "bold green",
+    "overtime, awaiting certificate": "bold yellow",
     "submitting": "blue",
     "waiting for certificate": "blue",
     "applying": "blue",
@@ -88,11 +90,14 @@ class DashboardSnapshot:
     stalled: str | None = None
     version: int = 0  # global certified version held
     # round progress
-    inner_step: int = 0  # inner steps done in this round
+    inner_step: int = 0  # inner steps of the current stretch (since the last delta), up to H
     inner_steps: int = 0  # steps per delta: H, or H/P with P fragments
+    overtime_steps: int = 0  # steps trained past the stretch while its delta waits
     fragments: int = 1  # Streaming DiLoCo fragments P of the run (sync.fragments)
     fragment: int = 0  # the fragment this round syncs: version mod P
-    eta_seconds: float | None = None  # estimated seconds to the next sync
+    eta_seconds: float | None = None  # seconds until this stretch's delta is due (a countdown)
+    waiting_on: str | None = None  # what the node awaits, e.g. "certificate for version 13"
+    waiting_seconds: float = 0.0  # for how long
     tokens_per_second: float = 0.0  # local training throughput
     utilization: float = 0.0  # share of wall time in inner steps (runtime.trainer)
     loss_local: list[float] = field(default_factory=list)  # recent train losses, newest last
@@ -109,7 +114,10 @@ class DashboardSnapshot:
     down_rate: float = 0.0  # bytes/s, recent
     # your contribution
     accepted: int = 0  # deltas of ours that made it into a certified version
-    rejected: int = 0  # deltas of ours that were refused
+    rejected: int = 0  # deltas of ours screened out, as certified (status --leaderboard's)
+    rejected_reasons: dict[str, int] = field(default_factory=dict)  # reason code → count
+    late: int = 0  # deltas of ours that came too late to be merged (not rejected)
+    late_reasons: dict[str, int] = field(default_factory=dict)  # reason code → count
     tokens_contributed: int = 0  # tokens of accepted deltas
     share: float = 0.0  # 0..1 share of the run's accepted tokens
     rank: int | None = None  # 1-based rank by accepted tokens; None before the first one
@@ -143,6 +151,9 @@ class DashboardSnapshot:
             down_rate=215_347.0,
             accepted=41,
             rejected=2,
+            rejected_reasons={"screened_out": 2},
+            late=1,
+            late_reasons={"round_closed": 1},
             tokens_contributed=1_638_400,
             share=0.184,
             rank=2,
@@ -176,9 +187,11 @@ class DashboardSnapshot:
     def example_stalled(cls) -> DashboardSnapshot:
         """The example waiting, past grace + agree_timeout, for a committee that cannot certify."""
         snap = cls.example()
-        snap.state = "waiting for certificate"
+        snap.state = "overtime, awaiting certificate"
         snap.inner_step = snap.inner_steps
-        snap.eta_seconds = 0.0
+        snap.overtime_steps = 7
+        snap.eta_seconds = None
+        snap.waiting_on, snap.waiting_seconds = "certificate for version 13", 95.0
         snap.stalled = (
             "stalled: no certificate for version 13 for 95 s (waiting on committee …a1b2c3d4, "
             "…c3d4e5f6, …e5f6a7b8; unreachable: …c3d4e5f6, …e5f6a7b8)"
@@ -215,10 +228,29 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
-def _eta_text(eta: float | None) -> str:
-    if eta is None or not math.isfinite(eta):
-        return "next sync time unknown"
-    return f"next sync in {format_duration(eta)}"
+def next_sync_text(snap: DashboardSnapshot) -> str:
+    """When this node syncs next (its stretch's delta is due: a countdown), and what it awaits
+    meanwhile; in overtime, only what it waits on."""
+    eta = snap.eta_seconds
+    waiting = (
+        f"awaiting {clean(snap.waiting_on)} ({format_duration(snap.waiting_seconds)})"
+        if snap.waiting_on
+        else None
+    )
+    if eta is not None and math.isfinite(eta):
+        due = f"next sync in {format_duration(eta)}"
+        return f"{due} · {waiting}" if waiting else due
+    if waiting:
+        return waiting
+    if snap.state == "idle":
+        return "no sync planned (idle)"
+    return "next sync time unknown"
+
+
+def reasons_text(reasons: dict[str, int]) -> str:
+    """``round_closed 2, stale 1``: reason codes by count, the most frequent first."""
+    ordered = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{clean(code)} {n}" for code, n in ordered)
 
 
 def _last_finite(values: Iterable[float]) -> float | None:
@@ -257,13 +289,15 @@ def _grid() -> Table:
     return grid
 
 
-def _progress_bar(done: int, total: int) -> Text:
+def _progress_bar(done: int, total: int, overtime: int = 0) -> Text:
     frac = min(max(done / total, 0.0), 1.0) if total > 0 else 0.0
     filled = round(frac * BAR_WIDTH)
     bar = Text()
-    bar.append("━" * filled, style="green")
+    bar.append("━" * filled, style="yellow" if overtime else "green")
     bar.append("─" * (BAR_WIDTH - filled), style="dim")
     bar.append(f" {done}/{total} steps")
+    if overtime:
+        bar.append(f" +{overtime} overtime", style="yellow")
     return bar
 
 
@@ -286,13 +320,11 @@ def _header(snap: DashboardSnapshot) -> Text:
 def _training_panel(snap: DashboardSnapshot) -> Panel:
     grid = _grid()
     grid.add_row("Peer", Text(clean(snap.peer_id)))
-    progress = _progress_bar(snap.inner_step, snap.inner_steps)
-    progress.append("  ·  ", style="dim")
-    if snap.stalled:  # the ETA reads "0s" forever while a stalled round never ends
-        progress.append("stalled", style="bold red")
+    grid.add_row("Round", _progress_bar(snap.inner_step, snap.inner_steps, snap.overtime_steps))
+    if snap.stalled:  # what it waits on is in the stall line above
+        grid.add_row("Sync", Text("stalled", style="bold red"))
     else:
-        progress.append(_eta_text(snap.eta_seconds))
-    grid.add_row("Round", progress)
+        grid.add_row("Sync", Text(next_sync_text(snap)))
     if snap.fragments > 1:
         grid.add_row("Fragments", _fragments_text(snap))
     speed = f"{_rate(snap.tokens_per_second)}  ·  {100 * snap.utilization:.0f}% of time training"
@@ -351,13 +383,21 @@ def _contribution_panel(snap: DashboardSnapshot, pad: int = 0) -> Panel:
     deltas.append(f"{snap.accepted} accepted", style="green")
     deltas.append(", ")
     deltas.append(f"{snap.rejected} rejected", style="red" if snap.rejected else "")
-    grid.add_row("Deltas", deltas)
+    grid.add_row("Deltas", deltas)  # as certified: the counts of ``status --leaderboard``
+    grid.add_row("Rejected", Text(reasons_text(snap.rejected_reasons) or "none"))
+    late = f"{snap.late} ({reasons_text(snap.late_reasons)})" if snap.late else "0"
+    grid.add_row("Late", Text(late, style="yellow" if snap.late else ""))
     grid.add_row("Tokens", Text(f"{human_count(snap.tokens_contributed)} tokens accepted"))
     grid.add_row("Share", Text(f"{100 * snap.share:.1f}% of the run"))
     grid.add_row("Rank", Text(_rank_text(snap)))
     for _ in range(pad):
         grid.add_row("", "")
     return Panel(grid, title="Your contribution", title_align="left", box=box.ROUNDED)
+
+
+def _counted(n: int, what: str, reasons: dict[str, int]) -> str:
+    """``2 late (round_closed 2)``; the reasons only when there are some."""
+    return f"{n} {what} ({reasons_text(reasons)})" if n and reasons else f"{n} {what}"
 
 
 def _events_panel(snap: DashboardSnapshot) -> Panel:
@@ -379,8 +419,8 @@ class _Dashboard:
             row = Table.grid(padding=(0, 1), expand=True)
             row.add_column(ratio=3)
             row.add_column(ratio=2)
-            # network has five rows, bandwidth taking two lines; contribution has four
-            row.add_row(_network_panel(snap), _contribution_panel(snap, pad=2))
+            # network has five rows, bandwidth taking two lines; contribution has six
+            row.add_row(_network_panel(snap), _contribution_panel(snap))
             middle = row
         else:
             middle = Group(_network_panel(snap), _contribution_panel(snap))
@@ -401,13 +441,16 @@ def plain_line(snap: DashboardSnapshot) -> str:
     parts = [
         f"[{_state_label(snap)}]",
         f"version {snap.version}",
-        f"step {snap.inner_step}/{snap.inner_steps}",
+        f"step {snap.inner_step}/{snap.inner_steps}"
+        + (f" +{snap.overtime_steps} overtime" if snap.overtime_steps else ""),
         *([f"fragment {snap.fragment + 1}/{snap.fragments}"] if snap.fragments > 1 else []),
         _rate(snap.tokens_per_second),
         f"compute {100 * snap.utilization:.0f}%",
         f"loss {local:.3f}" if local is not None else "loss -",
         f"peers {snap.peers_direct} direct {snap.peers_relayed} relayed",
-        f"deltas {snap.accepted} accepted {snap.rejected} rejected",
+        next_sync_text(snap),
+        f"deltas {snap.accepted} accepted {_counted(snap.rejected, 'rejected', snap.rejected_reasons)}"
+        f" {_counted(snap.late, 'late', snap.late_reasons)}",
     ]
     if snap.stalled:
         parts.append(clean(snap.stalled))

@@ -308,14 +308,16 @@ class NodeRuntime:
         # Serve it at once (peers download from the signers), then make it durable.
         self.chain.add_certs(chain)
         self.chain.install(new)
+        # Counted with the version it comes with, before any await: a view published meanwhile
+        # (a heartbeat) would show the new version with the old counts.
+        merged, rejected = self.tally.record_chain(chain, self.me)
         assert self.service is not None
         await self.service.install(new)
         await asyncio.get_running_loop().run_in_executor(None, self.chain.persist, chain, new)
         self._retries.clear()
-        merged = self.tally.record_chain(chain, self.me)
         self._settle_pending(new.version)
         if self.deliver is not None:
-            self.deliver(Certified(new, frozenset(merged)))
+            self.deliver(Certified(new, frozenset(merged), rejected=frozenset(rejected)))
         await self.plane.publish_certificate(cert)
         self.tally.phase = "training" if self.deliver is not None else "serving"
         self.tally.event(

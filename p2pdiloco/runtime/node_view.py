@@ -17,8 +17,13 @@ from p2pdiloco.node import Node
 from p2pdiloco.runtime.launch import RunningNode
 from p2pdiloco.sync.fragments import round_fragment
 
-# The learner's phases, spelled as the dashboard's states.
-_STATES = {"training on (stretch done)": "training on, delta in flight", "starting": "connecting"}
+# The learner's phases, spelled as the dashboard's states: a learner with a delta in flight
+# trains on (core.learner), so it is never shown as only waiting.
+_STATES = {
+    "waiting for certificate": "training, delta in flight",
+    "training on (stretch done)": "overtime, awaiting certificate",
+    "starting": "connecting",
+}
 
 
 class NodeView:
@@ -42,6 +47,10 @@ class NodeView:
     def snapshot(self) -> DashboardSnapshot:
         ns: dict[str, Any] = dict(self.node.snapshot())
         peers = [x for x in ns.get("peers", []) if x["peer_id"] != ns["peer_id"]]
+        # An island is a name several peers may share (a LAN island); one without a name is its
+        # own. This node's island counts once, whether or not a peer shares it.
+        own = ns.get("island") or ns["peer_id"]
+        islands = {x.get("island") or x["peer_id"] for x in peers} | {own}
         relayed = sum(1 for x in peers if x["reachability"] == "relayed")
         up, down, up_rate, down_rate = self._bandwidth()
         snap = DashboardSnapshot(
@@ -52,7 +61,7 @@ class NodeView:
             state="connecting" if self.running is None else "idle",
             peers_direct=len(peers) - relayed,
             peers_relayed=relayed,
-            islands=len({x.get("island", x["peer_id"]) for x in peers}) + 1,
+            islands=len(islands),
             reachability=ns["reachability"],
             bytes_up=up,
             bytes_down=down,
@@ -71,15 +80,21 @@ class NodeView:
         fragments = self.running.manifest.outer.fragments
         H = self.running.manifest.inner_steps // fragments  # steps per delta
         snap.fragments, snap.fragment = fragments, round_fragment(rv.version, fragments)
+        now = time.monotonic()
         if tv is not None:
+            H = tv.stretch_steps or H
             snap.inner_step = min(tv.inner_step, H)
-            snap.eta_seconds = (
-                max(0, H - tv.inner_step) * tv.step_seconds if tv.step_seconds else None
-            )
+            snap.overtime_steps = tv.overtime
+            if tv.due_s is not None:  # counts down between the trainer's steps
+                snap.eta_seconds = max(0.0, tv.due_s - (now - tv.published_at))
             snap.tokens_per_second = tv.tokens_per_second
             snap.utilization = tv.utilization
             snap.loss_local = list(tv.losses)
-            snap.rejected = tv.lost
+            snap.late_reasons = dict(tv.late)
+            snap.late = sum(snap.late_reasons.values())
+        if rv.waiting_since is not None:
+            snap.waiting_on = f"certificate for version {rv.version + 1}"
+            snap.waiting_seconds = max(0.0, now - rv.waiting_since)
         snap.inner_steps = H
         snap.loss_global = list(rv.eval_losses)
         if rv.on_committee:
@@ -87,7 +102,8 @@ class NodeView:
             snap.committee_duty = f"syncer ({role}) for version {rv.committee_version}"
         elif rv.committee:
             snap.committee_duty = f"none for version {rv.committee_version}"
-        snap.accepted = rv.accepted
+        snap.accepted, snap.rejected = rv.accepted, rv.rejected  # as certified (the leaderboard)
+        snap.rejected_reasons = dict(rv.rejected_reasons)
         snap.tokens_contributed = rv.tokens_accepted
         snap.share, snap.rank, snap.ranked_peers = rv.share, rv.rank, rv.ranked_peers
         events = sorted([*rv.events, *(tv.events if tv is not None else ())])
@@ -109,6 +125,7 @@ class NodeView:
             "sent": tv.sent if tv is not None else 0,
             "accepted": snap.accepted,
             "rejected": snap.rejected,
+            "late": snap.late,
             "rounds": snap.version,
             "bytes_up": snap.bytes_up,
             "bytes_down": snap.bytes_down,

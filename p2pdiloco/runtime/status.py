@@ -32,6 +32,8 @@ class Tally:
     phase: str = "starting"
     sent: int = 0  # submissions handed to the committee
     accepted: int = 0  # our deltas merged (receipts in certificates)
+    rejected: int = 0  # our deltas screened out, as certificates record (the leaderboard's)
+    rejected_reasons: dict[str, int] = field(default_factory=dict)  # reason code → count
     tokens_accepted: int = 0
     tokens_by_peer: dict[str, int] = field(default_factory=dict)  # from verified receipts
     downloads: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
@@ -80,6 +82,7 @@ class Tally:
             self.tokens_by_peer[e.peer_id] = e.tokens
             if e.peer_id == me:
                 self.accepted, self.tokens_accepted = e.accepted, e.tokens
+                self.rejected, self.rejected_reasons = e.rejected, dict(e.reasons)
 
     def record_download(self, version: int, chunks_by_peer: dict[str, int]) -> None:
         self.downloads.append({"version": version, "chunks_by_peer": chunks_by_peer})
@@ -89,12 +92,13 @@ class Tally:
             + ")"
         )
 
-    def record_chain(self, chain: list[Certificate], me: str) -> set[str]:
-        """Count the receipts of newly applied certificates; every digest they merged."""
+    def record_chain(self, chain: list[Certificate], me: str) -> tuple[set[str], set[str]]:
+        """Count the receipts and rejections of newly applied certificates; every digest they
+        merged, and those of ours they rejected."""
         if self.waiting_since is not None:
             self.sync_wait_s += time.monotonic() - self.waiting_since
         self.waiting_since, self.stall_logged = None, False  # nothing awaited until a delta
-        merged = set()
+        merged, rejected = set(), set()
         for c in chain:
             for a in c.body.accepted:
                 self.tokens_by_peer[a.peer_id] = self.tokens_by_peer.get(a.peer_id, 0) + a.tokens
@@ -102,7 +106,13 @@ class Tally:
             for a in c.receipts(me):
                 self.accepted += 1
                 self.tokens_accepted += a.tokens
-        return merged
+            for r in c.body.rejected:
+                if r.peer_id == me:
+                    self.rejected += 1
+                    code = str(r.reason)
+                    self.rejected_reasons[code] = self.rejected_reasons.get(code, 0) + 1
+                    rejected.add(r.digest)
+        return merged, rejected
 
     def view(
         self,
@@ -134,6 +144,8 @@ class Tally:
             on_committee=me in committee,
             sent=self.sent,
             accepted=self.accepted,
+            rejected=self.rejected,
+            rejected_reasons=tuple(sorted(self.rejected_reasons.items())),
             tokens_accepted=self.tokens_accepted,
             share=self.tokens_accepted / total if total else 0.0,
             ranked_peers=len(ranked),
@@ -145,6 +157,7 @@ class Tally:
             rejections=rejections[-200:],
             stalled=stall,
             stalled_s=round(waited, 1) if stalled else 0.0,
+            waiting_since=self.waiting_since,
             sync_wait_s=round(self.sync_wait_s, 2),
             updates=self.updates,
             update_fallbacks=self.update_fallbacks,
@@ -160,6 +173,8 @@ class RuntimeView:
     on_committee: bool = False
     sent: int = 0
     accepted: int = 0
+    rejected: int = 0  # of ours, screened out as certificates record
+    rejected_reasons: tuple[tuple[str, int], ...] = ()  # (reason code, count)
     tokens_accepted: int = 0
     share: float = 0.0
     ranked_peers: int = 0
@@ -171,6 +186,9 @@ class RuntimeView:
     rejections: tuple[dict[str, Any], ...] = ()
     stalled: str | None = None  # "stalled: no certificate for version ... (waiting on ...)"
     stalled_s: float = 0.0  # seconds waited for that certificate, while stalled
+    # monotonic time our first delta on this version went out (None: none in flight); a
+    # reader counts the wait from it, as this view is republished only on changes
+    waiting_since: float | None = None
     sync_wait_s: float = 0.0  # send → next certificate, summed over versions (Tally)
     updates: int = 0  # versions made by their certified update (ADR 0029)
     update_fallbacks: int = 0  # versions whose update failed: downloaded whole
@@ -193,7 +211,9 @@ class RuntimeView:
                 "on_committee": self.on_committee,
                 "sent": self.sent,
                 "accepted": self.accepted,
-                "rejected": t.lost if t is not None else 0,
+                "rejected": self.rejected,  # as certified: what the leaderboard counts
+                "late": sum(n for _, n in t.late) if t is not None else 0,
+                "lost": t.lost if t is not None else 0,  # every delta of ours not merged
                 "tokens_accepted": self.tokens_accepted,
                 "tokens_trained": t.tokens_trained if t is not None else 0,
                 "last_loss": t.last_loss if t is not None else None,

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from p2pdiloco.core.learner import (
     CatchUp,
@@ -62,6 +62,7 @@ class Certified:
     # False when ``merged_digests`` is not known (moving onto the newest version at stop): a
     # delta in flight is then not carried, since it may be merged and would count twice.
     known: bool = True
+    rejected: frozenset[str] = frozenset()  # of ours: submissions its certificates rejected
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,16 @@ class Submission:
 class TrainerView:
     phase: str = "starting"
     version: int = 0
-    inner_step: int = 0
+    inner_step: int = 0  # steps of the current stretch (since the last send), step by step
+    stretch_steps: int = 0  # the learner's steps per delta (H/P, or the test's override)
+    overtime: int = 0  # of ``inner_step``, steps trained past the stretch with a delta in flight
+    # Seconds, at ``published_at`` (monotonic), until this stretch's delta is due (at the
+    # measured pace, or the time budget's end); None in overtime, idle, or before a pace.
+    due_s: float | None = None
+    published_at: float = 0.0
     sent: int = 0
     lost: int = 0
+    late: tuple[tuple[str, int], ...] = ()  # of ``lost``, the late ones: (reason code, count)
     tokens_trained: int = 0
     last_loss: float | None = None
     step_seconds: float = 0.0
@@ -177,6 +185,9 @@ class Trainer:
         self._owed_pause = 0.0  # of the compute share, cut short and added to the next pause
         self._thread: threading.Thread | None = None
         self._shapes = {n: tuple(t.shape) for n, t in state.params.items()}
+        learner.on_step = self._stepped
+        self._chunk_start = 0.0  # monotonic start of the chunk under way
+        self._chunk_overtime = False  # the chunk under way trains past the stretch
         self._past_horizon = False  # said once: the lr schedule ended (ADR 0053)
         pace = _pace(state)
         if pace is not None:  # joining mid-run: train at the run's lr, not a fresh warmup's
@@ -244,7 +255,11 @@ class Trainer:
         for ev in events:
             if isinstance(ev, Certified):
                 actions = self.machine.on_certified(
-                    ev.state.version, ev.merged_digests, carry=ev.known, pace=_pace(ev.state)
+                    ev.state.version,
+                    ev.merged_digests,
+                    carry=ev.known,
+                    pace=_pace(ev.state),
+                    rejected=ev.rejected,
                 )
                 if actions:
                     self._new_state = ev.state
@@ -311,6 +326,8 @@ class Trainer:
         if c.first_at is not None:
             c.longest_pause_s = max(c.longest_pause_s, start - c.last_at)
         c.first_at = start if c.first_at is None else c.first_at
+        self._chunk_start = start
+        self._chunk_overtime = self.machine.phase is LearnerPhase.OVERTIME
         st = self.learner.train(steps)
         c.last_at = time.monotonic()
         busy = c.last_at - start
@@ -430,6 +447,35 @@ class Trainer:
         log.info(text)
         self._c.events.append(f"{time.strftime('%H:%M:%S')} {text}")
 
+    def _stepped(self, done: int) -> None:
+        """After each inner step of a chunk (training thread): the progress, republished, so the
+        dashboard's count moves step by step and not only between chunks (a chunk may be a
+        whole stretch)."""
+        m, now = self.machine, time.monotonic()
+        per_step = (now - self._chunk_start) / done
+        self.view = replace(
+            self.view,
+            inner_step=m.trained + done,
+            overtime=m.overtime + (done if self._chunk_overtime else 0),
+            due_s=None
+            if self._chunk_overtime
+            else self._due(m.trained + done, now - self._chunk_start, per_step),
+            published_at=now,
+        )
+
+    def _due(self, trained: int, chunk_s: float, per_step: float) -> float | None:
+        """Seconds until the stretch under way is due to be sent, ``chunk_s`` into a chunk that
+        trains at ``per_step`` seconds a step; None in overtime or idle, or with no pace yet."""
+        m = self.machine
+        if m.phase in (LearnerPhase.OVERTIME, LearnerPhase.IDLE) or m.trained >= m.inner_steps:
+            return None
+        if m.time_budget is not None:  # wall time, pauses included (``_train``)
+            return max(0.0, m.time_budget - m.trained_seconds - chunk_s)
+        pace = self._c.step_seconds or per_step
+        if pace <= 0:
+            return None
+        return max(0, m.inner_steps - trained) * pace / self.compute_share
+
     def _publish(self, phase: str | None = None) -> None:
         c, m = self._c, self.machine
         phase = phase or m.phase.value
@@ -440,8 +486,13 @@ class Trainer:
             phase=phase,
             version=self.state.version,
             inner_step=m.trained,
+            stretch_steps=m.inner_steps,
+            overtime=m.overtime,
+            due_s=None if phase == "failed" else self._due(m.trained, 0.0, 0.0),
+            published_at=time.monotonic(),
             sent=m.sent,
             lost=m.lost,
+            late=tuple(sorted((code.value, n) for code, n in m.late.items())),
             tokens_trained=c.tokens_trained,
             last_loss=c.last_loss,
             step_seconds=c.step_seconds,

@@ -75,6 +75,9 @@ class MemoryNetwork:
         # they would only train on (three runtime tests: 105 CPU-s in 68 s at 1, 64 in 53).
         compute_share: float = 0.25,
         fragments: int = 1,  # Streaming DiLoCo fragments of the manifest (sync.fragments)
+        # Steps per Train action; None: ``LearnerMachine.for_run``'s, as ``join`` trains (a
+        # whole stretch when four does not divide it)
+        chunk: int | None = 1,
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -96,6 +99,7 @@ class MemoryNetwork:
         self.islands = dict(islands or {})
         self.compute_share = compute_share
         self.fragments = fragments
+        self.chunk = chunk
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -174,7 +178,7 @@ class MemoryNetwork:
             if self.slowdown.get(index, 1.0) > 1.0:
                 _throttle(learner, self.slowdown[index])
             machine = LearnerMachine.for_run(
-                self.manifest, state.version, inner_steps=self.inner_steps, chunk=1
+                self.manifest, state.version, inner_steps=self.inner_steps, chunk=self.chunk
             )
             node.trainer = Trainer(
                 learner,

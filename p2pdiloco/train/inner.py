@@ -84,8 +84,10 @@ def train_steps(
     grad_accum: int = 1,
     grad_clip: float = 1.0,
     all_finite: Callable[[bool], bool] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> InnerStats:
-    """Run one inner step per leading slice of ``batches_TBS`` on the model's device.
+    """Run one inner step per leading slice of ``batches_TBS`` on the model's device;
+    ``on_step(done)`` after each (what a dashboard shows between chunks).
 
     Raises ValueError if B is not divisible by ``grad_accum``; a non-finite loss raises
     FloatingPointError before the optimizer touches the weights, so a diverged learner never
@@ -125,6 +127,8 @@ def train_steps(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses[t] = step_loss.item()
+        if on_step is not None:
+            on_step(t + 1)
     synchronize(device)
     return InnerStats(
         steps=steps,

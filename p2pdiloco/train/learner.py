@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -97,6 +97,9 @@ class Learner:
         size its attack assumes (ALIE's shift). ``micro_batch`` splits the run's step batch."""
         self.manifest = manifest
         self.cfg = inner_config(manifest)
+        # Called with the steps done after each inner step of ``train`` (one process only: an
+        # island's ranks train elsewhere and report per chunk).
+        self.on_step: Callable[[int], None] | None = None
         if micro_batch is not None and self.cfg.batch_size % micro_batch == 0:
             # Same step batch as everyone (the run's), split to fit this device's memory.
             self.cfg = replace(self.cfg, grad_accum=self.cfg.batch_size // micro_batch)
@@ -168,6 +171,7 @@ class Learner:
             batches,
             grad_accum=self.cfg.grad_accum,
             grad_clip=self.cfg.grad_clip,
+            on_step=self.on_step,
         )
 
     @torch.no_grad()

@@ -1,0 +1,124 @@
+"""A real node's dashboard view moves through a training stretch (issue 39 item 4).
+
+Three whole nodes in one process (``testing.memnet``: real runtimes, trainers, learners,
+certificates) train with ``join``'s chunking, where a stretch of six steps is one chunk: the
+case where the dashboard's count stood at 0/6 while the node trained. After every inner step
+of the first node, its ``NodeView`` snapshot is taken on the training thread itself (no
+sleeping, no sampling): the count moves step by step within the chunk, counts each stretch from
+its own send, the next sync counts down, and the delta counts end as its certificates say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2pdiloco.core.ledger import build_ledger
+from p2pdiloco.dashboard.live import DashboardSnapshot
+from p2pdiloco.runtime.node_view import NodeView
+from p2pdiloco.runtime.status import RuntimeView
+from p2pdiloco.runtime.trainer import TrainerView
+from p2pdiloco.testing.memnet import MemNode, MemoryNetwork
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
+
+H = 6  # steps per delta: four does not divide it, so one chunk is the whole stretch
+
+
+class Running:
+    """What ``NodeView`` reads of a ``RunningNode``: the runtime's and the trainer's views."""
+
+    def __init__(self, node: MemNode, manifest: Any) -> None:
+        self.node, self.manifest = node, manifest
+
+    def views(self) -> tuple[RuntimeView, TrainerView | None]:
+        trainer = self.node.trainer
+        return self.node.runtime.view, trainer.view if trainer is not None else None
+
+
+class Plane:
+    """What ``NodeView`` reads of a ``Node``: its identity and the run."""
+
+    def __init__(self, node: MemNode, run_id: str) -> None:
+        self.node, self.run_id = node, run_id
+
+    def snapshot(self) -> dict[str, Any]:
+        me = self.node.peer_id
+        return {
+            "peer_id": me,
+            "run_id": self.run_id,
+            "run_name": "memnet",
+            "model": "gemma-tiny",
+            "reachability": "direct",
+        }
+
+
+def test_a_real_nodes_view_moves_step_by_step_through_each_stretch(tmp_path: Path) -> None:
+    seen: list[DashboardSnapshot] = []
+
+    async def main() -> None:
+        async with MemoryNetwork(tmp_path, nodes=3, inner_steps=H, chunk=None) as net:
+            n0 = net.nodes[0]
+            trainer = n0.trainer
+            assert trainer is not None and trainer.machine.chunk == H
+            view = NodeView(Plane(n0, net.run_id), Running(n0, net.manifest))  # type: ignore[arg-type]
+            stepped = trainer.learner.on_step
+            assert stepped is not None
+
+            def after_each_step(done: int) -> None:
+                stepped(done)
+                seen.append(view.snapshot())
+
+            trainer.learner.on_step = after_each_step
+            await net.wait_for(
+                lambda: (
+                    net.min_version() >= 2
+                    and n0.runtime.view.accepted >= 1
+                    and sum(s.inner_step == H for s in seen) >= 3
+                ),
+                timeout=150,
+                what="version 2, a delta of n0's merged, and three stretches seen",
+            )
+            trainer.learner.on_step = stepped
+            final = view.snapshot()  # one runtime view: its version and counts agree
+            certs = [
+                p.read_bytes()
+                for p in sorted((tmp_path / "n0" / "certs").glob("*.json"))
+                if int(p.stem) <= final.version
+            ]
+            assert net.manifest is not None
+            board = build_ledger(net.run_id, net.manifest, certs)
+            mine = next((e for e in board.entries if e.peer_id == n0.peer_id), None)
+            assert (final.accepted, final.rejected) == (
+                (mine.accepted, mine.rejected) if mine is not None else (0, 0)
+            )
+            assert final.accepted >= 1
+
+    asyncio.run(main())
+    # Each chunk of H steps shows 1, 2, …, H as it trains: the count moves within the chunk.
+    runs, run = [], [seen[0].inner_step]
+    for a, b in zip(seen, seen[1:], strict=False):
+        if b.inner_step == a.inner_step + 1:
+            run.append(b.inner_step)
+        else:
+            runs.append(run)
+            run = [b.inner_step]
+    full = [r for r in runs if r == list(range(1, H + 1))]
+    assert len(full) >= 2, [s.inner_step for s in seen]
+    # A stretch trained while the previous delta is in flight counts from that delta's send,
+    # and the node is shown training, not only waiting.
+    flying = [s for s in seen if s.state == "training, delta in flight"]
+    assert flying and all(1 <= s.inner_step <= H for s in flying)
+    assert any(s.waiting_on is not None and s.waiting_on.startswith("certificate") for s in flying)
+    # The next sync counts down within a stretch (not frozen, never negative).
+    etas = [s.eta_seconds for s in seen if s.inner_step < H and s.state.startswith("training")]
+    assert etas and all(e is not None and e >= 0 for e in etas)
+    by_stretch = [
+        (a.eta_seconds, b.eta_seconds)
+        for a, b in zip(seen, seen[1:], strict=False)
+        if b.inner_step == a.inner_step + 1 < H and a.state == b.state
+    ]
+    assert by_stretch and sum(b < a for a, b in by_stretch if a and b) >= len(by_stretch) // 2
