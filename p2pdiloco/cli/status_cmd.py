@@ -72,9 +72,10 @@ def status(
 def _state_from_dht(bootstrap: list[str] | None) -> dict[str, Any]:
     """Every record read and verified here, through a short-lived client DHT node."""
     from p2pdiloco.cli.net_common import dht_client
-    from p2pdiloco.net.discovery import collect_state
 
-    with dht_client(bootstrap) as dht:
+    with dht_client(bootstrap) as dht:  # a dead bootstrap is refused before hivemind loads
+        from p2pdiloco.net.discovery import collect_state
+
         return collect_state(dht).to_dict()
 
 
@@ -123,14 +124,15 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.cli.net_common import dht_client
-    from p2pdiloco.core.ledger import build_ledger
-    from p2pdiloco.net.cert_records import read_certificates
-    from p2pdiloco.net.discovery import read_peers, read_runs
-    from p2pdiloco.net.p2p_bridge import P2PBridge
-    from p2pdiloco.net.transport import P2PTransport
-    from p2pdiloco.sync.fetch import walk_chain
 
-    with dht_client(bootstrap) as dht:
+    with dht_client(bootstrap) as dht:  # a dead bootstrap is refused before hivemind loads
+        from p2pdiloco.core.ledger import build_ledger
+        from p2pdiloco.net.cert_records import read_certificates
+        from p2pdiloco.net.discovery import read_peers, read_runs
+        from p2pdiloco.net.p2p_bridge import P2PBridge
+        from p2pdiloco.net.transport import P2PTransport
+        from p2pdiloco.sync.fetch import walk_chain
+
         runs, _ = read_runs(dht)
         runs = [r for r in runs if not r.incompatible and (run is None or r.run_id.startswith(run))]
         if not runs:
