@@ -9,6 +9,7 @@ start-up measured beside it where a busy machine makes start-up itself take seco
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -35,6 +36,7 @@ class Result:
     lines: list[str]  # stderr's non-empty lines
     wall: float
     cpu: float
+    stdout: str = ""
 
     @property
     def error(self) -> str:
@@ -60,7 +62,7 @@ def p2pdiloco(tmp_path: Path, *args: str) -> Result:
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert "Traceback" not in out.stderr + out.stdout, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    result = Result(out.returncode, lines, wall, cpu)
+    result = Result(out.returncode, lines, wall, cpu, out.stdout)
     print(f"\n{args[0]}: exit {result.code} in {wall:.2f} s ({cpu:.2f} CPU-s): {lines[-1:]}")
     return result
 
@@ -171,3 +173,40 @@ def test_a_busy_port_is_refused_before_anything_else_starts(
     assert r.code == 2
     assert f"cannot listen on 127.0.0.1:{port} for the DHT: the port is already in use" in r.error
     assert r.cpu < 1.0
+
+
+def test_status_reads_the_bootstrap_it_is_given_in_a_moment(tmp_path: Path) -> None:
+    """A bootstrap on its documented ports: ``status --bootstrap ADDR`` reads that server's
+    view from its web port (the server names itself by the address's peer id) instead of
+    starting a DHT node: no hivemind, no torch, under a CPU-second. ``--dht`` still reads the
+    DHT itself, and both show the same server."""
+    from tests.netutil import Proc, wait_for
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8080)) == 0:
+            pytest.skip("port 8080 is taken on this machine")
+    boot = Proc(
+        "bootstrap",
+        ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
+         "--identity", str(tmp_path / "boot.key")],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        out = boot.wait_output("HTTP:", timeout=120)
+        address = next(ln.strip() for ln in out.splitlines() if ln.startswith("  /ip4/"))
+        wait_for("the server's first view", lambda: "watching" in boot.text(), 60)
+        r = p2pdiloco(tmp_path, "status", "--bootstrap", address, "--json")
+        assert r.code == 0 and r.cpu < 1.0, r
+        print(f"status from the bootstrap's page: {r.wall:.2f} s wall, {r.cpu:.2f} CPU-s")
+        slow = p2pdiloco(tmp_path, "status", "--bootstrap", address, "--dht")
+        assert slow.code == 0 and slow.cpu > r.cpu
+        print(f"status --dht: {slow.wall:.2f} s wall, {slow.cpu:.2f} CPU-s")
+        assert json.loads(r.stdout)["server"]["peer_id"] == address.rsplit("/", 1)[1]
+        # A server on that web port that is not the one named is not believed: the DHT is read.
+        stranger = address.rsplit("/", 1)[0] + "/" + PEER
+        r = p2pdiloco(tmp_path, "status", "--bootstrap", stranger, "--json")
+        assert r.cpu > 1.0  # hivemind loaded: it went to the DHT, which found no such server
+        assert r.code == 2 and "the peer id after /p2p/ is the one it printed" in r.error
+        assert "Daemon" not in r.error
+    finally:
+        assert boot.stop() == 0

@@ -27,7 +27,7 @@ from p2pdiloco.net.cert_records import cert_topic, fetch_cert, read_certificates
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import NetworkState, collect_state
 from p2pdiloco.net.gossip import GossipError, GossipProcess
-from p2pdiloco.net.http_api import HTTPApi
+from p2pdiloco.net.http_api import DEFAULT_HTTP_PORT, HTTPApi
 from p2pdiloco.net.observe import NetworkWatch, install_noise_filter
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.reachability import serve_dialback
@@ -101,7 +101,7 @@ class BootstrapConfig:
     host: str = "0.0.0.0"  # interface the DHT and gossip hosts listen on
     port: int = 31337  # DHT (p2pd) TCP port; gossip listens on port + 1 (0: both random)
     http_host: str = "0.0.0.0"
-    http_port: int = 8080  # health/state/metrics; 0 picks a free port
+    http_port: int = DEFAULT_HTTP_PORT  # health/state/metrics; 0 picks a free port
     announce: list[str] = field(default_factory=list)  # public multiaddrs to advertise
     identity: Path | None = None  # key file; default: bootstrap.key beside a node's identity.key
     initial_peers: list[str] = field(default_factory=list)  # other bootstraps to peer with
