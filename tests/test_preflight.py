@@ -339,6 +339,29 @@ def test_doctor_json_parses_and_passes(tmp_path: Path, listening_port: int) -> N
     assert "doctor: " in result.stderr
 
 
+def test_doctor_agrees_with_itself_and_with_join(tmp_path: Path, listening_port: int) -> None:
+    """A bootstrap found reachable is not followed by "needs a reachable bootstrap" (doctor does
+    not join, so it cannot measure reachability; it says who does), and the auto batch it plans
+    is the one join starts from, with join's cap by the run's batch said (issue 39)."""
+    result = CliRunner().invoke(
+        cli(),
+        [
+            "doctor",
+            *("--model", "gemma-tiny", "--device", "cpu", "--max-memory", "4", "--json"),
+            *("--state-dir", str(tmp_path), "--bootstrap", addr(listening_port)),
+        ],
+        env={"COLUMNS": "200"},
+    )
+    found = {f["check"]: f for f in json.loads(result.stdout)}
+    assert found["bootstrap"]["severity"] == "ok"
+    assert found["reachability"]["detail"] == (
+        "not measured here: `join` asks a bootstrap server to dial it back, and prints it"
+    )
+    auto = auto_batch_size("gemma-tiny", "cpu", 4 * GiB)  # what join's auto starts from
+    assert f"auto batch up to {auto}×" in found["device memory"]["detail"]
+    assert "join takes at most the run's batch per inner step" in found["device memory"]["detail"]
+
+
 @pytest.mark.parametrize("gpus", ["0,x", "-1", "0,,2", "0,0"])
 def test_doctor_malformed_gpus_is_one_line(gpus: str) -> None:
     result = CliRunner().invoke(cli(), ["doctor", "--gpus", gpus], env={"COLUMNS": "200"})

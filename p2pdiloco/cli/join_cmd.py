@@ -418,9 +418,9 @@ def _start_training(node: Node, cfg: JoinConfig, device: str, island: IslandSpec
         dev = resolve_device(device)
         have = int(cfg.max_memory * GiB) if cfg.max_memory else available_memory(dev)[0]
         micro = auto_batch_size(manifest.model, dev, have)
-        how = "auto"
+        how = f"auto: up to {micro} fit"  # what doctor plans; the run's batch may cap it
     else:
-        how = "--batch-size"
+        how = f"--batch-size {micro}"
     micro = max(d for d in range(1, step_batch + 1) if step_batch % d == 0 and d <= micro)
     ranks = f" over {island.ranks} island ranks" if island is not None else ""
     print(
