@@ -301,7 +301,7 @@ class Node:
             hardware=_hardware(),
             throughput_tps=max(0.0, presence.throughput_tps),
             version=presence.version,
-            addrs=self.dht.visible_maddrs()[:16],
+            addrs=announced_addrs(self.dht.visible_maddrs())[:16],
             gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
             reachability=self.reachability.status,  # type: ignore[arg-type]
             seq=self._seq,
@@ -516,6 +516,16 @@ class Node:
             "rejected": self.rejected,
             "events": tuple(self.events[-5:]),
         }
+
+
+def announced_addrs(addrs: list[str]) -> list[str]:
+    """The DHT addresses a heartbeat announces: the daemon's, less loopback ones (of use to no
+    other machine, they only describe this one) unless it listens on loopback alone. LAN
+    addresses stay: peers on the same LAN dial them (``--announce`` publishes only those
+    given)."""
+    loopback = ("/ip4/127.", "/ip6/::1/")
+    others = [a for a in addrs if not a.startswith(loopback)]
+    return others or addrs
 
 
 def _kept_run_note(kept: LocalRun, run: str | None, model: str | None, count: int) -> str:
