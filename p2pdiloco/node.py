@@ -107,7 +107,7 @@ class Node:
         self.me = self.identity.peer_id
         self.reachability = Reachability("unknown", "not checked yet")
         self.run_note = ""  # one line when the run came from a manifest on disk, not the DHT
-        self._newest_cert: Certificate | None = None  # set on the loop, stored again in _io
+        self._newest_cert: Certificate | None = None  # owned by the loop; handed to _io when drawn
         self.rejected = 0
         self._seq = 0
         self._gossip_dialed: set[str] = set()
