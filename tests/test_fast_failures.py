@@ -210,3 +210,16 @@ def test_status_reads_the_bootstrap_it_is_given_in_a_moment(tmp_path: Path) -> N
         assert "Daemon" not in r.error
     finally:
         assert boot.stop() == 0
+
+
+def test_a_bootstrap_on_a_busy_port_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = p2pdiloco(
+            tmp_path, "bootstrap", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0"
+        )
+    assert r.code == 2
+    assert f"cannot listen on 127.0.0.1:{port} for the DHT: the port is already in use" in r.error
+    assert r.cpu < 1.0  # before hivemind and torch load (it took 10-20 s)

@@ -91,7 +91,7 @@ def _state_from_bootstrap_page(bootstrap: list[str] | None) -> dict[str, Any] | 
     server, not another one on its host); None if none does within a second. Its view is the
     one ``--api`` reads: records that server verified."""
     from p2pdiloco.cli.net_common import bootstrap_addrs
-    from p2pdiloco.net.http_api import DEFAULT_HTTP_PORT
+    from p2pdiloco.net.bootstrap_config import DEFAULT_HTTP_PORT
     from p2pdiloco.preflight.network import parse_bootstrap
 
     addrs, _ = bootstrap_addrs(bootstrap)

@@ -17,10 +17,6 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-# A bootstrap server's HTTP port unless ``--http-port`` says otherwise; ``status`` looks for the
-# server it is given there first.
-DEFAULT_HTTP_PORT = 8080
-
 log = logging.getLogger(__name__)
 
 
