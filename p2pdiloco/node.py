@@ -302,7 +302,9 @@ class Node:
             throughput_tps=max(0.0, presence.throughput_tps),
             version=presence.version,
             addrs=announced_addrs(self.dht.visible_maddrs())[:16],
-            gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
+            gossip_addrs=announced_addrs(
+                self.gossip.maddrs if self.gossip and self.gossip.alive else []
+            )[:16],
             reachability=self.reachability.status,  # type: ignore[arg-type]
             seq=self._seq,
             stalled_s=round(max(0.0, presence.stalled_s), 1),
@@ -519,7 +521,7 @@ class Node:
 
 
 def announced_addrs(addrs: list[str]) -> list[str]:
-    """The DHT addresses a heartbeat announces: the daemon's, less loopback ones (of use to no
+    """The addresses a heartbeat announces (DHT and gossip): the host's, less loopback ones (of use to no
     other machine, they only describe this one) unless it listens on loopback alone. LAN
     addresses stay: peers on the same LAN dial them (``--announce`` publishes only those
     given)."""
