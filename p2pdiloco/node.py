@@ -25,7 +25,12 @@ from pathlib import Path
 from p2pdiloco.aio import off_loop as _off_loop
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import keys, known_peers
-from p2pdiloco.net.cert_records import cert_topic, publish_certificate, read_certificates
+from p2pdiloco.net.cert_records import (
+    cert_topic,
+    publish_certificate,
+    read_certificates,
+    store_certificate,
+)
 from p2pdiloco.net.dht import DHTPlane, NetworkError
 from p2pdiloco.net.discovery import (
     RunInfo,
@@ -36,11 +41,13 @@ from p2pdiloco.net.discovery import (
     read_runs,
 )
 from p2pdiloco.net.gossip import GossipError, GossipMessage, GossipProcess
+from p2pdiloco.net.local_runs import LocalRun, local_run_by_id, newest_local_run, read_local_runs
 from p2pdiloco.net.manifests import publish_manifest
 from p2pdiloco.net.membership import Membership
 from p2pdiloco.net.p2p_bridge import P2PBridge
 from p2pdiloco.net.plane import Presence
 from p2pdiloco.net.reachability import Reachability, ask_dialback, classify
+from p2pdiloco.net.republish import interval_index, republishes
 from p2pdiloco.protocol.certificates import Certificate
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import Hardware, Heartbeat
@@ -74,6 +81,9 @@ class NodeConfig:
     # Seconds to keep looking for the run before giving up: a DHT that a restarted bootstrap
     # only begins to refill may not answer at once.
     run_lookup_s: float = 20.0
+    # Signed manifests kept on this machine (``net.local_runs``): the run is taken from them
+    # when the DHT has forgotten it, and published again.
+    local_manifests: tuple[Path, ...] = ()
 
 
 class Node:
@@ -96,6 +106,8 @@ class Node:
         self.members: Membership | None = None
         self.me = self.identity.peer_id
         self.reachability = Reachability("unknown", "not checked yet")
+        self.run_note = ""  # one line when the run came from a manifest on disk, not the DHT
+        self._newest_cert: Certificate | None = None  # owned by the loop; handed to _io when drawn
         self.rejected = 0
         self._seq = 0
         self._gossip_dialed: set[str] = set()
@@ -175,9 +187,36 @@ class Node:
     # -- steps -------------------------------------------------------------------------------
 
     def _find_run(self) -> RunInfo:
-        """The run to join; looks again for up to ``run_lookup_s`` while it is not found (a
-        restarted bootstrap's DHT fills as the peers rejoin it, within a heartbeat interval)."""
-        deadline = time.monotonic() + self.cfg.run_lookup_s
+        """The run to join, from the DHT, else from a signed manifest kept on disk.
+
+        With ``--run`` and a kept copy of its manifest, the DHT is asked once: the copy is the
+        run (its id is its hash). With ``--model`` and a kept run of that model, the DHT is
+        asked for one heartbeat interval (its live members store the run again within one),
+        then the newest kept run is resumed. Without a kept copy the DHT is asked for up to
+        ``run_lookup_s``. A run taken from disk is published again and ``run_note`` says so."""
+        cfg = self.cfg
+        local = read_local_runs(cfg.local_manifests)
+        kept, count = None, 0
+        if cfg.run:
+            kept = local_run_by_id(local, cfg.run)
+            patience = 0.0 if kept else cfg.run_lookup_s
+        else:
+            kept, count = newest_local_run(local, cfg.model or "")
+            patience = min(cfg.heartbeat_interval, cfg.run_lookup_s) if kept else cfg.run_lookup_s
+        try:
+            return self._look_up_run(patience)
+        except RunNotFound:
+            if kept is None:
+                raise
+        self.run_note = _kept_run_note(kept, cfg.run, cfg.model, count)
+        self._publish_manifest(kept.info)
+        return kept.info
+
+    def _look_up_run(self, patience: float) -> RunInfo:
+        """The run from the DHT; looks again for up to ``patience`` seconds while it is not
+        found (a restarted bootstrap's DHT fills as the peers rejoin it, within a heartbeat
+        interval)."""
+        deadline = time.monotonic() + patience
         pause = 2.0
         while True:
             try:
@@ -205,12 +244,17 @@ class Node:
                 if not r.incompatible:
                     r.peers = read_peers(self.dht, r.run_id)
             run = choose_run(runs, self.cfg.model or "")
-        # Re-publish the manifest: a run stays discoverable while any member is alive.
+        self._publish_manifest(run)
+        return run
+
+    def _publish_manifest(self, run: RunInfo) -> None:
+        """Store the run's signed manifest again (fresh expiry): a run stays discoverable while
+        any member is alive."""
+        assert self.dht is not None
         try:
             publish_manifest(self.dht, run.run_id, run.manifest, run.raw)
         except NetworkError as e:
             log.warning("could not re-publish the run manifest: %s", e)
-        return run
 
     def _gossip_process(self) -> GossipProcess:
         assert self.run is not None
@@ -257,8 +301,10 @@ class Node:
             hardware=_hardware(),
             throughput_tps=max(0.0, presence.throughput_tps),
             version=presence.version,
-            addrs=self.dht.visible_maddrs()[:16],
-            gossip_addrs=(self.gossip.maddrs if self.gossip and self.gossip.alive else [])[:16],
+            addrs=announced_addrs(self.dht.visible_maddrs())[:16],
+            gossip_addrs=announced_addrs(
+                self.gossip.maddrs if self.gossip and self.gossip.alive else []
+            )[:16],
             reachability=self.reachability.status,  # type: ignore[arg-type]
             seq=self._seq,
             stalled_s=round(max(0.0, presence.stalled_s), 1),
@@ -270,7 +316,9 @@ class Node:
     async def tick(self, presence: Presence) -> list[bytes]:
         """One interval: the DHT/gossip I/O in a worker thread, then membership on the loop;
         returns certificate bytes heard on gossip."""
-        heard = self._apply(await _off_loop(self._io, presence))
+        again = self._drawn_to_republish()
+        cert = self._newest_cert if again else None
+        heard = self._apply(await _off_loop(self._io, presence, again, cert))
         await _off_loop(self._dial_gossip_peers, self._gossip_targets())
         await self._remember_peers()
         return heard
@@ -289,15 +337,32 @@ class Node:
         peers = [known_peers.KnownPeer(v.peer_id, tuple(v.heartbeat.addrs), v.ts) for v in live]
         await _off_loop(known_peers.save, self.cfg.known_peers, peers, self.me)
 
-    def _io(self, presence: Presence) -> tuple[list[tuple[bytes, str, str]], list[GossipMessage]]:
-        """Publish our heartbeat; read the run's heartbeats and drain gossip (worker thread:
-        touches no membership state)."""
+    def _drawn_to_republish(self) -> bool:
+        """Whether this node stores the run's manifest and its newest certificate again this
+        interval (``net.republish``: a few live members per interval, drawn afresh)."""
+        live = self.members.live(time.time()) if self.members else []
+        index = interval_index(time.time(), self.cfg.heartbeat_interval)
+        return republishes(self.me, [v.peer_id for v in live], index)
+
+    def _io(
+        self, presence: Presence, republish: bool = False, cert: Certificate | None = None
+    ) -> tuple[list[tuple[bytes, str, str]], list[GossipMessage]]:
+        """Publish our heartbeat (and, when drawn to ``republish``, the run's manifest and
+        ``cert``, our newest certificate, again); read the run's heartbeats and drain gossip
+        (worker thread: touches no membership state)."""
         assert self.dht is not None and self.run is not None
         self.dht.rejoin(self.cfg.bootstrap)
         raw = self._heartbeat(presence)
         self.dht.store(
             keys.run_peers_key(self.run.run_id), self.identity.peer_id, raw, self.cfg.heartbeat_ttl
         )
+        if republish:
+            try:
+                publish_manifest(self.dht, self.run.run_id, self.run.manifest, self.run.raw)
+            except NetworkError as e:  # no DHT peer reachable now: the next draw tries again
+                log.info("storing the run manifest again failed: %s", e)
+            if cert is not None:
+                store_certificate(self.identity, self.run.run_id, cert, self.dht)
         if self.gossip is not None and self.gossip.alive:
             try:
                 self.gossip.publish(run_topic(self.run.run_id), raw)
@@ -367,6 +432,8 @@ class Node:
 
     async def publish_certificate(self, cert: Certificate) -> None:
         assert self.run is not None
+        if self._newest_cert is None or cert.body.version > self._newest_cert.body.version:
+            self._newest_cert = cert
         await _off_loop(
             publish_certificate, self.identity, self.run.run_id, cert, self.dht, self.gossip
         )
@@ -452,6 +519,31 @@ class Node:
             "rejected": self.rejected,
             "events": tuple(self.events[-5:]),
         }
+
+
+def announced_addrs(addrs: list[str]) -> list[str]:
+    """The addresses a heartbeat announces (DHT and gossip): the host's, less loopback ones (of use to no
+    other machine, they only describe this one) unless it listens on loopback alone. LAN
+    addresses stay: peers on the same LAN dial them (``--announce`` publishes only those
+    given)."""
+    loopback = ("/ip4/127.", "/ip6/::1/")
+    others = [a for a in addrs if not a.startswith(loopback)]
+    return others or addrs
+
+
+def _kept_run_note(kept: LocalRun, run: str | None, model: str | None, count: int) -> str:
+    """The one line saying that the run was taken from a manifest kept on disk."""
+    where = f"{kept.info.manifest.name} ({kept.info.run_id[:12]})"
+    if run:
+        return (
+            f"run '{run}' is not in the DHT: joining {where} from its signed manifest in "
+            f"{kept.path}, and publishing it again"
+        )
+    others = f" (the newest of {count}; pass --run ID for another)" if count > 1 else ""
+    return (
+        f"no run for model '{model}' in the DHT: resuming {where} from its signed manifest in "
+        f"{kept.path}{others}, and publishing it again"
+    )
 
 
 def _hardware() -> Hardware:

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from p2pdiloco.preflight import (
     run_preflight,
     worst,
 )
+from p2pdiloco.preflight.network import MULTISTREAM
 from p2pdiloco.protocol.signing import PROTOCOL_VERSION
 from p2pdiloco.train.island_plan import plan_island
 from p2pdiloco.train.memory import GiB, estimate_memory
@@ -39,12 +41,33 @@ from p2pdiloco.train.models import model_names
 PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
-@pytest.fixture
-def listening_port() -> Iterator[int]:
+def serve(answer: bytes | None) -> Iterator[int]:
+    """A loopback TCP server that answers each connection's first bytes with ``answer`` (None:
+    says nothing); its port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
+
+        def accept() -> None:
+            held = []
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except OSError:  # the server closed
+                    return
+                held.append(conn)  # kept open: a silent server must stay silent, not close
+                if answer is not None:
+                    conn.recv(64)
+                    conn.sendall(answer)
+
+        threading.Thread(target=accept, daemon=True).start()
         yield s.getsockname()[1]
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    """A libp2p node's first answer: the multistream-select header."""
+    yield from serve(MULTISTREAM)
 
 
 @pytest.fixture
@@ -157,6 +180,21 @@ def test_bootstrap_reachable(listening_port: int) -> None:
     [f] = check_bootstrap(PreflightConfig(bootstrap=(addr(listening_port),), timeout=2))
     assert f.severity == "ok", f
     assert f"127.0.0.1:{listening_port}" in f.detail
+
+
+@pytest.mark.parametrize(
+    "answer, needle",
+    [
+        (b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n", "answered as something else"),
+        (None, "said nothing within 1 s"),
+    ],
+)
+def test_a_server_that_is_not_libp2p_is_unreachable(answer: bytes | None, needle: str) -> None:
+    # A transparent proxy or firewall accepts any connection: a TCP connect alone proves
+    # nothing (seen on a sandbox that answered HTTP 400 for every address).
+    for port in serve(answer):
+        [f] = check_bootstrap(PreflightConfig(bootstrap=(addr(port),), timeout=1))
+        assert f.severity == "error" and needle in f.detail, f
 
 
 def test_bootstrap_unreachable_and_malformed(closed_port: int, listening_port: int) -> None:
@@ -299,6 +337,29 @@ def test_doctor_json_parses_and_passes(tmp_path: Path, listening_port: int) -> N
     assert {f["check"] for f in found} >= {"python", "device memory", "disk", "bootstrap"}
     assert all(set(f) == {"check", "severity", "detail", "fix"} for f in found)
     assert "doctor: " in result.stderr
+
+
+def test_doctor_agrees_with_itself_and_with_join(tmp_path: Path, listening_port: int) -> None:
+    """A bootstrap found reachable is not followed by "needs a reachable bootstrap" (doctor does
+    not join, so it cannot measure reachability; it says who does), and the auto batch it plans
+    is the one join starts from, with join's cap by the run's batch said (issue 39)."""
+    result = CliRunner().invoke(
+        cli(),
+        [
+            "doctor",
+            *("--model", "gemma-tiny", "--device", "cpu", "--max-memory", "4", "--json"),
+            *("--state-dir", str(tmp_path), "--bootstrap", addr(listening_port)),
+        ],
+        env={"COLUMNS": "200"},
+    )
+    found = {f["check"]: f for f in json.loads(result.stdout)}
+    assert found["bootstrap"]["severity"] == "ok"
+    assert found["reachability"]["detail"] == (
+        "not measured here: `join` asks a bootstrap server to dial it back, and prints it"
+    )
+    auto = auto_batch_size("gemma-tiny", "cpu", 4 * GiB)  # what join's auto starts from
+    assert f"auto batch up to {auto}×" in found["device memory"]["detail"]
+    assert "join takes at most the run's batch per inner step" in found["device memory"]["detail"]
 
 
 @pytest.mark.parametrize("gpus", ["0,x", "-1", "0,,2", "0,0"])

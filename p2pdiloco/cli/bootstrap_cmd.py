@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.net.bootstrap import BootstrapConfig, BootstrapServer
+from p2pdiloco.net.bootstrap_config import BootstrapConfig
 from p2pdiloco.signals import stop_event
 
 _d = BootstrapConfig()
@@ -45,6 +45,8 @@ def bootstrap(
             (http_host, http_port, "HTTP API", "--http-port"),
         ]
     )
+    from p2pdiloco.net.bootstrap import BootstrapServer  # hivemind, torch: after the checks
+
     stop = stop_event()
     cfg = BootstrapConfig(
         host=host,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -145,6 +147,10 @@ def run_join(cfg: JoinConfig) -> None:
     (``runtime.launch.RunningNode``), show it (``node_view.NodeView``: dashboard, log lines,
     metrics), then stop cleanly and say what was kept. UserError (exit 2) for what the user
     can fix; the node is closed whatever happens."""
+    # A taken port first, before anything starts; the bootstrap servers are probed meanwhile
+    # (seconds at most) while this machine is checked, and their answer awaited after.
+    _check_ports(cfg.host, cfg.port, cfg.metrics_port, not cfg.no_gossip)
+    probe = _probe_bootstrap(cfg)
     device, gpus, island = _placement(cfg)
     if cfg.cache_dir is not None:
         os.environ["HF_HOME"] = str(cfg.cache_dir)  # read by transformers when tokenizers load
@@ -153,7 +159,7 @@ def run_join(cfg: JoinConfig) -> None:
     if cfg.model:  # refuse before any network or allocation work, with what would fit instead
         island = _refuse_what_does_not_fit(cfg.model, device, island, cfg.max_memory)
     _preflight(cfg.preflight_config(device, gpus))
-    _check_ports(cfg.host, cfg.port, cfg.metrics_port, not cfg.no_gossip)
+    probe.result()
     stop = stop_event()
     log.info("bootstrap servers from %s: %s", cfg.bootstrap_source, ", ".join(cfg.bootstrap))
     from p2pdiloco.node import Node
@@ -239,6 +245,8 @@ def _say_joined(node: Node) -> None:
     """The lines a volunteer sees once the node has joined: the run, reachability (with the
     fix when relayed), then the checks that need the network."""
     snap: dict[str, Any] = dict(node.snapshot())
+    if node.run_note:
+        print(node.run_note, flush=True)
     print(f"joined run {snap['run_name']} ({snap['run_id'][:12]}) as {snap['peer_id']}", flush=True)
     print(f"reachability: {node.reachability.status}: {node.reachability.detail}", flush=True)
     if node.reachability.fix:
@@ -324,6 +332,29 @@ def _check_ports(host: str, port: int, metrics_port: int | None, gossip: bool) -
     )
 
 
+def _probe_bootstrap(cfg: JoinConfig) -> Future[None]:
+    """Whether a bootstrap server, or a peer remembered from an earlier run, answers, asked in
+    a thread; its result raises BootstrapUnreachable (one line: what was tried, what to check)
+    seconds after the start if none does, instead of the DHT daemon's failure after 20."""
+    from p2pdiloco.cli.net_common import require_an_answer
+    from p2pdiloco.net import known_peers
+
+    path = known_peers.known_peers_path(cfg.identity or default_identity_path())
+    remembered = known_peers.initial_peers([], known_peers.load(path, ""))
+    done: Future[None] = Future()
+
+    def probe() -> None:
+        try:
+            require_an_answer(list(cfg.bootstrap), cfg.bootstrap_source, remembered)
+        except BaseException as e:  # handed to the main thread, which raises it
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=probe, name="p2pdiloco-bootstrap-probe", daemon=True).start()
+    return done
+
+
 def _refuse_disk(model: str, state_dir: Path) -> None:
     """The run's state directory is writable with room for the run model's checkpoints."""
     from p2pdiloco.preflight import PreflightConfig, check_disk
@@ -387,9 +418,9 @@ def _start_training(node: Node, cfg: JoinConfig, device: str, island: IslandSpec
         dev = resolve_device(device)
         have = int(cfg.max_memory * GiB) if cfg.max_memory else available_memory(dev)[0]
         micro = auto_batch_size(manifest.model, dev, have)
-        how = "auto"
+        how = f"auto: up to {micro} fit"  # what doctor plans; the run's batch may cap it
     else:
-        how = "--batch-size"
+        how = f"--batch-size {micro}"
     micro = max(d for d in range(1, step_batch + 1) if step_batch % d == 0 and d <= micro)
     ranks = f" over {island.ranks} island ranks" if island is not None else ""
     print(

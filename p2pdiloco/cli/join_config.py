@@ -16,6 +16,7 @@ from p2pdiloco.config import load_config_file, resolve
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.island.secret import parse_secret
 from p2pdiloco.net import keys
+from p2pdiloco.train.model_specs import get_spec
 
 if TYPE_CHECKING:  # hivemind, torch: the library's configs are built once the settings are good
     from p2pdiloco.island.spec import IslandSpec
@@ -89,7 +90,8 @@ class JoinConfig:
         Raises ConfigError naming the setting for a value that cannot be (a bad cast, a bad
         ``--gpus`` list, ``--lan-island`` without ``--island``, a share outside (0, 1], a
         batch size under 1, neither ``--model`` nor ``--run``, a malformed bootstrap address),
-        UserError when no bootstrap server is configured at all; checked in that order."""
+        ModelError (with a "did you mean") for an unknown ``--model``, UserError when no
+        bootstrap server is configured at all; checked in that order."""
         conf = load_config_file()
         got = {
             name: _typed(name, flags.get(name), default, cast, conf)
@@ -109,6 +111,8 @@ class JoinConfig:
             raise ConfigError("pass --model NAME (the most active run of it) or --run ID")
         if got["batch_size"] is not None and got["batch_size"] < 1:
             raise ConfigError("--batch-size must be at least 1")
+        if got["model"]:  # before the DHT starts: a typo is refused in a moment, with the fix
+            get_spec(got["model"])
         # Before anything heavy is imported: a missing or mistyped address fails at once.
         addrs, source = bootstrap_addrs(flags.get("bootstrap"))
         given = {f.name: flags[f.name] for f in fields(cls) if flags.get(f.name) is not None}
@@ -118,6 +122,7 @@ class JoinConfig:
     def node_config(self) -> NodeConfig:
         """The node's own settings (``node.NodeConfig``): where to listen, whom to dial."""
         from p2pdiloco.net.known_peers import known_peers_path
+        from p2pdiloco.net.local_runs import manifest_paths
         from p2pdiloco.node import NodeConfig
         from p2pdiloco.protocol.identity import default_identity_path
 
@@ -134,6 +139,8 @@ class JoinConfig:
             gossip=not self.no_gossip,
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_ttl=self.heartbeat_ttl,
+            # The run's manifest kept in --state-dir, else in the default state directories.
+            local_manifests=tuple(manifest_paths(self.state_dir, default_identity_path().parent)),
         )
 
     def preflight_config(self, device: str, gpus: tuple[int, ...]) -> PreflightConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from p2pdiloco.config import resolve_bootstrap
@@ -41,10 +41,48 @@ def check_multiaddrs(addrs: list[str], source: str) -> None:
             )
 
 
+# Seconds a bootstrap server has to accept a TCP connection before the DHT daemon starts: a
+# dead or unreachable one is refused in this long, not after the daemon's own 20 s.
+BOOTSTRAP_PROBE_S = 2.5
+
+
+class BootstrapUnreachable(UserError):
+    """No bootstrap server (nor any peer remembered from earlier runs) accepted a connection."""
+
+
+def require_an_answer(
+    addrs: list[str],
+    source: str,
+    remembered: Sequence[str] = (),
+    timeout: float = BOOTSTRAP_PROBE_S,
+) -> None:
+    """Return once any of ``addrs`` or ``remembered`` (peers' addresses from earlier runs)
+    answers as a libp2p node within ``timeout`` (all tried at once); BootstrapUnreachable naming
+    what was tried, and what to check, if none does. The first line of the handshake only: a
+    wrong peer id after /p2p/ is the DHT's to report (``net.dht``)."""
+    from p2pdiloco.preflight.network import probe_addresses
+
+    results = probe_addresses([*addrs, *remembered], timeout)
+    if any(reason is None for _, reason in results):
+        return
+    tried = "; ".join(f"{addr} ({reason})" for addr, reason in results[: len(addrs)])
+    more = ""
+    if remembered:
+        more = f", and {len(remembered)} address(es) of peers remembered from earlier runs"
+    ports = ", ".join(sorted({a.split("/tcp/")[1].split("/")[0] for a in addrs if "/tcp/" in a}))
+    raise BootstrapUnreachable(
+        f"no bootstrap server answered within {timeout:g} s: tried {tried} (from {source})"
+        f"{more}; check that the server is running and that this is the address it printed at "
+        f"start, and that this machine may open TCP connections to port {ports}"
+    )
+
+
 @contextlib.contextmanager
 def dht_client(flags: list[str] | None) -> Iterator[DHTPlane]:
-    """A client-mode DHT node with a throw-away key (it serves nothing and signs nothing)."""
-    addrs, _ = bootstrap_addrs(flags)
+    """A client-mode DHT node with a throw-away key (it serves nothing and signs nothing);
+    BootstrapUnreachable within seconds when no bootstrap server answers."""
+    addrs, source = bootstrap_addrs(flags)
+    require_an_answer(addrs, source)
     from p2pdiloco.net.dht import DHTPlane
 
     with DHTPlane(Identity.generate(), initial_peers=addrs, client_mode=True) as dht:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -180,6 +181,8 @@ def create(
         )
         inner["warmup_steps"], inner["total_steps"] = schedule_of(plan, inner_steps)
     check_data(data)
+    if (note := personal_path_note(data)) is not None:
+        print(f"note: {note}", file=sys.stderr)
     creator = Identity.load_or_create(identity or default_identity_path())
     fields = dict(
         name=name,
@@ -232,6 +235,22 @@ def create(
     print(json.dumps(signed, indent=2, sort_keys=True))
     what = "signed (dry run: not published)" if dry_run else "published"
     print(f"run {manifest.name} ({manifest.model}) {what}\nrun id {run_id}")
+
+
+def personal_path_note(source: str) -> str | None:
+    """A line when ``--data`` names a path under this user's home directory: the manifest
+    publishes it as typed (every volunteer reads the same path), so the user's name goes with
+    it; None for any other source."""
+    if source == "embedded" or source.startswith("hf:"):
+        return None
+    home = Path.home().resolve()
+    if not (source.startswith("~") or Path(source).resolve().is_relative_to(home)):
+        return None
+    return (
+        f"--data '{source}' is published in the signed manifest as typed, and volunteers need "
+        "the same path: it lies under your home directory, whose name is then public; a path "
+        "like /data/NAME or an hf:NAME dataset keeps it private"
+    )
 
 
 def check_data(source: str) -> None:

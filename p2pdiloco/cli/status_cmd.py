@@ -45,10 +45,21 @@ def status(
             "of joining the DHT; faster, and trusts that server's view.",
         ),
     ] = None,
+    dht: Annotated[
+        bool,
+        typer.Option(
+            "--dht",
+            help="Read and verify every record through a DHT node of this machine, even when "
+            "the bootstrap server serves its view on its default web port (slower).",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show runs, peers (direct or relayed), their versions and throughput; or, with
-    --leaderboard, every peer's contribution as certified by the committees' receipts."""
+    --leaderboard, every peer's contribution as certified by the committees' receipts.
+
+    Without --api or --dht, the bootstrap server given is first asked for its view on its
+    default web port (what --api reads; under a second); else the DHT is read (seconds)."""
     if api is not None and leaderboard:
         raise ConfigError("--api shows runs and peers; --leaderboard needs --bootstrap")
     if leaderboard:
@@ -61,7 +72,12 @@ def status(
             out = Console()
             out.print(leaderboard_view(board, out.width))
         return
-    state = _state_from_api(api) if api is not None else _state_from_dht(bootstrap)
+    if api is not None:
+        state = _state_from_api(api)
+    else:
+        state = (None if dht else _state_from_bootstrap_page(bootstrap)) or _state_from_dht(
+            bootstrap
+        )
     if json_out:
         print(json.dumps(state, indent=2))
     else:
@@ -69,12 +85,38 @@ def status(
         out.print(status_view(state, out.width))
 
 
+def _state_from_bootstrap_page(bootstrap: list[str] | None) -> dict[str, Any] | None:
+    """The view of the first bootstrap server given that serves ``/api/v1/state`` on its host's
+    default web port and names itself there by the peer id of its address (so it is that
+    server, not another one on its host); None if none does within a second. Its view is the
+    one ``--api`` reads: records that server verified."""
+    from p2pdiloco.cli.net_common import bootstrap_addrs
+    from p2pdiloco.net.bootstrap_config import DEFAULT_HTTP_PORT
+    from p2pdiloco.preflight.network import parse_bootstrap
+
+    addrs, _ = bootstrap_addrs(bootstrap)
+    for addr in addrs:
+        target = parse_bootstrap(addr)
+        if isinstance(target, str):
+            continue
+        host = f"[{target.host}]" if ":" in target.host else target.host
+        try:
+            state = _state_from_api(f"http://{host}:{DEFAULT_HTTP_PORT}", timeout=1.0)
+        except UserError:
+            continue
+        server = state.get("server")
+        if isinstance(server, dict) and server.get("peer_id") == addr.rsplit("/", 1)[1]:
+            return state
+    return None
+
+
 def _state_from_dht(bootstrap: list[str] | None) -> dict[str, Any]:
     """Every record read and verified here, through a short-lived client DHT node."""
     from p2pdiloco.cli.net_common import dht_client
-    from p2pdiloco.net.discovery import collect_state
 
-    with dht_client(bootstrap) as dht:
+    with dht_client(bootstrap) as dht:  # a dead bootstrap is refused before hivemind loads
+        from p2pdiloco.net.discovery import collect_state
+
         return collect_state(dht).to_dict()
 
 
@@ -123,14 +165,15 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
 def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.cli.net_common import dht_client
-    from p2pdiloco.core.ledger import build_ledger
-    from p2pdiloco.net.cert_records import read_certificates
-    from p2pdiloco.net.discovery import read_peers, read_runs
-    from p2pdiloco.net.p2p_bridge import P2PBridge
-    from p2pdiloco.net.transport import P2PTransport
-    from p2pdiloco.sync.fetch import walk_chain
 
-    with dht_client(bootstrap) as dht:
+    with dht_client(bootstrap) as dht:  # a dead bootstrap is refused before hivemind loads
+        from p2pdiloco.core.ledger import build_ledger
+        from p2pdiloco.net.cert_records import read_certificates
+        from p2pdiloco.net.discovery import read_peers, read_runs
+        from p2pdiloco.net.p2p_bridge import P2PBridge
+        from p2pdiloco.net.transport import P2PTransport
+        from p2pdiloco.sync.fetch import walk_chain
+
         runs, _ = read_runs(dht)
         runs = [r for r in runs if not r.incompatible and (run is None or r.run_id.startswith(run))]
         if not runs:

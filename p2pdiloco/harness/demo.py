@@ -118,6 +118,7 @@ class LocalNetwork:
         self.run_id = ""
         self.manifest: Any = None
         self._on_term: Any = None
+        self._boot_port = 0
 
     def __enter__(self) -> LocalNetwork:
         self._on_term = _exit_on_sigterm()
@@ -140,10 +141,25 @@ class LocalNetwork:
             _stop(self.boot_proc)
 
     def start_bootstrap(self) -> str:
-        boot_key = Identity.generate()
-        boot_key.save(self.workdir / "bootstrap.key")
-        port = _free_port_pair()
+        Identity.generate().save(self.workdir / "bootstrap.key")
+        self._boot_port = _free_port_pair()
+        return self._spawn_bootstrap()
+
+    def restart_bootstrap(self) -> str:
+        """Stop the bootstrap and start a fresh process with the same key and port: an empty
+        DHT node that the run's members must refill."""
+        assert self.boot_proc is not None
+        _stop(self.boot_proc)
+        self.procs.remove(self.boot_proc)
+        return self._spawn_bootstrap()
+
+    def _spawn_bootstrap(self) -> str:
+        key_path = self.workdir / "bootstrap.key"
+        boot_key = Identity.load(key_path)
+        port = self._boot_port
         log = self.workdir / "bootstrap.log"
+        if log.exists():  # a restart: the first run's log stays readable
+            log = self.workdir / f"bootstrap.{len(self.procs)}.log"
         boot = _spawn(
             [
                 "bootstrap",
@@ -156,7 +172,7 @@ class LocalNetwork:
                 "--http-port",
                 "0",
                 "--identity",
-                str(self.workdir / "bootstrap.key"),
+                str(key_path),
             ],
             log,
             self.env,
@@ -225,17 +241,18 @@ class LocalNetwork:
         adversary: str | None = None,
         extra: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        target: Sequence[str] | None = None,
     ) -> NodeProc:
         """Start (or restart, with the same directory) one ``p2pdiloco join`` process (``env``:
-        extra environment, say ``P2PDILOCO_FAILPOINTS``)."""
+        extra environment, say ``P2PDILOCO_FAILPOINTS``; ``target``: what to join, by default
+        ``--run`` and the published run's id)."""
         d = self.workdir / name
         d.mkdir(exist_ok=True)
         if not (d / "identity.key").exists():
             key.save(d / "identity.key")
         args = [
             "join",
-            "--run",
-            self.run_id,
+            *(target if target is not None else ("--run", self.run_id)),
             "--bootstrap",
             self.boot_addr,
             "--identity",

@@ -15,14 +15,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from p2pdiloco import __version__
 from p2pdiloco.net import keys
+from p2pdiloco.net.bootstrap_config import BootstrapConfig
 from p2pdiloco.net.cert_records import cert_topic, fetch_cert, read_certificates, run_of_cert_topic
 from p2pdiloco.net.dht import DHTPlane
 from p2pdiloco.net.discovery import NetworkState, collect_state
@@ -92,20 +91,6 @@ async def fetch_unheard(transport: Transport, wanted: Wanted) -> list[tuple[str,
             got.append((run_id, raw))
             break
     return got
-
-
-@dataclass
-class BootstrapConfig:
-    """Settings of one bootstrap server (flags map one-to-one onto these)."""
-
-    host: str = "0.0.0.0"  # interface the DHT and gossip hosts listen on
-    port: int = 31337  # DHT (p2pd) TCP port; gossip listens on port + 1 (0: both random)
-    http_host: str = "0.0.0.0"
-    http_port: int = 8080  # health/state/metrics; 0 picks a free port
-    announce: list[str] = field(default_factory=list)  # public multiaddrs to advertise
-    identity: Path | None = None  # key file; default: bootstrap.key beside a node's identity.key
-    initial_peers: list[str] = field(default_factory=list)  # other bootstraps to peer with
-    refresh_interval: float = keys.HEARTBEAT_INTERVAL  # own heartbeat and state poll period
 
 
 class BootstrapServer:

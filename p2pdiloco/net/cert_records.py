@@ -99,8 +99,15 @@ def publish_certificate(
             gossip.publish(cert_topic(run_id), cert.raw)
         except GossipError as e:
             log.info("gossip publish of the certificate failed: %s", e)
-    if dht is None:
-        return
+    if dht is not None:
+        store_certificate(identity, run_id, cert, dht)
+
+
+def store_certificate(identity: Identity, run_id: str, cert: Certificate, dht: DHTPlane) -> None:
+    """Store ``cert`` as this node's newest certificate record, sealed afresh (a certificate
+    record's signed time bounds its expiry); nothing if it is too large for a record. Called on
+    every new version and again in each heartbeat interval this node is drawn for
+    (``net.republish``)."""
     body = {"version": cert.body.version, "cert": json.loads(cert.raw)}
     record = seal(identity, CERT_RECORD_KIND, run_id, body)
     if len(record) > MAX_RECORD:

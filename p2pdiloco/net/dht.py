@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -133,6 +134,21 @@ async def _rejoin(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout:
     return answered
 
 
+def _start_failure(e: Exception, initial_peers: Sequence[str]) -> str:
+    """One line for a DHT that did not start: what was tried and what to check, without the
+    daemon's own wording (``Daemon failed to start: <date> <time> ...``)."""
+    tried = ", ".join(initial_peers) or "none"
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "failed to connect to bootstrap peers" in text:
+        return (
+            f"cannot join the DHT: no bootstrap server answered (tried: {tried}); check that "
+            "the server is running at that address and that the peer id after /p2p/ is the one "
+            "it printed at start (a restarted server keeps it only with the same --identity key)"
+        )
+    why = re.sub(r"^Daemon failed to start:\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*)?", "", text)
+    return f"cannot start the DHT node (bootstrap servers tried: {tried}): {why}"
+
+
 class _GuardedDHT(hivemind.DHT):
     """hivemind's DHT process, and its p2pd, die with the process that started them (ADR 0011).
 
@@ -203,11 +219,7 @@ class DHTPlane:
             )
         except Exception as e:
             self._cleanup_tmp()
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            tried = ", ".join(initial_peers) or "none"
-            raise NetworkError(
-                f"cannot join the DHT (bootstrap peers tried: {tried}): {first}"
-            ) from e
+            raise NetworkError(_start_failure(e, initial_peers)) from e
         if str(self.dht.peer_id) != identity.peer_id:
             self.close()
             raise NetworkError("the DHT daemon did not take this node's identity key")

@@ -21,8 +21,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2pdiloco.train.checkpoint import atomic_write_bytes
-
 log = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -111,6 +109,8 @@ def save(path: Path, peers: Sequence[KnownPeer], me: str) -> None:
         "written": round(time.time(), 3),
         "peers": [{"peer_id": p.peer_id, "addrs": list(p.addrs), "seen": p.seen} for p in chosen],
     }
+    from p2pdiloco.train.checkpoint import atomic_write_bytes  # torch: not needed to read
+
     try:
         atomic_write_bytes(path, json.dumps(doc, indent=1).encode(), durable=False)
     except OSError as e:

@@ -1,8 +1,8 @@
 """Preflight: can this machine join a run? Each check returns findings, never raises.
 
 A finding says what was found and, for a warning or an error, what to do about it. The checks
-need no network except :func:`check_bootstrap`'s plain TCP connects, and never allocate a
-model: memory and disk needs come from parameter counts on the meta device
+need no network except :func:`check_bootstrap`'s connects to the bootstrap servers, and never
+allocate a model: memory and disk needs come from parameter counts on the meta device
 (:mod:`p2pdiloco.train.memory`). Only programming errors raise (a bad argument type, an unknown
 reachability status); everything wrong with the machine, the settings or the network is a
 finding. ``p2pdiloco doctor`` prints them; ``join`` can run the same checks before it starts.

@@ -1,5 +1,5 @@
-"""Preflight checks that concern the network: bootstrap addresses (syntax and a plain TCP
-connect), and what a joined node measured (reachability, clock offset, the run's protocol)."""
+"""Preflight checks that concern the network: bootstrap addresses (syntax, and a TCP connect
+answered by a libp2p node), and what a joined node measured (reachability, clock offset, the run's protocol)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from p2pdiloco.protocol.signing import PROTOCOL_VERSION
 CLOCK_WARN_S = 5.0
 CLOCK_ERROR_S = 60.0
 NTP_FIX = "enable NTP time sync: `sudo timedatectl set-ntp true` (or your OS's equivalent)"
+# The first message of a libp2p connection (multistream-select 1.0.0, varint-length-prefixed):
+# a libp2p node answers it with the same bytes.
+MULTISTREAM = b"\x13/multistream/1.0.0\n"
 _BASE58 = set("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 _ADDR_FAMILY = {
     "ip4": socket.AF_INET,
@@ -61,31 +64,54 @@ def parse_bootstrap(address: str) -> _Target | str:
 
 
 def _tcp_connect(target: _Target, timeout: float) -> str | None:
-    """None if a TCP connection opened (and was closed at once), else why not."""
+    """None if a libp2p node answers at ``target`` within ``timeout``, else why not: a TCP
+    connection, then the first line of libp2p's protocol negotiation (multistream-select),
+    answered in kind. A connection alone proves little: a firewall or transparent proxy may
+    accept any TCP connection and never pass it on."""
     try:
         infos = socket.getaddrinfo(target.host, target.port, target.family, socket.SOCK_STREAM)
     except OSError:
         return f"cannot resolve {target.host}"
     reason = "no address"
+    deadline = time.monotonic() + timeout
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as s:
             s.settimeout(timeout)
             try:
                 s.connect(sockaddr)
+                s.sendall(MULTISTREAM)
+                return _negotiation_answer(s, deadline, timeout)
             except ConnectionRefusedError:
                 reason = "connection refused"
             except TimeoutError:
                 reason = f"no answer within {timeout:g} s"
             except OSError as e:
                 reason = e.strerror or str(e)
-            else:
-                return None
     return reason
 
 
+def _negotiation_answer(s: socket.socket, deadline: float, timeout: float) -> str | None:
+    """None if ``s`` answers with libp2p's multistream header; else what it did instead."""
+    got = b""
+    while len(got) < len(MULTISTREAM):
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = s.recv(len(MULTISTREAM) - len(got))
+        except TimeoutError:
+            return f"accepted a connection but said nothing within {timeout:g} s (not libp2p?)"
+        if not chunk:
+            return "closed the connection at once (not a libp2p node?)"
+        got += chunk
+    if got != MULTISTREAM:
+        first = got.decode("ascii", "replace").split("\r")[0].strip()
+        return f"answered as something else than libp2p ({first[:24]!r}...: another server?)"
+    return None
+
+
 def check_bootstrap(cfg: PreflightConfig) -> list[Finding]:
-    """One finding per bootstrap address: a plain TCP connect (no libp2p handshake) within
-    ``cfg.timeout``, all addresses at once. An unreachable address is an error when none is
+    """One finding per bootstrap address: a TCP connect answered by a libp2p node (the first
+    line of its protocol negotiation, ``_tcp_connect``) within ``cfg.timeout``, all addresses
+    at once. An unreachable address is an error when none is
     reachable, else a warning; a malformed one is always an error. Name resolution for dns
     addresses is bounded only by the overall deadline (2 × timeout + 1 s)."""
     if not cfg.bootstrap:
@@ -155,6 +181,21 @@ def _connect_all(targets: list[_Target], timeout: float) -> list[tuple[str | Non
     return list(results)
 
 
+def probe_addresses(addresses: list[str], timeout: float) -> list[tuple[str, str | None]]:
+    """Each address with None if a libp2p node answered there within ``timeout``
+    (``_tcp_connect``), else why not; all at once, so the whole probe takes about ``timeout`` at most (a name lookup
+    that hangs is given up after 2 × timeout + 1 s)."""
+    targets, results = [], []
+    for addr in addresses:
+        parsed = parse_bootstrap(addr)
+        if isinstance(parsed, str):
+            results.append((addr, f"malformed: {parsed}"))
+        else:
+            targets.append(parsed)
+    reasons = _connect_all(targets, timeout)
+    return [(t.address, reason) for t, (reason, _) in zip(targets, reasons, strict=True)] + results
+
+
 def check_reachability(status: str | None, fix: str = "") -> Finding:
     """Raises ValueError for a status other than direct, relayed, unknown or None."""
     if status == "direct":
@@ -167,7 +208,11 @@ def check_reachability(status: str | None, fix: str = "") -> Finding:
             fix=fix or "open or forward the node's TCP ports (--port and --port+1) to this host",
         )
     if status in ("unknown", None):
-        return Finding("reachability", "info", "not measured (needs a reachable bootstrap server)")
+        return Finding(
+            "reachability",
+            "info",
+            "not measured here: `join` asks a bootstrap server to dial it back, and prints it",
+        )
     raise ValueError(f"unknown reachability status {status!r}")
 
 

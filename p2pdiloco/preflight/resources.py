@@ -123,7 +123,14 @@ def check_device_memory(cfg: PreflightConfig) -> Finding:
     auto = cfg.batch_size is None
     batch = auto_batch_size(cfg.model, dev, have) if cfg.batch_size is None else cfg.batch_size
     est = estimate_memory(cfg.model, precision, micro_batch=batch, state_on_device=on_device)
-    shape = f"{precision}, {'auto ' if auto else ''}batch {est.micro_batch}×{est.seq_len}"
+    # ``join`` uses the largest divisor of the run's batch per inner step up to this: say so,
+    # so the plan here and the batch join prints agree.
+    shape = (
+        f"{precision}, auto batch up to {est.micro_batch}×{est.seq_len}; join takes at most the "
+        "run's batch per inner step"
+        if auto
+        else f"{precision}, batch {est.micro_batch}×{est.seq_len}"
+    )
     detail = f"{cfg.model} needs about {est.total / GiB:.1f} GiB ({shape}); {where}"
     try:
         check_fits(cfg.model, dev, precision, micro_batch=batch, available=have)

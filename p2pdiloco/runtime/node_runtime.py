@@ -162,6 +162,9 @@ class NodeRuntime:
         tasks = (self._ticker(), self._heartbeat(), self._applier(), self._sender(), self._poller())
         self._tasks += [asyncio.create_task(coro) for coro in tasks]
         self.tally.phase = "syncing state"
+        if restored is not None and restored.cert is not None:
+            # The DHT may have forgotten it (a bootstrap restarted while this run was offline).
+            await self.plane.publish_certificate(restored.cert)
         for claim in await self._claims_from_network():  # newest first; junk falls through
             try:
                 await self._apply(claim, None)
