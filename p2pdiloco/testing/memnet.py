@@ -75,6 +75,7 @@ class MemoryNetwork:
         # they would only train on (three runtime tests: 105 CPU-s in 68 s at 1, 64 in 53).
         compute_share: float = 0.25,
         fragments: int = 1,  # Streaming DiLoCo fragments of the manifest (sync.fragments)
+        held_out: Mapping[str, Any] | None = None,  # the manifest's held-out split (ADR 0059)
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -96,6 +97,7 @@ class MemoryNetwork:
         self.islands = dict(islands or {})
         self.compute_share = compute_share
         self.fragments = fragments
+        self.held_out = held_out
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -119,6 +121,7 @@ class MemoryNetwork:
             inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 1000},
             outer={"fragments": self.fragments},
             rules=self.rules,
+            **({} if self.held_out is None else {"held_out": dict(self.held_out)}),
         )
         loop = asyncio.get_running_loop()
         self.corpus = await loop.run_in_executor(None, _small_corpus)
