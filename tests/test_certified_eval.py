@@ -238,3 +238,15 @@ def test_two_syncers_certify_the_leaders_eval_loss_checked_by_the_second(tmp_pat
                 assert len(losses) == 1  # one certified value per version, on every node
 
     asyncio.run(main())
+
+
+def test_a_member_that_hears_no_leader_body_signs_its_own_after_the_agree_timeout() -> None:
+    rnd, agg = aggregating("s1")
+    assert rnd.on_aggregated("own", agg.attempt, Evaluated("C", 2.5)) == []
+    assert rnd.on_tick(10.0) == []  # starts waiting
+    assert rnd.on_tick(10.0 + rnd.params.agree_timeout - 0.1) == []
+    assert rnd.on_tick(10.0 + rnd.params.agree_timeout) == [Sign(5, "own")]
+    assert rnd.own_hash == "own"
+    # A fellow whose eval was bit-exact signed the same body: the two certify without s0.
+    (done,) = rnd.on_signature("s2", "own")
+    assert isinstance(done, Done) and done.signers == ("s1", "s2") and done.agreed_with_quorum

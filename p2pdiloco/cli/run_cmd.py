@@ -16,7 +16,7 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
 from p2pdiloco.train.configs import InnerConfig, OuterConfig
-from p2pdiloco.train.schedule import DEFAULT_LEARNERS, plan_run, schedule_of
+from p2pdiloco.train.schedule import DEFAULT_LEARNERS, outer_of, plan_run, schedule_of
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
 _i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
@@ -68,8 +68,17 @@ def create(
     inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
     batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
-    outer_lr: Annotated[float, typer.Option(help="Outer Nesterov lr.")] = _o.lr,
-    outer_momentum: Annotated[float, typer.Option(help="Outer momentum.")] = _o.momentum,
+    outer_lr: Annotated[
+        float | None,
+        typer.Option(help=f"Outer Nesterov lr [default: {_o.lr:g}, by run length: ADR 0060]."),
+    ] = None,
+    outer_momentum: Annotated[
+        float | None,
+        typer.Option(
+            help=f"Outer momentum [default: with --tokens/--rounds by run length (ADR 0060), "
+            f"else {_o.momentum:g}]."
+        ),
+    ] = None,
     fragments: Annotated[int, typer.Option(help="Streaming DiLoCo fragments.")] = _o.fragments,
     committee_size: Annotated[int, typer.Option(help="Syncers per round (k).")] = 4,
     quorum: Annotated[
@@ -127,6 +136,17 @@ def create(
     agree_timeout: Annotated[
         float, typer.Option(help="Seconds without a proposal before the next syncer leads.")
     ] = _r.agree_timeout,
+    eval_batches: Annotated[
+        int,
+        typer.Option(
+            help="Held-out batches the committee evaluates each certified state on, for the "
+            "run's certified loss curve (ADR 0059; 0: none)."
+        ),
+    ] = 4,
+    eval_tolerance: Annotated[
+        float,
+        typer.Option(help="Relative difference a signer accepts from the leader's eval loss."),
+    ] = 1e-3,
     genesis_committee: Annotated[
         list[str] | None,
         typer.Option(
@@ -179,6 +199,9 @@ def create(
             learners=learners,
         )
         inner["warmup_steps"], inner["total_steps"] = schedule_of(plan, inner_steps)
+    by_length = outer_of(plan) if plan is not None else (_o.lr, _o.momentum)
+    outer_lr = by_length[0] if outer_lr is None else outer_lr
+    outer_momentum = by_length[1] if outer_momentum is None else outer_momentum
     check_data(data)
     creator = Identity.load_or_create(identity or default_identity_path())
     fields = dict(
@@ -198,6 +221,8 @@ def create(
     )
     if plan is not None:  # a run without a plan signs the very bytes of before (ADR 0053)
         fields["plan"] = plan.model_dump()
+    if eval_batches:  # the held-out split of the certified loss curve (ADR 0059)
+        fields["held_out"] = {"batches": eval_batches, "seed": seed, "tolerance": eval_tolerance}
     try:
         draft = RunManifest.model_validate(
             {"protocol_version": PROTOCOL_VERSION, "creator": creator.peer_id, "created_at": 0.0}

@@ -127,6 +127,7 @@ class SyncerRound:
     # leader's signed body; the leader's body (its digest) and its content and loss.
     own_eval: Evaluated | None = None
     lead_offer: tuple[str, Evaluated] | None = None
+    eval_wait_from: float | None = None  # first tick that saw this member waiting for it
 
     def __post_init__(self) -> None:
         if self.me not in self.params.committee:
@@ -166,7 +167,10 @@ class SyncerRound:
         return clipped + self._maybe_close(now)
 
     def on_tick(self, now: float) -> list[Action]:
-        """Time passed: close at the grace deadline; the leader proposes once closed."""
+        """Time passed: close at the grace deadline; the leader proposes once closed; a member
+        that waited ``agree_timeout`` for the leader's evaluated body signs its own."""
+        if self.own_eval is not None and self.own_hash is None:
+            return self._stop_waiting(now)
         if self.phase is Phase.COLLECTING:
             return self._maybe_close(now)
         if self.params.locked is not None:
@@ -345,6 +349,23 @@ class SyncerRound:
             return [Reject(self.leader(0), Reason.EVAL_MISMATCH, text)]
         self.own_hash = self.last_hash = digest
         return [Sign(self.params.version + 1, digest), *self.on_signature(self.me, digest)]
+
+    def _stop_waiting(self, now: float) -> list[Action]:
+        """No body from the leader ``agree_timeout`` after this member's merge (the leader may
+        be gone): sign its own. On one kind of CPU the eval is bit-exact (ADR 0059), so the
+        members' own bodies match and a quorum of them certifies without the leader."""
+        if self.eval_wait_from is None:
+            self.eval_wait_from = now
+        if now < self.eval_wait_from + self.params.agree_timeout or self.last_hash is None:
+            return []
+        if self.abandoned or self.phase is not Phase.SIGNING:
+            return []
+        self.own_eval = None
+        self.own_hash = self.last_hash
+        return [
+            Sign(self.params.version + 1, self.own_hash),
+            *self.on_signature(self.me, self.own_hash),
+        ]
 
     def abandon(self) -> str | None:
         """This syncer votes to hand the version to the next view (``core/views.py``): from

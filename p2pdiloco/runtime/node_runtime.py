@@ -125,7 +125,8 @@ class NodeRuntime:
         self._stopping = False  # close() began: peers' requests are refused from then on
         self.evaluator = Evaluator(
             manifest,
-            corpus if cfg.evaluate else None,
+            # A run with a held-out split has certified values instead (``Tally.record_chain``).
+            corpus if cfg.evaluate and manifest.held_out is None else None,
             cfg.max_eval_params,
             self.tally.eval_losses.append,
         )
