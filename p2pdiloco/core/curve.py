@@ -4,8 +4,9 @@ Each certificate of a run with a held-out split carries the eval loss its commit
 on the state it certifies (ADR 0059); its receipts say how many tokens that version merged.
 Fed the verified chain in order (``core.ledger.ChainFollower``), the curve holds one point per
 evaluated version: a claim nobody certified never enters it. Memory is bounded for a run of
-any length: past ``max_points`` every other point is dropped (the newest kept), so the curve
-stays evenly spread over the whole run. Pure: no IO, no torch.
+any length: it keeps every ``stride``-th evaluated version, and past ``max_points`` drops every
+other one and doubles the stride, so the points stay evenly spread over the whole run; the
+newest version is always shown. Pure: no IO, no torch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class LossCurve:
     max_points: int = MAX_POINTS
     version: int = 0  # the newest version added
     tokens: int = 0  # tokens of every version added
-    points: list[CurvePoint] = field(default_factory=list)
+    kept: list[CurvePoint] = field(default_factory=list)  # evaluated versions 0, s, 2s, …
+    latest: CurvePoint | None = None  # the newest evaluated version, when not in ``kept``
+    stride: int = 1
+    evaluated: int = 0  # versions with an eval loss added
 
     def add(self, body: CertificateBody) -> None:
         """The next verified version (bodies must come in chain order, each once)."""
@@ -42,10 +46,21 @@ class LossCurve:
         self.tokens += sum(a.tokens for a in body.accepted)
         if body.eval_loss is None:
             return
-        self.points.append(CurvePoint(body.version, self.tokens, body.eval_loss))
-        if len(self.points) > self.max_points:
-            newest = self.points[-1]
-            self.points = self.points[-2::-2][::-1] + [newest]
+        point = CurvePoint(body.version, self.tokens, body.eval_loss)
+        self.evaluated += 1
+        if (self.evaluated - 1) % self.stride:
+            self.latest = point
+            return
+        self.kept.append(point)
+        self.latest = None
+        if len(self.kept) >= self.max_points:
+            self.kept = self.kept[::2]
+            self.stride *= 2
+
+    @property
+    def points(self) -> list[CurvePoint]:
+        """The points shown, oldest first: at most ``max_points``, the newest always."""
+        return self.kept + ([self.latest] if self.latest is not None else [])
 
     def to_list(self) -> list[dict[str, Any]]:
         return [p.to_dict() for p in self.points]
