@@ -48,13 +48,16 @@ __all__ = [
     "data_parallel_batches",
     "eval_batches",
     "held_out_batches",
-    "held_out_split",
+    "eval_fraction_of",
     "iter_documents",
     "learner_batches",
     "learner_row_indices",
 ]
 
 log = logging.getLogger(__name__)
+
+# Share of documents in the eval split unless a run's held-out split names another (ADR 0059).
+DEFAULT_EVAL_FRACTION = 0.05
 
 
 @dataclass
@@ -204,7 +207,7 @@ def build_corpus(
     tokenizer: Tokenizer,
     *,
     seq_len: int,
-    eval_fraction: float = 0.05,
+    eval_fraction: float = DEFAULT_EVAL_FRACTION,
     max_bytes: int = DEFAULT_MAX_BYTES,
     min_eval_sequences: int = 8,
 ) -> PackedCorpus:
@@ -430,7 +433,7 @@ def held_out_batches(
     return list(torch.split(corpus.eval_NS[rows], batch_size))
 
 
-def held_out_split(manifest: RunManifest) -> dict[str, float]:
-    """``build_corpus``'s split arguments for a run: the eval fraction its manifest names
-    (``RunManifest.held_out``), or none (the default split) for a run without one."""
-    return {} if manifest.held_out is None else {"eval_fraction": manifest.held_out.fraction}
+def eval_fraction_of(manifest: RunManifest) -> float:
+    """``build_corpus``'s eval fraction for a run: the one its manifest names
+    (``RunManifest.held_out``), or the default split for a run without one."""
+    return DEFAULT_EVAL_FRACTION if manifest.held_out is None else manifest.held_out.fraction
