@@ -11,9 +11,9 @@ horizon ends, warm-up 1 % of it as 100 of 10,000), and prints the eval loss at a
     .venv/bin/python bench/schedule_horizon.py --fixed-share 0.2 --json
 
 ``--outer`` sweeps the outer momentum by run length instead (ADR 0060): for each planned
-length in ``--lengths``, simulate's DiLoCo on the planned inner schedule with outer momentum
-0.9, 0.5 and the one ``train.schedule.outer_of`` signs for that length (0 in its place where
-they coincide), outer lr 0.7, and prints the final eval loss of each:
+length R in ``--lengths``, simulate's DiLoCo on the planned inner schedule with outer momentum
+0.9, 0.5 and the candidate rule ``candidate(R)`` = 1 − 2.5 / R within [0, 0.9] (0 in its place
+where they coincide), outer lr 0.7, and prints the final eval loss of each:
 
     OMP_NUM_THREADS=1 nice .venv/bin/python bench/schedule_horizon.py --outer \
         --inner-steps 10 --batch-size 4 --seq-len 64 --lengths 5,10,20
@@ -32,7 +32,15 @@ from p2pdiloco.harness import simulate
 from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
-from p2pdiloco.train.schedule import OUTER_LR, outer_of, plan_run
+from p2pdiloco.train.schedule import plan_run
+
+OUTER_LR = 0.7  # the literature's, which run create signs
+
+
+def candidate(rounds: int) -> float:
+    """The length rule ADR 0060 evaluated (not adopted): momentum whose memory, 1 / (1 − β)
+    rounds, is at most 2/5 of the run, within [0, 0.9]; 0.5 at 5 rounds as ADR 0006 found."""
+    return round(min(0.9, max(0.0, 1.0 - 2.5 / rounds)), 2)
 
 
 def run(a: argparse.Namespace, warmup: int, horizon: int) -> dict[str, Any]:
@@ -68,14 +76,14 @@ def sweep_outer(a: argparse.Namespace) -> dict[str, Any]:
     """Final eval loss per (planned rounds, outer momentum), planned inner schedule each."""
     rows = []
     for rounds in (int(x) for x in a.lengths.split(",")):
-        plan = plan_run(
+        plan_run(  # the plan run create would sign: refuses a length it would refuse
             inner_steps=a.inner_steps,
             batch_size=a.batch_size,
             seq_len=a.seq_len,
             rounds=rounds,
             learners=a.learners,
         )
-        _, signed = outer_of(plan)
+        signed = candidate(rounds)
         momenta = sorted({0.9, 0.5, signed} | ({0.0} if signed in (0.9, 0.5) else set()))
         for beta in momenta:
             cfg = SimulateConfig(
@@ -130,7 +138,7 @@ def main() -> int:
         print(f"{a.model}, M={a.learners}, H={a.inner_steps}, batch {a.batch_size}×{a.seq_len}")
         print("rounds  momentum  eval loss")
         for row in swept["outer"]:
-            mark = "  ← outer_of" if row["signed"] else ""
+            mark = "  ← candidate rule" if row["signed"] else ""
             print(
                 f"{row['rounds']:>6}  {row['momentum']:>8.2f}  {row['eval_loss_final']:9.4f}{mark}"
             )

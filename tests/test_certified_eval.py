@@ -250,3 +250,19 @@ def test_a_member_that_hears_no_leader_body_signs_its_own_after_the_agree_timeou
     # A fellow whose eval was bit-exact signed the same body: the two certify without s0.
     (done,) = rnd.on_signature("s2", "own")
     assert isinstance(done, Done) and done.signers == ("s1", "s2") and done.agreed_with_quorum
+
+
+def test_run_create_signs_a_held_out_split_unless_told_not_to(tmp_path: Path) -> None:
+    from tests.netutil import run_cli
+
+    base = ["run", "create", "--name", "x", "--model", "gemma-tiny", "--rounds", "5"]
+    key = ["--identity", str(tmp_path / "key"), "--dry-run", "--json"]
+    out = run_cli(*base, *key, "--seed", "7", "--eval-batches", "3")
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads(out.stdout)["manifest"]
+    assert manifest["held_out"] == {"fraction": 0.05, "batches": 3, "seed": 7, "tolerance": 1e-3}
+    # The outer step is the literature's at every planned length (ADR 0060).
+    assert manifest["outer"]["lr"] == 0.7 and manifest["outer"]["momentum"] == 0.9
+    out = run_cli(*base, *key, "--eval-batches", "0")
+    assert out.returncode == 0, out.stderr
+    assert "held_out" not in json.loads(out.stdout)["manifest"]

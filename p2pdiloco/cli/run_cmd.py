@@ -16,7 +16,7 @@ from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.identity import Identity, default_identity_path
 from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
 from p2pdiloco.train.configs import InnerConfig, OuterConfig
-from p2pdiloco.train.schedule import DEFAULT_LEARNERS, outer_of, plan_run, schedule_of
+from p2pdiloco.train.schedule import DEFAULT_LEARNERS, plan_run, schedule_of
 
 app = typer.Typer(help="Create and publish training runs.", no_args_is_help=True)
 _i, _o, _r = InnerConfig(), OuterConfig(), SyncRules()
@@ -68,17 +68,9 @@ def create(
     inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
     batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
-    outer_lr: Annotated[
-        float | None,
-        typer.Option(help=f"Outer Nesterov lr [default: {_o.lr:g}, by run length: ADR 0060]."),
-    ] = None,
-    outer_momentum: Annotated[
-        float | None,
-        typer.Option(
-            help=f"Outer momentum [default: with --tokens/--rounds by run length (ADR 0060), "
-            f"else {_o.momentum:g}]."
-        ),
-    ] = None,
+    # The same at every planned length: ADR 0060 measured no length below which another wins.
+    outer_lr: Annotated[float, typer.Option(help="Outer Nesterov lr.")] = _o.lr,
+    outer_momentum: Annotated[float, typer.Option(help="Outer momentum.")] = _o.momentum,
     fragments: Annotated[int, typer.Option(help="Streaming DiLoCo fragments.")] = _o.fragments,
     committee_size: Annotated[int, typer.Option(help="Syncers per round (k).")] = 4,
     quorum: Annotated[
@@ -199,9 +191,6 @@ def create(
             learners=learners,
         )
         inner["warmup_steps"], inner["total_steps"] = schedule_of(plan, inner_steps)
-    by_length = outer_of(plan) if plan is not None else (_o.lr, _o.momentum)
-    outer_lr = by_length[0] if outer_lr is None else outer_lr
-    outer_momentum = by_length[1] if outer_momentum is None else outer_momentum
     check_data(data)
     creator = Identity.load_or_create(identity or default_identity_path())
     fields = dict(

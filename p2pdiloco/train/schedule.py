@@ -64,24 +64,6 @@ def schedule_of(plan: RunPlan, inner_steps: int) -> tuple[int, int]:
     return max(1, total // WARMUP_PARTS), total
 
 
-# Outer Nesterov momentum β re-applies each round's pseudo-gradient for about 1 / (1 − β)
-# rounds. A run planned for R rounds keeps that memory within 1 / MOMENTUM_MEMORY_PARTS of its
-# length, up to the literature's 0.9 (reached at 25 rounds): at 5 rounds β = 0.5, which ADR
-# 0006 measured best of 0.9, 0.5 and 0 there (ADR 0060 has the sweep by length).
-MOMENTUM_MEMORY_PARTS = 2.5
-MAX_OUTER_MOMENTUM = 0.9
-# The outer lr stays the literature's at every length (ADR 0060): lowering β already lowers the
-# effective step lr / (1 − β) of a short run.
-OUTER_LR = 0.7
-
-
-def outer_of(plan: RunPlan) -> tuple[float, float]:
-    """``(outer lr, outer momentum)`` a run of ``plan.rounds`` rounds signs unless its creator
-    sets them: momentum ``1 − MOMENTUM_MEMORY_PARTS / rounds`` within [0, 0.9], two decimals."""
-    beta = min(MAX_OUTER_MOMENTUM, max(0.0, 1.0 - MOMENTUM_MEMORY_PARTS / plan.rounds))
-    return OUTER_LR, round(beta, 2)
-
-
 def past_horizon(global_step: int, total_steps: int) -> bool:
     """Whether a learner at ``global_step`` has gone past the run's cosine horizon: its lr
     stays at the floor (``min_lr_ratio`` × lr) from there on."""
