@@ -266,3 +266,12 @@ def test_run_create_signs_a_held_out_split_unless_told_not_to(tmp_path: Path) ->
     out = run_cli(*base, *key, "--eval-batches", "0")
     assert out.returncode == 0, out.stderr
     assert "held_out" not in json.loads(out.stdout)["manifest"]
+
+
+def test_a_refused_leader_body_that_completes_a_quorum_still_certifies_here() -> None:
+    rnd, agg = aggregating("s1")
+    rnd.on_aggregated("own", agg.attempt, Evaluated("C", 2.5))
+    assert rnd.on_signature("s2", "lead") == []  # s2 seconded the leader first
+    actions = rnd.on_signature("s0", "lead", Evaluated("C", 2.9))
+    assert [type(a) for a in actions] == [Reject, Done]
+    assert actions[0].code is Reason.EVAL_MISMATCH and actions[1].signers == ("s0", "s2")

@@ -316,15 +316,19 @@ class SyncerRound:
             return [Reject(syncer, Reason.EQUIVOCATION, text)]
         self.signatures[syncer] = state_hash
         self.reach.heard(syncer)
+        refused: list[Action] = []
         if evaluated is not None and self.lead_offer is None and syncer == self.leader(0):
             self.lead_offer = (state_hash, evaluated)
-            if seconded := self._second_leader():
+            seconded = self._second_leader()
+            if any(isinstance(a, Sign) for a in seconded):
                 return seconded  # this member's own signature was counted in there
+            refused = seconded  # an eval mismatch; the leader's signature still counts
         signers = tuple(sorted(s for s, h in self.signatures.items() if h == state_hash))
         if len(signers) < self.params.quorum:
-            return []
+            return refused
         self.phase = Phase.CERTIFIED
-        return [Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)]
+        done = Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)
+        return [*refused, done]
 
     def _second_leader(self) -> list[Action]:
         """Certified eval (ADR 0059), once both this member's merge and the leader's body are
