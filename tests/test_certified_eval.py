@@ -210,12 +210,20 @@ def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
-def test_two_syncers_certify_the_leaders_eval_loss_checked_by_the_second(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_two_syncers_certify_the_leaders_eval_loss_checked_by_the_second(
+    tmp_path: Path, fragments: int
+) -> None:
+    """With fragments each version's committee evaluates the whole assembled state."""
     from p2pdiloco.testing.memnet import MemoryNetwork
 
     async def main() -> None:
         async with MemoryNetwork(
-            tmp_path, nodes=2, committee_size=2, held_out={"batches": 2, "seed": 3}
+            tmp_path,
+            nodes=2,
+            committee_size=2,
+            fragments=fragments,
+            held_out={"batches": 2, "seed": 3},
         ) as net:
             await net.wait_for(lambda: net.min_version() >= 2, 120, "two certified versions")
             for node in net.nodes:
