@@ -9,6 +9,14 @@ horizon ends, warm-up 1 % of it as 100 of 10,000), and prints the eval loss at a
 
     .venv/bin/python bench/schedule_horizon.py                  # gemma-tiny, M 4, H 20, 30 rounds
     .venv/bin/python bench/schedule_horizon.py --fixed-share 0.2 --json
+
+``--outer`` sweeps the outer momentum by run length instead (ADR 0060): for each planned
+length R in ``--lengths``, simulate's DiLoCo on the planned inner schedule with outer momentum
+0.9, 0.5 and the candidate rule ``candidate(R)`` = 1 − 2.5 / R within [0, 0.9] (0 in its place
+where they coincide), outer lr 0.7, and prints the final eval loss of each:
+
+    OMP_NUM_THREADS=1 nice .venv/bin/python bench/schedule_horizon.py --outer \
+        --inner-steps 10 --batch-size 4 --seq-len 64 --lengths 5,10,20
 """
 
 from __future__ import annotations
@@ -20,10 +28,19 @@ import sys
 import time
 from typing import Any
 
+from p2pdiloco.harness import simulate
 from p2pdiloco.harness.simulate import SimulateConfig, run_simulation
-from p2pdiloco.train import simulate
 from p2pdiloco.train.inner import InnerConfig
 from p2pdiloco.train.outer import OuterConfig
+from p2pdiloco.train.schedule import plan_run
+
+OUTER_LR = 0.7  # the literature's, which run create signs
+
+
+def candidate(rounds: int) -> float:
+    """The length rule ADR 0060 evaluated (not adopted): momentum whose memory, 1 / (1 − β)
+    rounds, is at most 2/5 of the run, within [0, 0.9]; 0.5 at 5 rounds as ADR 0006 found."""
+    return round(min(0.9, max(0.0, 1.0 - 2.5 / rounds)), 2)
 
 
 def run(a: argparse.Namespace, warmup: int, horizon: int) -> dict[str, Any]:
@@ -55,6 +72,49 @@ def run(a: argparse.Namespace, warmup: int, horizon: int) -> dict[str, Any]:
     }
 
 
+def sweep_outer(a: argparse.Namespace) -> dict[str, Any]:
+    """Final eval loss per (planned rounds, outer momentum), planned inner schedule each."""
+    rows = []
+    for rounds in (int(x) for x in a.lengths.split(",")):
+        plan_run(  # the plan run create would sign: refuses a length it would refuse
+            inner_steps=a.inner_steps,
+            batch_size=a.batch_size,
+            seq_len=a.seq_len,
+            rounds=rounds,
+            learners=a.learners,
+        )
+        signed = candidate(rounds)
+        momenta = sorted({0.9, 0.5, signed} | ({0.0} if signed in (0.9, 0.5) else set()))
+        for beta in momenta:
+            cfg = SimulateConfig(
+                model=a.model,
+                learners=a.learners,
+                inner_steps=a.inner_steps,
+                rounds=rounds,
+                seed=a.seed,
+                baseline=False,
+                inner=InnerConfig(
+                    warmup_steps=max(1, rounds * a.inner_steps // 10),
+                    batch_size=a.batch_size,
+                    seq_len=a.seq_len,
+                ),
+                outer=OuterConfig(lr=OUTER_LR, momentum=beta),
+            )
+            t0 = time.perf_counter()
+            r = run_simulation(cfg)
+            rows.append(
+                {
+                    "rounds": rounds,
+                    "momentum": beta,
+                    "signed": beta == signed,
+                    "eval_loss_final": r.diloco.eval_loss_final,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"command": " ".join(["bench/schedule_horizon.py", *sys.argv[1:]]), "outer": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-tiny")
@@ -67,7 +127,22 @@ def main() -> int:
     ap.add_argument("--fixed-share", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--outer", action="store_true", help="sweep outer momentum by run length")
+    ap.add_argument("--lengths", default="5,10,20", help="planned rounds for --outer")
     a = ap.parse_args()
+    if a.outer:
+        swept = sweep_outer(a)
+        if a.json:
+            print(json.dumps(swept))
+            return 0
+        print(f"{a.model}, M={a.learners}, H={a.inner_steps}, batch {a.batch_size}×{a.seq_len}")
+        print("rounds  momentum  eval loss")
+        for row in swept["outer"]:
+            mark = "  ← candidate rule" if row["signed"] else ""
+            print(
+                f"{row['rounds']:>6}  {row['momentum']:>8.2f}  {row['eval_loss_final']:9.4f}{mark}"
+            )
+        return 0
     total = a.rounds * a.inner_steps
     fixed = max(2, round(total * a.fixed_share))
     out = {

@@ -69,6 +69,7 @@ def create(
     inner_lr: Annotated[float, typer.Option(help="Peak AdamW lr.")] = _i.lr,
     batch_size: Annotated[int, typer.Option(help="Sequences per inner step.")] = _i.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _i.seq_len,
+    # The same at every planned length: ADR 0060 measured no length below which another wins.
     outer_lr: Annotated[float, typer.Option(help="Outer Nesterov lr.")] = _o.lr,
     outer_momentum: Annotated[float, typer.Option(help="Outer momentum.")] = _o.momentum,
     fragments: Annotated[int, typer.Option(help="Streaming DiLoCo fragments.")] = _o.fragments,
@@ -128,6 +129,17 @@ def create(
     agree_timeout: Annotated[
         float, typer.Option(help="Seconds without a proposal before the next syncer leads.")
     ] = _r.agree_timeout,
+    eval_batches: Annotated[
+        int,
+        typer.Option(
+            help="Held-out batches the committee evaluates each certified state on, for the "
+            "run's certified loss curve (ADR 0059; 0: none)."
+        ),
+    ] = 4,
+    eval_tolerance: Annotated[
+        float,
+        typer.Option(help="Relative difference a signer accepts from the leader's eval loss."),
+    ] = 1e-3,
     genesis_committee: Annotated[
         list[str] | None,
         typer.Option(
@@ -201,6 +213,8 @@ def create(
     )
     if plan is not None:  # a run without a plan signs the very bytes of before (ADR 0053)
         fields["plan"] = plan.model_dump()
+    if eval_batches:  # the held-out split of the certified loss curve (ADR 0059)
+        fields["held_out"] = {"batches": eval_batches, "seed": seed, "tolerance": eval_tolerance}
     try:
         draft = RunManifest.model_validate(
             {"protocol_version": PROTOCOL_VERSION, "creator": creator.peer_id, "created_at": 0.0}

@@ -1,4 +1,5 @@
-"""``p2pdiloco status``: runs and peers as the DHT sees them, or the contribution leaderboard.
+"""``p2pdiloco status``: runs and peers as the DHT sees them, the contribution leaderboard, or
+a run's certified loss curve.
 
 The DHT and its torch-backed stack load only when a command needs them: ``status --api`` reads
 a bootstrap's HTTP summary with the standard library and answers in well under a second.
@@ -8,14 +9,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from p2pdiloco.cli.common import user_errors
-from p2pdiloco.dashboard.status import leaderboard_view, status_view
+from p2pdiloco.dashboard.status import curve_view, leaderboard_view, status_view
 from p2pdiloco.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from p2pdiloco.protocol.records import RunManifest
 
 # Keys every ``status --json`` object has (docs/cli.md); ``--api`` adds the server's "server".
 STATE_KEYS = ("time", "runs", "peers", "bootstraps", "rejected_records")
@@ -30,12 +34,22 @@ def status(
         bool,
         typer.Option("--leaderboard", help="Rank peers by verified accepted tokens."),
     ] = False,
+    curve: Annotated[
+        bool,
+        typer.Option(
+            "--curve",
+            help="The run's certified eval loss over versions and tokens (ADR 0059).",
+        ),
+    ] = False,
     run: Annotated[
-        str | None, typer.Option(help="Run id (prefix) for --leaderboard [default: busiest].")
+        str | None,
+        typer.Option(help="Run id (prefix) for --leaderboard / --curve [default: busiest]."),
     ] = None,
     state_dir: Annotated[
         Path | None,
-        typer.Option(help="--leaderboard from a node's state directory instead of the network."),
+        typer.Option(
+            help="--leaderboard / --curve from a node's state directory instead of the network."
+        ),
     ] = None,
     api: Annotated[
         str | None,
@@ -56,16 +70,37 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show runs, peers (direct or relayed), their versions and throughput; or, with
-    --leaderboard, every peer's contribution as certified by the committees' receipts.
+    --leaderboard, every peer's contribution as certified by the committees' receipts; or,
+    with --curve, the eval loss the committees certified, version by version.
 
     Without --api or --dht, the bootstrap server given is first asked for its view on its
     default web port (what --api reads; under a second); else the DHT is read (seconds)."""
     if api is not None and leaderboard:
         raise ConfigError("--api shows runs and peers; --leaderboard needs --bootstrap")
-    if leaderboard:
-        board = (
-            _leaderboard_offline(state_dir) if state_dir else _leaderboard_online(bootstrap, run)
+    if api is not None and curve:
+        raise ConfigError("--api shows runs and peers; --curve needs --bootstrap")
+    if leaderboard and curve:
+        raise ConfigError("give --leaderboard or --curve, not both")
+    if leaderboard or curve:
+        run_id, manifest, raws = (
+            _certs_offline(state_dir) if state_dir else _certs_online(bootstrap, run)
         )
+    if curve:
+        shown = _curve(run_id, manifest, raws)
+        if json_out:
+            print(json.dumps(shown, indent=2))
+        else:
+            out = Console()
+            out.print(curve_view(shown, out.width))
+        return
+    if leaderboard:
+        from p2pdiloco.core.ledger import build_ledger
+
+        board = {
+            "run_id": run_id,
+            "run_name": manifest.name,
+            **build_ledger(run_id, manifest, raws).to_dict(),
+        }
         if json_out:
             print(json.dumps(board, indent=2))
         else:
@@ -143,9 +178,30 @@ def _state_from_api(url: str, timeout: float = 10.0) -> dict[str, Any]:
     return state
 
 
-def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
-    """From a node's kept certificates and the signed manifest it saved."""
-    from p2pdiloco.core.ledger import build_ledger
+def _curve(run_id: str, manifest: RunManifest, raws: list[bytes]) -> dict[str, Any]:
+    """The run's certified loss curve from the chain ``raws`` verify (``core.curve``), with its
+    planned size: a run past its planned rounds says so (ADR 0053)."""
+    from p2pdiloco.core.curve import loss_curve
+    from p2pdiloco.core.ledger import verified_chain
+
+    chain, ignored = verified_chain(run_id, manifest, raws)
+    curve = loss_curve(chain)
+    planned = manifest.plan.rounds if manifest.plan is not None else None
+    return {
+        "run_id": run_id,
+        "run_name": manifest.name,
+        "versions": curve.version,
+        "tokens": curve.tokens,
+        "evaluated": manifest.held_out is not None,
+        "planned_rounds": planned,
+        "past_plan": planned is not None and curve.version > planned,
+        "points": curve.to_list(),
+        "ignored": ignored,
+    }
+
+
+def _certs_offline(state_dir: Path) -> tuple[str, RunManifest, list[bytes]]:
+    """A node's kept certificates and the signed manifest it saved."""
     from p2pdiloco.protocol.records import parse_manifest
     from p2pdiloco.protocol.signing import InvalidRecord, open_envelope
 
@@ -155,19 +211,16 @@ def _leaderboard_offline(state_dir: Path) -> dict[str, Any]:
     except (OSError, InvalidRecord) as e:
         raise UserError(f"no valid run manifest in {state_dir}: {e}") from None
     raws = [p.read_bytes() for p in sorted((state_dir / "certs").glob("*.json"))]
-    return {
-        "run_id": run_id,
-        "run_name": manifest.name,
-        **build_ledger(run_id, manifest, raws).to_dict(),
-    }
+    return run_id, manifest, raws
 
 
-def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[str, Any]:
+def _certs_online(
+    bootstrap: list[str] | None, run: str | None
+) -> tuple[str, RunManifest, list[bytes]]:
     """Certificates fetched from the run's nodes (any of them may lie: each is verified)."""
     from p2pdiloco.cli.net_common import dht_client
 
     with dht_client(bootstrap) as dht:  # a dead bootstrap is refused before hivemind loads
-        from p2pdiloco.core.ledger import build_ledger
         from p2pdiloco.net.cert_records import read_certificates
         from p2pdiloco.net.discovery import read_peers, read_runs
         from p2pdiloco.net.p2p_bridge import P2PBridge
@@ -194,5 +247,4 @@ def _leaderboard_online(bootstrap: list[str] | None, run: str | None) -> dict[st
             chain = bridge.run(walk, 300)
         finally:
             bridge.close()
-    ledger = build_ledger(info.run_id, info.manifest, [c.raw for c in chain] + raws)
-    return {"run_id": info.run_id, "run_name": info.manifest.name, **ledger.to_dict()}
+    return info.run_id, info.manifest, [c.raw for c in chain] + raws

@@ -61,6 +61,7 @@ from p2pdiloco.core.round_types import (
     Clipped,
     Done,
     Dropped,
+    Evaluated,
     FastForward,
     Fetch,
     Phase,
@@ -84,6 +85,7 @@ __all__ = [
     "Clipped",
     "Done",
     "Dropped",
+    "Evaluated",
     "FastForward",
     "Fetch",
     "Phase",
@@ -121,6 +123,11 @@ class SyncerRound:
     # Of ``accepted``, how many come from untrusted (probationary) senders: kept as submissions
     # come and go, so screening and closing cost O(1) per submission, not O(inputs).
     probationary: int = field(default=0, init=False)
+    # Certified eval (ADR 0059): this member's merged content and loss, waiting for the
+    # leader's signed body; the leader's body (its digest) and its content and loss.
+    own_eval: Evaluated | None = None
+    lead_offer: tuple[str, Evaluated] | None = None
+    eval_wait_from: float | None = None  # first tick that saw this member waiting for it
 
     def __post_init__(self) -> None:
         if self.me not in self.params.committee:
@@ -160,7 +167,10 @@ class SyncerRound:
         return clipped + self._maybe_close(now)
 
     def on_tick(self, now: float) -> list[Action]:
-        """Time passed: close at the grace deadline; the leader proposes once closed."""
+        """Time passed: close at the grace deadline; the leader proposes once closed; a member
+        that waited ``agree_timeout`` for the leader's evaluated body signs its own."""
+        if self.own_eval is not None and self.own_hash is None:
+            return self._stop_waiting(now)
         if self.phase is Phase.COLLECTING:
             return self._maybe_close(now)
         if self.params.locked is not None:
@@ -226,16 +236,25 @@ class SyncerRound:
             actions += self._adopted(self.leader(0))
         return actions
 
-    def on_aggregated(self, state_hash: str, attempt: int | None = None) -> list[Action]:
+    def on_aggregated(
+        self, state_hash: str, attempt: int | None = None, evaluated: Evaluated | None = None
+    ) -> list[Action]:
         """The driver merged the input set of ``attempt`` (None: the current one) and applied
         the outer step: sign the result, unless this syncer already signed another state for
-        this version (then it only waits for the quorum's signatures)."""
+        this version (then it only waits for the quorum's signatures). In a run that certifies
+        an eval loss (``params.eval_tolerance``), a member other than the leader reports its
+        body's content and loss (``evaluated``) and signs the leader's body instead, once that
+        arrives with the same content and a loss within the tolerance (ADR 0059)."""
         if self.phase is not Phase.AGGREGATING or attempt not in (None, self.attempt):
             return []
         self.phase = Phase.SIGNING
         self.last_hash = state_hash
         if self.own_hash is not None or self.abandoned:
             return []  # at most one signature per view, whatever later attempts compute
+        seconds = self.params.eval_tolerance is not None and self.leader(0) != self.me
+        if evaluated is not None and seconds:
+            self.own_eval = evaluated
+            return self._second_leader()
         self.own_hash = state_hash
         actions: list[Action] = [Sign(self.params.version + 1, state_hash)]
         return actions + self.on_signature(self.me, state_hash)
@@ -279,9 +298,13 @@ class SyncerRound:
         self.closed_at = self.enough_at = self.input_set = self.last_hash = None
         return actions + self._maybe_close(now)
 
-    def on_signature(self, syncer: str, state_hash: str) -> list[Action]:
+    def on_signature(
+        self, syncer: str, state_hash: str, evaluated: Evaluated | None = None
+    ) -> list[Action]:
         """A verified signature of a committee member over (run, v+1, state_hash). Counted in
-        every phase but CERTIFIED, whatever attempt this syncer is in."""
+        every phase but CERTIFIED, whatever attempt this syncer is in. The leader's first
+        signature with ``evaluated`` (its body's content and eval loss) is the body this
+        member signs in a run that certifies an eval loss (``on_aggregated``)."""
         if syncer not in self.params.committee:
             return [
                 Reject(syncer, Reason.OUTSIDE_COMMITTEE, "signature from outside the committee")
@@ -293,11 +316,60 @@ class SyncerRound:
             return [Reject(syncer, Reason.EQUIVOCATION, text)]
         self.signatures[syncer] = state_hash
         self.reach.heard(syncer)
+        refused: list[Action] = []
+        if evaluated is not None and self.lead_offer is None and syncer == self.leader(0):
+            self.lead_offer = (state_hash, evaluated)
+            seconded = self._second_leader()
+            if any(isinstance(a, Sign) for a in seconded):
+                return seconded  # this member's own signature was counted in there
+            refused = seconded  # an eval mismatch; the leader's signature still counts
         signers = tuple(sorted(s for s, h in self.signatures.items() if h == state_hash))
         if len(signers) < self.params.quorum:
-            return []
+            return refused
         self.phase = Phase.CERTIFIED
-        return [Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)]
+        done = Done(self.params.version + 1, state_hash, signers, self.last_hash == state_hash)
+        return [*refused, done]
+
+    def _second_leader(self) -> list[Action]:
+        """Certified eval (ADR 0059), once both this member's merge and the leader's body are
+        in: sign the leader's body if it holds the content this member merged and a loss
+        within ``eval_tolerance`` × max(1, its own loss) of its own; refuse it as
+        EVAL_MISMATCH (signing nothing, so the view times out) if the loss is off; sign its
+        own body if the content differs, as a member whose merge differs always did."""
+        mine, offer, tol = self.own_eval, self.lead_offer, self.params.eval_tolerance
+        if mine is None or offer is None or tol is None or self.own_hash is not None:
+            return []
+        if self.abandoned or self.phase is not Phase.SIGNING or self.last_hash is None:
+            return []
+        digest, theirs = offer
+        self.own_eval = None  # decided once
+        if theirs.content != mine.content:
+            digest = self.last_hash
+        elif abs(theirs.loss - mine.loss) > tol * max(1.0, abs(mine.loss)):
+            text = (
+                f"eval loss {theirs.loss:.6g} of version {self.params.version + 1} is not within "
+                f"{tol:g} of this member's {mine.loss:.6g}"
+            )
+            return [Reject(self.leader(0), Reason.EVAL_MISMATCH, text)]
+        self.own_hash = self.last_hash = digest
+        return [Sign(self.params.version + 1, digest), *self.on_signature(self.me, digest)]
+
+    def _stop_waiting(self, now: float) -> list[Action]:
+        """No body from the leader ``agree_timeout`` after this member's merge (the leader may
+        be gone): sign its own. On one kind of CPU the eval is bit-exact (ADR 0059), so the
+        members' own bodies match and a quorum of them certifies without the leader."""
+        if self.eval_wait_from is None:
+            self.eval_wait_from = now
+        if now < self.eval_wait_from + self.params.agree_timeout or self.last_hash is None:
+            return []
+        if self.abandoned or self.phase is not Phase.SIGNING:
+            return []
+        self.own_eval = None
+        self.own_hash = self.last_hash
+        return [
+            Sign(self.params.version + 1, self.own_hash),
+            *self.on_signature(self.me, self.own_hash),
+        ]
 
     def abandon(self) -> str | None:
         """This syncer votes to hand the version to the next view (``core/views.py``): from

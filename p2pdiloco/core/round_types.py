@@ -84,6 +84,10 @@ class RoundParams:
     # trust first, arrival order between equals (ADR 0040). None: arrival order. Not consensus:
     # which probationary inputs a leader proposes is its choice, within ``probation_room``.
     progress: Mapping[str, int] | None = field(default=None, compare=False)
+    # Certified eval (ADR 0059): a member other than the leader signs the leader's body, whose
+    # eval loss must lie within this × max(1, its own) of its own; None: the run evaluates
+    # nothing and every member signs the body it merged.
+    eval_tolerance: float | None = None
 
     def is_trusted(self, peer_id: str) -> bool:
         return self.trusted is None or peer_id in self.trusted
@@ -195,6 +199,15 @@ class Dropped:
     their payloads. May name digests the driver never held (an adopted set not yet fetched)."""
 
     digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A merged body's content (``certificates.content_digest``: without view, committee and
+    eval loss) and the loss its signer measured on the held-out batches (ADR 0059)."""
+
+    content: str
+    loss: float
 
 
 @dataclass(frozen=True)

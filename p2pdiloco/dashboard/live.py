@@ -101,7 +101,9 @@ class DashboardSnapshot:
     tokens_per_second: float = 0.0  # local training throughput
     utilization: float = 0.0  # share of wall time in inner steps (runtime.trainer)
     loss_local: list[float] = field(default_factory=list)  # recent train losses, newest last
-    loss_global: list[float] = field(default_factory=list)  # eval loss per certified version
+    # Eval loss per certified version: the certificates' own (ADR 0059) in a run with a held-out
+    # split, else this node's local evaluation of small models.
+    loss_global: list[float] = field(default_factory=list)
     # network
     peers_direct: int = 0  # peers reached over a direct connection
     peers_relayed: int = 0  # peers reached through a relay
@@ -338,6 +340,8 @@ def _training_panel(snap: DashboardSnapshot) -> Panel:
     loss.append(f"local {local:.3f}" if local is not None else "no local loss yet")
     loss.append("  ·  ", style="dim")
     loss.append(f"global eval {global_:.3f}" if global_ is not None else "no global eval yet")
+    if len(snap.loss_global) > 1:  # one value per version: certified ones where the run has them
+        loss.append(" " + sparkline(snap.loss_global), style="green")
     grid.add_row("Loss", loss)
     body = Group(_header(snap), Text(), grid)
     return Panel(body, title=Text("p2pdiloco join", style="bold"), box=box.ROUNDED)

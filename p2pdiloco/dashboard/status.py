@@ -109,3 +109,59 @@ def leaderboard_view(board: dict[str, Any], width: int = 80) -> RenderableType:
     for line in board["ignored"]:
         parts.append(Text(f"ignored: {line}", style="yellow"))
     return Group(*parts)
+
+
+CURVE_ROWS = 24  # versions listed at most; the sparkline shows the whole curve
+
+
+def curve_view(curve: dict[str, Any], width: int = 80) -> RenderableType:
+    """A run's certified eval loss (``status --curve``): a sparkline of every point, a table
+    of evenly spread versions with their tokens and loss (first and last always), and whether
+    the run went past its planned rounds."""
+    from p2pdiloco.dashboard.live import sparkline
+
+    points = curve["points"]
+    title = Text(
+        f"Certified eval loss of run {curve['run_name']} ({curve['run_id'][:12]}): "
+        f"{curve['versions']} verified versions, {curve['tokens']:,} tokens",
+        style="bold",
+    )
+    parts: list[RenderableType] = [title]
+    if not points:
+        why = (
+            "no certificate carries an eval loss yet"
+            if curve["evaluated"]
+            else "this run names no held-out split: its certificates carry no eval loss"
+        )
+        parts.append(Text(why, style="yellow"))
+    else:
+        losses = [p["eval_loss"] for p in points]
+        spark = sparkline(losses, width=max(8, min(len(losses), width - 30)))
+        parts.append(Text(f"{spark}  {losses[0]:.4f} → {losses[-1]:.4f}", style="cyan"))
+        step = max(1, -(-len(points) // CURVE_ROWS))
+        shown = points[::step]
+        if shown[-1] is not points[-1]:
+            shown.append(points[-1])
+        columns = [
+            Column("version", "right"),
+            Column("tokens", "right"),
+            Column("eval loss", "right"),
+        ]
+        cells: list[list[Cell]] = [
+            [str(p["version"]), f"{p['tokens']:,}", f"{p['eval_loss']:.4f}"] for p in shown
+        ]
+        parts.append(fitted_table(columns, cells, width))
+    planned = curve.get("planned_rounds")
+    if curve.get("past_plan"):
+        parts.append(
+            Text(
+                f"past its planned {planned} rounds: the inner lr stays at its floor "
+                "(ADR 0053); a longer run is a new manifest",
+                style="yellow",
+            )
+        )
+    elif planned is not None:
+        parts.append(Text(f"planned: {planned} rounds", style="dim"))
+    for line in curve.get("ignored", []):
+        parts.append(Text(f"ignored: {line}", style="yellow"))
+    return Group(*parts)

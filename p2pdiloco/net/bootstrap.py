@@ -223,6 +223,7 @@ class BootstrapServer:
         new["leaderboards"] = {
             r["run_id"]: self.watch.leaderboard(r["run_id"]) for r in new["runs"]
         }
+        new["curves"] = {r["run_id"]: self.watch.curve(r["run_id"]) for r in new["runs"]}
         for line in self.watch.update(new):
             log.info("%s", line)
         self._state = new

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from p2pdiloco.core.curve import LossCurve
 from p2pdiloco.core.ledger import ChainFollower
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.records import RunManifest
@@ -113,6 +114,7 @@ class NetworkWatch:
         self._reported: dict[str, int] = {}  # run id → newest certified version logged
         self._announced: dict[str, int] = {}  # run id → newest version a live peer announces
         self.board: dict[str, dict[str, dict[str, int]]] = {}  # run → peer → counts
+        self.curves: dict[str, LossCurve] = {}  # run → certified eval loss (ADR 0059)
         self._started = False
 
     def follow(self, run_id: str, manifest: RunManifest) -> None:
@@ -167,12 +169,14 @@ class NetworkWatch:
         if chain is None:
             return
         board = self.board.setdefault(run_id, {})
+        curve = self.curves.setdefault(run_id, LossCurve())
         for raw in raws:
             try:
                 cert = parse_certificate(raw, run_id=run_id)
             except InvalidRecord:
                 continue
             for grown in chain.offer(cert):
+                curve.add(grown.body)
                 for a in grown.body.accepted:
                     entry = board.setdefault(a.peer_id, {"accepted": 0, "tokens": 0})
                     entry["accepted"] += 1
@@ -191,6 +195,12 @@ class NetworkWatch:
             return []
         top = min(self._announced.get(run_id, 0), chain.version + limit)
         return list(range(chain.version + 1, top + 1))
+
+    def curve(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's certified loss curve (``core.curve``): version, tokens and eval loss of
+        each evaluated version of the verified chain; empty for a run that evaluates nothing."""
+        curve = self.curves.get(run_id)
+        return curve.to_list() if curve is not None else []
 
     def leaderboard(self, run_id: str) -> list[dict[str, Any]]:
         rows = sorted(self.board.get(run_id, {}).items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from p2pdiloco.net.svg_curve import curve_svg
+
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}"
     "table{border-collapse:collapse;margin-bottom:1.5em}"
@@ -55,9 +57,32 @@ def _stalled(run: dict[str, Any]) -> str:
     return f"stalled: {run['stalled']}" if run.get("stalled") else ""
 
 
+def _curves(curves: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> list[str]:
+    """The "Loss curves" section: each run's certified eval loss over tokens, as inline SVG
+    (``net.svg_curve``), from its verified chain (ADR 0059); nothing for runs without one."""
+    drawn = {run: points for run, points in curves.items() if points}
+    if not drawn:
+        return []
+    parts = [
+        "<h2>Loss curves</h2>",
+        '<p class="dim">Eval loss on each run\'s held-out batches, as its committees certified '
+        "it, over the tokens the verified chain merged (<code>p2pdiloco status --curve</code>)."
+        "</p>",
+    ]
+    for run_id, points in drawn.items():
+        name = names.get(run_id, run_id[:12])
+        last = points[-1]
+        parts.append(
+            f'<figure id="curve-{_e(run_id[:12])}">{curve_svg(points, name)}'
+            f"<figcaption>{_e(name)}: eval loss {last['eval_loss']:.4f} at version "
+            f"{last['version']} ({last['tokens']:,} tokens)</figcaption></figure>"
+        )
+    return parts
+
+
 def render_page(state: dict[str, Any]) -> str:
     """The whole page for one state snapshot (see ``NetworkState.to_dict`` and the bootstrap's
-    additions: ``server``, ``leaderboards``)."""
+    additions: ``server``, ``leaderboards``, ``curves``)."""
     server = state.get("server", {})
     runs = state.get("runs", [])
     peers = state.get("peers", [])
@@ -91,6 +116,7 @@ def render_page(state: dict[str, Any]) -> str:
                 for r in runs
             ),
         ),
+        *_curves(state.get("curves", {}), names),
         f"<h2>Peers ({len(peers)})</h2>",
         _table(
             "peers",

@@ -22,9 +22,17 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from p2pdiloco.protocol.identity import Identity, verify_hex
 from p2pdiloco.protocol.records import NonNegInt
@@ -103,6 +111,19 @@ class CertificateBody(_Strict):
     # core.roster.next_roster over the previous roster and this version's receipts). The roster
     # is derived, not carried: every node computes it from the chain (ADR 0044).
     roster_hash: Hex64
+    # Mean loss of this state on the run's held-out batches (``RunManifest.held_out``, ADR
+    # 0059), as the view's leader computed it; every other signer checked it against its own
+    # within the manifest's tolerance. None: the run evaluates nothing (absent on the wire).
+    eval_loss: float | None = Field(default=None, ge=0, le=1e4)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_eval(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A body without an eval loss hashes and signs as before the field existed: every
+        # certificate already made still verifies, with the same body digest and beacon.
+        data: dict[str, Any] = handler(self)
+        if self.eval_loss is None:
+            data.pop("eval_loss", None)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> CertificateBody:
@@ -137,12 +158,13 @@ def body_digest(body: CertificateBody) -> str:
 
 
 # What a committee certifies, apart from who certifies it: a later view that re-certifies a
-# locked content (protocol.view_change) produces another body with the same content.
-_SIGNER_FIELDS = frozenset({"view", "committee", "quorum"})
+# locked content (protocol.view_change) produces another body with the same content. The eval
+# loss is the view leader's measurement of that content (ADR 0059), not part of it.
+_SIGNER_FIELDS = frozenset({"view", "committee", "quorum", "eval_loss"})
 
 
 def content_json(body: CertificateBody) -> bytes:
-    """Canonical JSON of the body without its view, committee and quorum."""
+    """Canonical JSON of the body without its view, committee, quorum and eval loss."""
     return canonical_json(body.model_dump(mode="json", exclude=set(_SIGNER_FIELDS)))
 
 

@@ -35,6 +35,7 @@ class Reason(enum.StrEnum):
     OUTSIDE_COMMITTEE = "outside_committee"  # signature from outside the committee
     WRONG_COMMITTEE = "wrong_committee"  # a body naming another committee
     EQUIVOCATION = "equivocation"  # signed two different states in one round
+    EVAL_MISMATCH = "eval_mismatch"  # a leader's eval loss outside the tolerance (ADR 0059)
     NO_OPEN_ROUND = "no_open_round"  # no round for that version open here (yet)
     # -- requests -----------------------------------------------------------------------------
     UNKNOWN_OP = "unknown_op"

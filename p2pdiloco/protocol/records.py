@@ -262,6 +262,22 @@ class RunPlan(_Strict):
     learners: int = Field(ge=1, le=1_000_000)  # learners a round is planned to merge
 
 
+class HeldOut(_Strict):
+    """The held-out split a run's committees evaluate each state they certify on (ADR 0059).
+
+    The corpus puts ``fraction`` of its documents (by a hash of their names, at least one
+    batch's rows: ``train.data.build_corpus``) into the eval split, which no learner trains on;
+    of its rows, ``batches`` × the inner batch size rows are drawn by ``seed``
+    (``train.data.held_out_batches``): the same rows for every version and every syncer. A
+    signer takes the leader's loss if it is within ``tolerance`` × max(1, its own loss) of
+    its own value."""
+
+    fraction: float = Field(default=0.05, gt=0, lt=1)
+    batches: int = Field(default=4, ge=1, le=1024)
+    seed: NonNegInt = 0
+    tolerance: float = Field(default=1e-3, ge=0, le=1)
+
+
 class RunManifest(_Strict):
     """Body of a ``manifest`` record: everything that defines a training run.
 
@@ -292,14 +308,18 @@ class RunManifest(_Strict):
     # The planned size behind the inner schedule (ADR 0053); None: a run made without one,
     # which keeps the default schedule (and the bytes, run id and signature of before).
     plan: RunPlan | None = None
+    # The held-out split each certified state is evaluated on (ADR 0059); None: certificates
+    # carry no eval loss, and the manifest keeps its bytes, run id and signature of before.
+    held_out: HeldOut | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_no_plan(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A manifest without a plan serialises, hashes and signs exactly as before plans
-        # existed: its run id stays the one every node already knows.
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A manifest without a plan or a held-out split serialises, hashes and signs exactly
+        # as before they existed: its run id stays the one every node already knows.
         data: dict[str, Any] = handler(self)
-        if self.plan is None:
-            data.pop("plan", None)
+        for key in ("plan", "held_out"):
+            if getattr(self, key) is None:
+                data.pop(key, None)
         return data
 
     @model_validator(mode="before")

@@ -27,7 +27,7 @@ from p2pdiloco.runtime.trainer import Trainer, TrainerView
 from p2pdiloco.sync.rules import check_supported
 from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.checkpoint import atomic_write_bytes
-from p2pdiloco.train.data import build_corpus
+from p2pdiloco.train.data import build_corpus, eval_fraction_of
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.learner import Learner
 from p2pdiloco.train.local_state import load_local, restore_local, save_local
@@ -83,6 +83,7 @@ class RunningNode:
             load_tokenizer(spec.tokenizer),
             seq_len=self.manifest.inner.seq_len,
             max_bytes=cfg.max_data_bytes,
+            eval_fraction=eval_fraction_of(self.manifest),
         )
         if node.run.raw:  # for offline leaderboards
             atomic_write_bytes(cfg.state_dir / "manifest.json", node.run.raw)

@@ -63,6 +63,7 @@ from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, Tra
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
 from p2pdiloco.sync.fetch import SyncError, catch_up
+from p2pdiloco.sync.held_out import HeldOutEval
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.data import PackedCorpus
 
@@ -124,7 +125,8 @@ class NodeRuntime:
         self._stopping = False  # close() began: peers' requests are refused from then on
         self.evaluator = Evaluator(
             manifest,
-            corpus if cfg.evaluate else None,
+            # A run with a held-out split has certified values instead (``Tally.record_chain``).
+            corpus if cfg.evaluate and manifest.held_out is None else None,
             cfg.max_eval_params,
             self.tally.eval_losses.append,
         )
@@ -132,6 +134,13 @@ class NodeRuntime:
         self._retries: dict[tuple[int, int], int] = {}  # cleared whenever a version applies
 
     # -- lifecycle (on the loop) -------------------------------------------------------------
+
+    def _held_out(self) -> HeldOutEval | None:
+        """The eval step this node's merges run, in a run that certifies an eval loss (ADR
+        0059); None without a held-out split or a corpus (a node without one cannot sign)."""
+        if self.manifest.held_out is None or self.corpus is None:
+            return None
+        return HeldOutEval(self.manifest, self.corpus)
 
     async def start(self) -> CertifiedState:
         """Restore or build the certified state, serve peers, start tasks; the trainer's start."""
@@ -154,6 +163,7 @@ class NodeRuntime:
             self.transport,
             live_learners=self.plane.live_learners,
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
+            held_out=self._held_out(),
         )
         limits = request_limits(self.service.max_payload)
         await self.transport.serve(self._handle, limits, self.service.screen)

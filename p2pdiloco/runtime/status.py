@@ -100,6 +100,8 @@ class Tally:
         self.waiting_since, self.stall_logged = None, False  # nothing awaited until a delta
         merged, rejected = set(), set()
         for c in chain:
+            if c.body.eval_loss is not None:  # the certified curve (ADR 0059)
+                self.eval_losses.append(c.body.eval_loss)
             for a in c.body.accepted:
                 self.tokens_by_peer[a.peer_id] = self.tokens_by_peer.get(a.peer_id, 0) + a.tokens
                 merged.add(a.digest)

@@ -119,9 +119,11 @@ def certificate_body(
     rejected: dict[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    eval_loss: float | None = None,
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
-    each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
+    each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it; with
+    the eval loss this syncer measured on the merged state, in a run that certifies one."""
     senders = {d: (h.peer_id, h.steps, h.tokens) for d, h in headers.items()}
     return body_of(
         run_id,
@@ -135,6 +137,7 @@ def certificate_body(
         rejected,
         view,
         update_hash,
+        eval_loss,
     )
 
 
@@ -150,6 +153,7 @@ def body_of(
     rejected: Mapping[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    eval_loss: float | None = None,
 ) -> CertificateBody:
     """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
     The simulator (``p2pdiloco.sim``) builds its certificates with it."""
@@ -177,6 +181,7 @@ def body_of(
         accepted=accepted,
         rejected=refused,
         roster_hash=roster_digest(roster_after(manifest, base_cert, accepted)),
+        eval_loss=eval_loss,
     )
 
 

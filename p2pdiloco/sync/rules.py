@@ -163,4 +163,5 @@ def params_of(
         trusted_learners=None if trusted_learners is None else max(1, trusted_learners),
         progress=progress,
         max_inputs=max_inputs,
+        eval_tolerance=None if manifest.held_out is None else manifest.held_out.tolerance,
     )

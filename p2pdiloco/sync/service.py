@@ -31,6 +31,7 @@ from p2pdiloco.core.round import (
     Aggregate,
     Clipped,
     Done,
+    Evaluated,
     Fetch,
     Propose,
     Reject,
@@ -43,7 +44,7 @@ from p2pdiloco.core.syncer_node import Held, Seating, SyncerNode
 from p2pdiloco.core.trust import learners_awaited
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.net.transport import Transport
-from p2pdiloco.protocol.certificates import content_digest
+from p2pdiloco.protocol.certificates import CertificateBody, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import RETRYABLE, Reason
 from p2pdiloco.protocol.records import RunManifest
@@ -59,6 +60,7 @@ from p2pdiloco.sync.committee_msgs import (
     seal_proposal,
 )
 from p2pdiloco.sync.fetch import fetch_submission
+from p2pdiloco.sync.held_out import HeldOutEval
 from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
@@ -85,6 +87,7 @@ class SyncService:
         *,
         live_learners: Callable[[], Collection[str]],
         on_certified: Callable[[bytes, CertifiedState | None], None],
+        held_out: HeldOutEval | None = None,
     ) -> None:
         self.identity = identity
         self.me = identity.peer_id
@@ -98,6 +101,7 @@ class SyncService:
         self.transport = transport
         self.live_learners = live_learners
         self.on_certified = on_certified
+        self.held_out = held_out  # the eval step of a run that certifies an eval loss (ADR 0059)
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
         self.node: SyncerNode[Received, Early] = SyncerNode(self.me, run_id, manifest)
@@ -318,7 +322,8 @@ class SyncService:
                 self._reject(signer, None, *no)
             raise RpcRefused(*no)
         digest = self.signatures.add(signer, body, sig, len(self.round.params.committee))
-        self._execute(self.node.track(self.round.on_signature(signer, digest)))
+        offer = _evaluated(body)
+        self._execute(self.node.track(self.round.on_signature(signer, digest, offer)))
         return {}, []
 
     def _on_vote(self, peer: str, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
@@ -348,6 +353,8 @@ class SyncService:
             elif isinstance(a, Aggregate):
                 self._spawn(self._aggregate(a))
             elif isinstance(a, Sign):
+                if self.me not in self.signatures.sigs.get(a.state_hash, {}):
+                    self.signatures.second(self.identity, a.state_hash)  # the leader's (ADR 0059)
                 msg = self.signatures.message(self.me, a.state_hash)  # "later": while uncertified
                 live = partial(still_signing, lambda: self.round, self.round)
                 self._spawn(self.fellows.to_all("sign", msg, later_while=live))
@@ -411,6 +418,7 @@ class SyncService:
         loop = asyncio.get_running_loop()
         try:
             result, state = await loop.run_in_executor(None, self._merge, base, inputs)
+            eval_loss = await loop.run_in_executor(None, self._evaluate, state)
         except Exception as e:  # screened out entirely, or a local fault: next attempt
             log.error("round %d: merge failed (%s); starting the next attempt", base.version + 1, e)
             if rnd is self.round:
@@ -436,6 +444,7 @@ class SyncService:
             result.rejected,
             view=view,
             update_hash=state.update_hash,
+            eval_loss=eval_loss,
         )
         lock = self.node.views.lock if self.node.views is not None else None
         if lock is not None and content_digest(body) != lock:
@@ -454,7 +463,8 @@ class SyncService:
             result.rule,
             state.state_hash[:12],
         )
-        self._execute(self.node.track(rnd.on_aggregated(digest, attempt=action.attempt)))
+        evaluated = _evaluated(body)
+        self._execute(self.node.track(rnd.on_aggregated(digest, action.attempt, evaluated)))
 
     def _merge(
         self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
@@ -462,6 +472,13 @@ class SyncService:
         decode = self.intake.decode
         merge_inputs = [MergeInput(d, p, decode(b, base.version), w, a) for d, p, b, w, a in inputs]
         return next_state(base, merge_inputs, self.rules, self.outer)
+
+    def _evaluate(self, state: CertifiedState) -> float | None:
+        """The merge's eval step: the merged state's loss on the run's held-out batches (ADR
+        0059); None when the run evaluates nothing."""
+        if self.held_out is None:
+            return None
+        return self.held_out.loss(state.params)
 
     def _finish(self, done: Done) -> None:
         tcs = tuple(self.node.views.tcs) if self.node.views is not None else ()
@@ -500,3 +517,10 @@ class SyncService:
                 "round": version,
             }
         )
+
+
+def _evaluated(body: CertificateBody) -> Evaluated | None:
+    """What a body says of its eval (ADR 0059): its content and loss; None without a loss."""
+    if body.eval_loss is None:
+        return None
+    return Evaluated(content_digest(body), body.eval_loss)

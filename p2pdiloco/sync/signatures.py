@@ -12,6 +12,7 @@ from p2pdiloco.protocol.certificates import (
     CertificateBody,
     assemble,
     body_digest,
+    content_digest,
     parse_certificate,
     sign_body,
 )
@@ -55,6 +56,17 @@ class RoundSignatures:
         self.results[digest] = state
         self.sigs.setdefault(digest, {})[identity.peer_id] = sign_body(identity, body)
         return digest
+
+    def second(self, identity: Identity, digest: str) -> None:
+        """Sign a fellow's body (the leader's, with its eval loss: ADR 0059) that holds the
+        content this node merged; the state merged here is that body's state too."""
+        body = self.bodies[digest]
+        self.sigs.setdefault(digest, {})[identity.peer_id] = sign_body(identity, body)
+        content = content_digest(body)
+        for d, state in list(self.results.items()):
+            if content_digest(self.bodies[d]) == content:
+                self.results[digest] = state
+                break
 
     def add(self, signer: str, body: CertificateBody, sig: str, committee_size: int) -> str:
         """A fellow member's verified signature; BUSY once 2 × k distinct bodies are held."""

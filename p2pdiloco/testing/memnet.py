@@ -78,6 +78,7 @@ class MemoryNetwork:
         # Steps per Train action; None: ``LearnerMachine.for_run``'s, as ``join`` trains (a
         # whole stretch when four does not divide it)
         chunk: int | None = 1,
+        held_out: Mapping[str, Any] | None = None,  # the manifest's held-out split (ADR 0059)
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -100,6 +101,7 @@ class MemoryNetwork:
         self.compute_share = compute_share
         self.fragments = fragments
         self.chunk = chunk
+        self.held_out = held_out
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -123,6 +125,7 @@ class MemoryNetwork:
             inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 1000},
             outer={"fragments": self.fragments},
             rules=self.rules,
+            **({} if self.held_out is None else {"held_out": dict(self.held_out)}),
         )
         loop = asyncio.get_running_loop()
         self.corpus = await loop.run_in_executor(None, _small_corpus)

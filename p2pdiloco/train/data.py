@@ -26,6 +26,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.train.sources import (
     DEFAULT_MAX_BYTES,
     PROGRESS_EVERY,
@@ -46,12 +47,17 @@ __all__ = [
     "build_corpus",
     "data_parallel_batches",
     "eval_batches",
+    "held_out_batches",
+    "eval_fraction_of",
     "iter_documents",
     "learner_batches",
     "learner_row_indices",
 ]
 
 log = logging.getLogger(__name__)
+
+# Share of documents in the eval split unless a run's held-out split names another (ADR 0059).
+DEFAULT_EVAL_FRACTION = 0.05
 
 
 @dataclass
@@ -201,7 +207,7 @@ def build_corpus(
     tokenizer: Tokenizer,
     *,
     seq_len: int,
-    eval_fraction: float = 0.05,
+    eval_fraction: float = DEFAULT_EVAL_FRACTION,
     max_bytes: int = DEFAULT_MAX_BYTES,
     min_eval_sequences: int = 8,
 ) -> PackedCorpus:
@@ -409,3 +415,25 @@ def eval_batches(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     batches = list(torch.split(corpus.eval_NS, batch_size))
     return batches if max_batches is None else batches[:max_batches]
+
+
+def held_out_batches(
+    corpus: PackedCorpus, *, seed: int, batches: int, batch_size: int
+) -> list[torch.Tensor]:
+    """The fixed, seeded eval batches a run's committees evaluate every certified state on
+    (``RunManifest.held_out``, ADR 0059): ``batches`` [B, S] batches of eval rows drawn without
+    repeats by a permutation of ``seed`` (fewer rows if the split holds fewer), the same on
+    every machine (``_permutation``); empty if the corpus has no eval rows."""
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"need batches >= 1 and batch_size >= 1, got {batches}, {batch_size}")
+    n = corpus.num_eval_rows
+    if n == 0:
+        return []
+    rows = _permutation(n, _derive_seed("held-out", seed))[: batches * batch_size]
+    return list(torch.split(corpus.eval_NS[rows], batch_size))
+
+
+def eval_fraction_of(manifest: RunManifest) -> float:
+    """``build_corpus``'s eval fraction for a run: the one its manifest names
+    (``RunManifest.held_out``), or the default split for a run without one."""
+    return DEFAULT_EVAL_FRACTION if manifest.held_out is None else manifest.held_out.fraction
