@@ -22,9 +22,17 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from p2pdiloco.protocol.identity import Identity, verify_hex
 from p2pdiloco.protocol.records import NonNegInt
@@ -95,6 +103,11 @@ class CertificateBody(_Strict):
     # sha256 of the encoded update that made this state from the base (sync.update, ADR 0029);
     # None: no update certified (bodies made outside a merge), peers download the whole state.
     update_hash: Hex64 | None = None
+    # Runs whose update is the parameters' change (``rules.update_form`` "params", ADR 0064):
+    # the hash of the parameters alone (``sync.state`` index of them), which a follower checks;
+    # ``state_hash`` covers the committee state too (momentum, residual). None otherwise, and
+    # then absent from the wire, so older bodies keep their bytes and signatures.
+    params_hash: Hex64 | None = None
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
     accepted: list[Accepted] = Field(max_length=MAX_RECEIPTS)  # sorted by digest
@@ -103,6 +116,13 @@ class CertificateBody(_Strict):
     # core.roster.next_roster over the previous roster and this version's receipts). The roster
     # is derived, not carried: every node computes it from the chain (ADR 0044).
     roster_hash: Hex64
+
+    @model_serializer(mode="wrap")
+    def _omit_no_params_hash(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.params_hash is None:
+            data.pop("params_hash", None)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> CertificateBody:

@@ -119,6 +119,7 @@ def certificate_body(
     rejected: dict[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    params_hash: str | None = None,
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it."""
@@ -135,6 +136,7 @@ def certificate_body(
         rejected,
         view,
         update_hash,
+        params_hash,
     )
 
 
@@ -150,6 +152,7 @@ def body_of(
     rejected: Mapping[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    params_hash: str | None = None,
 ) -> CertificateBody:
     """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
     The simulator (``p2pdiloco.sim``) builds its certificates with it."""
@@ -172,6 +175,7 @@ def body_of(
         view=view,
         state_hash=new_state_hash,
         update_hash=update_hash,
+        params_hash=params_hash,
         committee=list(committee.members),
         quorum=committee.quorum,
         accepted=accepted,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from typing import Any
 
@@ -50,7 +50,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
-from p2pdiloco.sync.certified import CertifiedState, next_state
+from p2pdiloco.sync.certified import CertifiedState, certified_params_hash, next_state
 from p2pdiloco.sync.committee_msgs import (
     BadMessage,
     certificate_body,
@@ -58,7 +58,7 @@ from p2pdiloco.sync.committee_msgs import (
     open_signature,
     seal_proposal,
 )
-from p2pdiloco.sync.fetch import fetch_submission
+from p2pdiloco.sync.fetch import SyncError, fetch_submission
 from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
@@ -85,6 +85,7 @@ class SyncService:
         *,
         live_learners: Callable[[], Collection[str]],
         on_certified: Callable[[bytes, CertifiedState | None], None],
+        committee_state: Callable[[CertifiedState], Awaitable[CertifiedState]] | None = None,
     ) -> None:
         self.identity = identity
         self.me = identity.peer_id
@@ -98,6 +99,9 @@ class SyncService:
         self.transport = transport
         self.live_learners = live_learners
         self.on_certified = on_certified
+        # Completes a state held without its committee state (a follower of "params" updates,
+        # ADR 0064) before this node merges on it; None: states always hold it.
+        self.committee_state = committee_state
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
         self.node: SyncerNode[Received, Early] = SyncerNode(self.me, run_id, manifest)
@@ -132,7 +136,7 @@ class SyncService:
         early = self.node.install(state.cert, state.version, time.monotonic())
         if early is None:
             return
-        self.current = state
+        self.current = await self._with_committee_state(state)
         self.signatures.clear()
         self._open_view()
         for op, peer, frames in early:
@@ -140,6 +144,18 @@ class SyncService:
                 await self.handle(op, peer, {}, frames)
             except RpcRefused as e:
                 log.info("buffered %s from %s refused: %s", op, peer, e)
+
+    async def _with_committee_state(self, state: CertifiedState) -> CertifiedState:
+        """``state`` completed with its committee state when it lacks it and this node is to
+        merge on it; ``state`` as it is if that fails (the merge then fails, and a later
+        attempt asks again)."""
+        if state.committee_state or self.committee_state is None:
+            return state
+        try:
+            return await self.committee_state(state)
+        except (SyncError, RpcError) as e:
+            log.warning("version %d: no committee state to merge on yet: %s", state.version, e)
+            return state
 
     def _open_view(self) -> None:
         """Open the round of the node's current view if it sits on that view's committee (the
@@ -404,6 +420,8 @@ class SyncService:
     async def _aggregate(self, action: Aggregate) -> None:
         rnd, base, committee = self.round, self.current, self.committee
         assert rnd is not None and base is not None and committee is not None
+        if not base.committee_state:  # elected by a later view: fetch it now
+            base = self.current = await self._with_committee_state(base)
         inputs = [
             (d, self.held[d].sub.peer_id, self.held[d].data.payload, w, a)
             for d, w, a in zip(action.digests, action.weights, action.anchors(), strict=True)
@@ -436,6 +454,7 @@ class SyncService:
             result.rejected,
             view=view,
             update_hash=state.update_hash,
+            params_hash=certified_params_hash(state, self.rules),
         )
         lock = self.node.views.lock if self.node.views is not None else None
         if lock is not None and content_digest(body) != lock:
