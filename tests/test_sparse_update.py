@@ -72,6 +72,19 @@ def make_run(codec: str = "topk2", form: str = "params", **rules: Any) -> tuple[
     return run_id, manifest
 
 
+SHAPES = {"block.0.w": (64, 130), "block.0.b": (100,), "embed": (4096,)}  # chunks and tails
+
+
+def small_genesis(manifest: RunManifest) -> CertifiedState:
+    """A genesis state of a few small tensors (full topk2 chunks and tails), built as
+    ``genesis_state`` builds the model's: momentum, and for "params" updates the residual, zero."""
+    g = torch.Generator().manual_seed(1)
+    params = {n: 0.02 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    zeros = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    feedback = manifest.rules.update_form == "params"
+    return CertifiedState(0, None, params, dict(zeros), residual=dict(zeros) if feedback else {})
+
+
 def round_inputs(base: CertifiedState, seed: int = 0, m: int = 3) -> list[MergeInput]:
     g = torch.Generator().manual_seed(seed)
     return [
@@ -118,7 +131,7 @@ def committee_versions(
     run_id: str, manifest: RunManifest, versions: int, seed: int = 0
 ) -> list[CertifiedState]:
     """Genesis and ``versions`` certified states made by a committee that held them all."""
-    states = [genesis_state(manifest)]
+    states = [small_genesis(manifest)]
     for v in range(versions):
         base = states[-1]
         inputs = round_inputs(base, seed=seed + v)
@@ -145,7 +158,7 @@ def test_a_follower_reaches_exactly_the_certified_parameters_for_every_codec(cod
     assert last.momentum is not None and set(last.residual) == set(last.params)
     if codec == "topk2":  # a sparse update: about 1/64 of the entries, the rest fed back
         numel = sum(t.numel() for t in last.params.values())
-        assert last.update is not None and len(last.update) < numel / 20
+        assert last.update is not None and len(last.update) < 8000  # its JSON header included
         kept = sum(int((r == 0).sum()) for r in last.residual.values())
         assert kept < numel / 10  # the residual holds nearly every entry
 
@@ -154,7 +167,7 @@ def test_the_residual_carries_what_was_not_sent() -> None:
     """Sent plus residual is the whole step: what the parameters would have moved by without a
     codec, plus the residual before (error feedback, up to fp32 rounding)."""
     run_id, manifest = make_run("topk2")
-    base = genesis_state(manifest)
+    base = small_genesis(manifest)
     exact = next_state(base, round_inputs(base), SyncRules(aggregation="mean"), OUTER)[1]
     _, state = next_state(base, round_inputs(base), manifest.rules, OUTER)
     for n, p in state.params.items():
@@ -190,7 +203,8 @@ def test_a_tampered_update_or_certificate_is_refused() -> None:
 
 def test_honest_syncers_make_bit_identical_sparse_updates() -> None:
     rules = make_run("topk2")[1].rules
-    base = genesis_state(make_run("topk2")[1])
+    base = genesis_state(make_run("topk2")[1])  # the model's tensors: a real merge's size
+    assert set(base.residual) == set(base.params)  # zero at genesis, beside the momentum
     threads = torch.get_num_threads()
     made = []
     try:
@@ -266,7 +280,7 @@ def test_a_syncer_joining_a_committee_merges_as_one_that_was_there_all_along(
     assert full.state_hash == chain[-1].body.state_hash and full.committee_state
     last = committee[-1]
     assert full.momentum is not None and last.momentum is not None
-    for n, t in last.params.items():
+    for n in last.params:
         assert torch.equal(full.params[n], follower.params[n])
         assert torch.equal(full.momentum[n], last.momentum[n])
         assert torch.equal(full.residual[n], last.residual[n])
@@ -293,7 +307,7 @@ def test_a_learner_late_to_the_run_downloads_the_parameters_alone(tmp_path: Path
         download_state(hub.transport("late"), cert, [KEYS[1].peer_id], part="params")
     ).state
     assert not got.committee_state and got.params_hash == cert.body.params_hash
-    assert hub.received["late"] < committee[1].blob().index.total_bytes / 2.9  # not 3 × 4 B
+    assert hub.received["late"] < committee[1].blob().index.total_bytes / 2.5  # not 3 × 4 B
 
 
 def test_a_restarted_follower_resumes_its_parameters(tmp_path: Path) -> None:
