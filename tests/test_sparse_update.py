@@ -364,7 +364,14 @@ def test_nodes_follow_sparse_updates_and_newly_elected_members_fetch_the_committ
     from p2pdiloco.testing.memnet import MemoryNetwork
 
     async def main() -> None:
-        rules = {"update_codec": "topk2", "update_form": "params", "grace": 3.0}
+        rules = {
+            "update_codec": "topk2",
+            "update_form": "params",
+            "grace": 20.0,
+            "min_quorum_fraction": 1.0,  # every learner's delta merged: every one electable
+            "trust_min_accepted": 0,
+            "trust_min_age": 0,
+        }
         async with MemoryNetwork(
             tmp_path, nodes=5, committee_size=3, aggregation="mean", rules=rules
         ) as net:
@@ -380,11 +387,19 @@ def test_nodes_follow_sparse_updates_and_newly_elected_members_fetch_the_committ
                 cur = node.runtime.chain.current
                 assert cur is not None and cur.params_hash == params[cur.version]
             # Committees of 3 of 5 change: members new to one merged on downloaded state.
-            signers = [
-                set(parse_certificate(raw, run_id=net.run_id).signers)
+            committees = [
+                set(parse_certificate(raw, run_id=net.run_id).body.committee)
                 for raw in net.nodes[0].runtime.chain.certs.values()
             ]
-            assert len(set().union(*signers)) > 3
+            assert len(set().union(*committees)) > 3
+            # Nobody fell behind, so every whole-state download was a new member's.
+            fetched = [d for n in net.live() for d in n.runtime.tally.downloads]
+            assert fetched and all(d["version"] >= 1 for d in fetched)
+            for node in net.live():  # and what it fetched is the certified committee state
+                cur = node.runtime.chain.current
+                assert cur is not None and cur.cert is not None
+                if cur.committee_state:
+                    assert cur.state_hash == cur.cert.body.state_hash
 
     asyncio.run(main())
 

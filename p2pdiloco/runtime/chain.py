@@ -160,7 +160,7 @@ class ChainStore:
         except (InvalidRecord, KeyError, ValueError, ValidationError) as e:
             log.warning("ignoring the saved state: %s", e)
             return None
-        if not _matches(state, cert):
+        if not state.matches(cert):
             log.warning("ignoring the saved state: it does not match its certificate")
             return None
         try:
@@ -218,11 +218,3 @@ def _with_saved_roster(cert: Certificate, saved: object) -> Certificate:
     if roster_digest(roster) != cert.body.roster_hash:
         raise InvalidRecord(f"the roster saved with version {cert.body.version} is not its own")
     return replace(cert, roster=roster)
-
-
-def _matches(state: CertifiedState, cert: Certificate) -> bool:
-    """Whether ``state`` is what ``cert`` certifies: the whole state, or the parameters alone
-    against ``params_hash`` when only they were held (a follower of "params" updates)."""
-    if state.committee_state:
-        return state.state_hash == cert.body.state_hash
-    return cert.body.params_hash is not None and state.params_hash == cert.body.params_hash

@@ -97,6 +97,15 @@ class CertifiedState:
     def params_hash(self) -> str:
         return self.params_blob().state_hash
 
+    def matches(self, cert: Certificate) -> bool:
+        """Whether this is what ``cert`` certifies: the whole state against ``state_hash``, or
+        the parameters alone (``committee_state`` False) against ``params_hash``."""
+        if self.version != cert.body.version:
+            return False
+        if self.committee_state:
+            return self.state_hash == cert.body.state_hash
+        return cert.body.params_hash is not None and self.params_hash == cert.body.params_hash
+
     @property
     def update_hash(self) -> str | None:
         return hash_update(self.update) if self.update is not None else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from functools import partial
 from typing import Any
 
@@ -85,7 +85,8 @@ class SyncService:
         *,
         live_learners: Callable[[], Collection[str]],
         on_certified: Callable[[bytes, CertifiedState | None], None],
-        committee_state: Callable[[CertifiedState], Awaitable[CertifiedState]] | None = None,
+        committee_state: Callable[[CertifiedState], Coroutine[Any, Any, CertifiedState]]
+        | None = None,
     ) -> None:
         self.identity = identity
         self.me = identity.peer_id
@@ -102,6 +103,7 @@ class SyncService:
         # Completes a state held without its committee state (a follower of "params" updates,
         # ADR 0064) before this node merges on it; None: states always hold it.
         self.committee_state = committee_state
+        self._completing: tuple[int, asyncio.Task[CertifiedState]] | None = None
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
         self.node: SyncerNode[Received, Early] = SyncerNode(self.me, run_id, manifest)
@@ -136,9 +138,11 @@ class SyncService:
         early = self.node.install(state.cert, state.version, time.monotonic())
         if early is None:
             return
-        self.current = await self._with_committee_state(state)
+        self.current = state
         self.signatures.clear()
         self._open_view()
+        if self.round is not None and not state.committee_state:  # fetched while it collects
+            self._spawn(self._with_committee_state(state))
         for op, peer, frames in early:
             try:
                 await self.handle(op, peer, {}, frames)
@@ -146,16 +150,24 @@ class SyncService:
                 log.info("buffered %s from %s refused: %s", op, peer, e)
 
     async def _with_committee_state(self, state: CertifiedState) -> CertifiedState:
-        """``state`` completed with its committee state when it lacks it and this node is to
-        merge on it; ``state`` as it is if that fails (the merge then fails, and a later
-        attempt asks again)."""
+        """``state`` completed with its committee state (ADR 0064) when it lacks it and this
+        node sits on the committee that merges on it, held as ``current`` while it is the
+        version installed; one download per version at a time. ``state`` as it is if that
+        fails: the merge then fails, and its next attempt asks again."""
         if state.committee_state or self.committee_state is None:
             return state
+        pending = self._completing
+        if pending is None or pending[0] != state.version or pending[1].done():
+            pending = (state.version, asyncio.create_task(self.committee_state(state)))
+            self._completing = pending
         try:
-            return await self.committee_state(state)
+            full = await asyncio.shield(pending[1])
         except (SyncError, RpcError) as e:
             log.warning("version %d: no committee state to merge on yet: %s", state.version, e)
             return state
+        if self.current is not None and self.current.version == full.version:
+            self.current = full
+        return full
 
     def _open_view(self) -> None:
         """Open the round of the node's current view if it sits on that view's committee (the
@@ -220,7 +232,8 @@ class SyncService:
             self._execute(self.node.track(self.round.on_tick(now)))
 
     async def close(self) -> None:
-        await cancel_and_wait(list(self._tasks), "sync service")
+        completing = [self._completing[1]] if self._completing is not None else []
+        await cancel_and_wait([*self._tasks, *completing], "sync service")
 
     # -- requests --------------------------------------------------------------------------------
 
