@@ -115,7 +115,7 @@ def simulate(
         str,
         typer.Option(
             help=f"Codec of the merged update the outer step applies, as a committee certifies "
-            f"it: {', '.join(UPDATE_CODECS)}."
+            f"it: {', '.join(UPDATE_CODECS)}; with --update-form params also topk2."
         ),
     ] = _d.rules.update_codec,
     update_form: Annotated[

@@ -222,7 +222,8 @@ class SyncRules(_Strict):
     roster_window: int = Field(default=10, ge=0, le=10_000)
     # Codec of the certified update, the round's merged pseudo-gradient (ADR 0029): the committee
     # steps with its decoded value and learners download it instead of the state. One of
-    # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``). "none": fp32.
+    # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``), or any codec
+    # with ``update_form`` "params" (ADR 0064). "none": fp32.
     update_codec: RuleName = "none"
     # What the certified update is (ADR 0064). "gradient": the merged pseudo-gradient g, which a
     # follower steps with its own momentum (dense codecs only). "params": what the parameters
