@@ -23,6 +23,7 @@ import torch
 from p2pdiloco.compress import CODECS
 from p2pdiloco.compress.sparse import TopKCodec
 from p2pdiloco.core.roster import committee_for, with_roster
+from p2pdiloco.harness.simulate import merge_fragment
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.net.sync_rpc import RpcRefused
 from p2pdiloco.net.transport import MemoryHub
@@ -176,6 +177,33 @@ def test_the_residual_carries_what_was_not_sent() -> None:
         assert torch.allclose(sent + state.residual[n], step, atol=1e-6)
         assert state.momentum is not None and exact.momentum is not None
         assert torch.equal(state.momentum[n], exact.momentum[n])  # the exact g steps it
+
+
+def test_the_simulator_merges_as_the_committee_certifies() -> None:
+    """``simulate``'s merge (``merge_fragment``) keeps the residual as the certified state does:
+    the same parameters, momentum and residual, round after round."""
+    run_id, manifest = make_run("topk2", update_k=32)
+    committee = committee_versions(run_id, manifest, 3)
+    theta = {n: t.clone() for n, t in committee[0].params.items()}
+    momentum: dict[str, torch.Tensor] = {}
+    residual: dict[str, torch.Tensor] = {}
+    for v, state in enumerate(committee[1:]):
+        inputs = round_inputs(committee[v], seed=v)
+        merge_fragment(
+            theta,
+            momentum,
+            [dict(i.delta) for i in inputs],
+            [4 * 64] * len(inputs),
+            sorted(theta),
+            rules=manifest.rules,
+            outer=OUTER,
+            residual=residual,
+        )
+        assert state.momentum is not None
+        for n in theta:
+            assert torch.equal(theta[n], state.params[n])
+            assert torch.equal(momentum[n], state.momentum[n])
+            assert torch.equal(residual[n], state.residual[n])
 
 
 def test_a_tampered_update_or_certificate_is_refused() -> None:
