@@ -22,9 +22,12 @@ RULES: tuple[str, ...] = (
 )
 # Delta codecs (p2pdiloco.compress).
 CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "topk2")
-# Codecs of the certified update (SyncRules.update_codec, ADR 0029): dense ones only. A sparse
-# update would need error feedback on the committee's side, which a learner cannot recompute.
+# Codecs of a certified update of the merged gradient (SyncRules.update_codec, ADR 0029): dense
+# ones only. A sparse g would need error feedback that followers cannot recompute.
 UPDATE_CODECS: tuple[str, ...] = ("none", "fp16", "int8", "int4")
+# Codecs of an update that is the parameters' change (SyncRules.update_form "params", ADR 0064):
+# every one, sparse included: the committee keeps what it did not send as error feedback.
+PARAMS_UPDATE_CODECS: tuple[str, ...] = CODECS
 # Attacks a test or demo node can play (p2pdiloco.train.attacks).
 ATTACKS: tuple[str, ...] = (
     "sign-flip",

@@ -106,7 +106,7 @@ def load_certified(
         state = CertifiedState.from_tensors(version, cert, ckpt.tensors)
     except (CheckpointError, ValueError) as e:
         raise ExportError(f"version {version} of run {run_id[:16]}: {e}") from None
-    if state.state_hash != cert.body.state_hash:
+    if not state.matches(cert):
         raise ExportError(
             f"the state of version {version} under {state_dir} is not the one its certificate "
             "signs (state hash differs)"

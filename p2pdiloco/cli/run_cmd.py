@@ -86,6 +86,18 @@ def create(
             help=f"Codec of the certified update learners download: {', '.join(UPDATE_CODECS)}."
         ),
     ] = SAFE_UPDATE_COMPRESSION,
+    update_form: Annotated[
+        str,
+        typer.Option(
+            help="What the certified update is: 'gradient' (the merged pseudo-gradient) or "
+            "'params' (the parameters' change with the committee's error feedback; any update "
+            "codec, topk2 included: ADR 0064)."
+        ),
+    ] = "gradient",
+    update_k: Annotated[
+        int | None,
+        typer.Option(help="Entries kept per 4096 by a topk2 update codec [default: 64]."),
+    ] = None,
     aggregation: Annotated[
         str, typer.Option(help=f"Merge rule: {', '.join(RULES)}.")
     ] = SAFE_AGGREGATION,
@@ -179,6 +191,8 @@ def create(
         linger=linger,
         agree_timeout=agree_timeout,
         update_codec=update_compression,
+        update_form=update_form,
+        update_k=update_k,
     )
     inner: dict[str, Any] = {"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len}
     plan = None

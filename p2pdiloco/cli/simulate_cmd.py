@@ -115,9 +115,21 @@ def simulate(
         str,
         typer.Option(
             help=f"Codec of the merged update the outer step applies, as a committee certifies "
-            f"it: {', '.join(UPDATE_CODECS)}."
+            f"it: {', '.join(UPDATE_CODECS)}; with --update-form params also topk2."
         ),
     ] = _d.rules.update_codec,
+    update_form: Annotated[
+        str,
+        typer.Option(
+            help="What the certified update is: 'gradient' (the merged pseudo-gradient, dense "
+            "codecs) or 'params' (the parameters' change with the committee's error feedback, "
+            "any codec: ADR 0064)."
+        ),
+    ] = _d.rules.update_form,
+    update_k: Annotated[
+        int | None,
+        typer.Option(help="Entries kept per 4096 by a topk2 update codec [default: 64]."),
+    ] = _d.rules.update_k,
 ) -> None:
     """Train M DiLoCo learners in one process, next to data-parallel on the same tokens."""
     total = rounds * inner_steps
@@ -148,6 +160,8 @@ def simulate(
             clone_factor=clone_factor,
             weight_cap=weight_cap,
             update_codec=update_compression,
+            update_form=update_form,
+            update_k=update_k,
         ),
         adversaries=adversaries,
         attack=attack,

@@ -19,7 +19,9 @@ payload of the wrong density is refused by its length alone.
 
 Decode is bit-exact: (2c − 3) has 2 significant bits and s at most 11, so the product is exact
 in fp32; the scatter into zeros adds nothing. Which entries an encoder keeps when several tie
-is its own business (the decoder checks only that offsets are in range, increasing, unique).
+is its own business (the decoder checks only that offsets are in range, increasing, unique);
+with ``lowest_ties`` it keeps the lowest offsets among the magnitudes equal to the k-th largest,
+so every encoder of one tensor writes the same bytes (a certified update's, ADR 0064).
 
 Most of each delta stays behind: the learner's ``ErrorFeedback`` carries it to the next round,
 so over rounds what was sent sums to the true deltas minus a bounded residual.
@@ -48,12 +50,15 @@ class TopKCodec(Codec):
     Raises ConfigError for a chunk length outside 2..4096 or k outside 1..chunk.
     """
 
-    def __init__(self, name: str = "topk2", chunk: int = 4096, k: int = 64) -> None:
+    def __init__(
+        self, name: str = "topk2", chunk: int = 4096, k: int = 64, lowest_ties: bool = False
+    ) -> None:
         if not isinstance(chunk, int) or not 2 <= chunk <= 2**OFFSET_BITS:
             raise ConfigError(f"topk chunk must be an int in 2..{2**OFFSET_BITS}, not {chunk!r}")
         if not isinstance(k, int) or not 1 <= k <= chunk:
             raise ConfigError(f"topk k must be an int in 1..{chunk}, not {k!r}")
         self.name, self.chunk, self.k = name, chunk, k
+        self.lowest_ties = lowest_ties
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -89,13 +94,13 @@ class TopKCodec(Codec):
         if full:  # the full chunks as rows, all at once
             x_cC = x_D[: full * C].view(full, C)
             abs_cC = x_cC.abs()
-            top = torch.topk(abs_cC, self.kept(C), dim=1, sorted=False).indices.sort(dim=1).values
+            top = self._top(abs_cC, self.kept(C))
             offsets.append(top.reshape(-1))
             values.append(torch.gather(x_cC, 1, top).reshape(-1))
             absmax.append(abs_cC.amax(dim=1))
         if full < n_chunks:
             tail = x_D[full * C :]
-            top = torch.topk(tail.abs(), self.kept(len(tail)), sorted=False).indices.sort().values
+            top = self._top(tail.abs().view(1, -1), self.kept(len(tail))).view(-1)
             offsets.append(top)
             values.append(tail[top])
             absmax.append(tail.abs().amax().view(1))
@@ -110,6 +115,19 @@ class TopKCodec(Codec):
             "scales": s_Nc.contiguous(),
         }
         return Encoded(self.name, tuple(delta.shape), payload)
+
+    def _top(self, abs_cL: torch.Tensor, k: int) -> torch.Tensor:
+        """The offsets of the ``k`` largest of each row, increasing; with ``lowest_ties``, the
+        lowest offsets among those equal to the row's k-th largest (one answer, any build)."""
+        top = torch.topk(abs_cL, k, dim=1, sorted=False)
+        if not self.lowest_ties:
+            return top.indices.sort(dim=1).values
+        kth_c1 = top.values.amin(dim=1, keepdim=True)
+        above_cL = abs_cL > kth_c1
+        tied_cL = abs_cL == kth_c1
+        room_c1 = k - above_cL.sum(dim=1, keepdim=True)
+        keep_cL = above_cL | (tied_cL & (tied_cL.cumsum(dim=1) <= room_c1))
+        return keep_cL.nonzero()[:, 1].view(abs_cL.shape[0], k)
 
     def _chunk_of(self, n: int, full: int) -> torch.Tensor:
         """The chunk index of each of the ``n`` kept entries, in payload order."""

@@ -29,13 +29,12 @@ from typing import Any
 import torch
 
 from p2pdiloco.aggregate import get_rule
-from p2pdiloco.choices import UPDATE_CODECS
 from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
-from p2pdiloco.sync.update import update_codec
+from p2pdiloco.sync.update import rules_codec
 from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
 from p2pdiloco.train.data import (
@@ -91,6 +90,8 @@ class SimulationResult:
     aggregation: str = "mean"
     compression: str = "none"
     update_codec: str = "none"  # codec of the merged update the outer step applied (ADR 0029)
+    update_form: str = "gradient"  # "params": the parameters' change, fed back (ADR 0064)
+    update_k: int | None = None  # entries kept per 4096 by a topk2 update codec
     adversaries: list[int] = field(default_factory=list)  # learner indices that attacked
     attack: str | None = None
     accepted_deltas: list[int] = field(default_factory=list)  # per learner, over the run
@@ -161,11 +162,10 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses.
     ConfigError (before any work) for a codec this build lacks."""
     get_codec(cfg.compression)
-    if cfg.rules.update_codec not in UPDATE_CODECS:
-        raise ConfigError(
-            f"update codec {cfg.rules.update_codec!r} is not one of {', '.join(UPDATE_CODECS)} "
-            "(a sparse update would need error feedback on the committee's side)"
-        )
+    try:
+        rules_codec(cfg.rules)
+    except ValueError as e:  # a sparse gradient update: certify the parameters' change
+        raise ConfigError(f"{e}; a sparse update needs --update-form params") from None
     device, corpus = prepare(cfg)
     total_units = cfg.rounds * cfg.inner_steps * cfg.learners * (2 if cfg.baseline else 1)
     done = 0
@@ -212,6 +212,8 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         aggregation=cfg.rules.aggregation,
         compression=cfg.compression,
         update_codec=cfg.rules.update_codec,
+        update_form=cfg.rules.update_form,
+        update_k=cfg.rules.update_k,
         adversaries=sorted(attackers),
         attack=cfg.attack if cfg.adversaries else None,
         accepted_deltas=counts.accepted,
@@ -262,14 +264,20 @@ def merge_fragment(
     *,
     rules: SyncRules,
     outer: OuterConfig,
+    residual: dict[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """The outer step of fragment ``names``, as a syncer makes it, applied to the live model.
 
     ``deltas`` and ``tokens`` are per learner (in learner order), as sent. Learner i's input is
     ``learner_id(i)`` with weight ``merge_weights`` of its tokens at lag 0. Copies the merged
-    values into ``theta`` (in place, the global model) and the buffers into ``momentum``.
-    Raises MergeError (nothing changed) when screening rejects every delta.
+    values into ``theta`` (in place, the global model) and the buffers into ``momentum``, and
+    with "params" updates (``rules.update_form``, ADR 0064) the committee's error-feedback
+    residuals into ``residual`` (required then). Raises MergeError (nothing changed) when
+    screening rejects every delta.
     """
+    feedback = rules.update_form == "params"
+    if feedback and residual is None:
+        raise ValueError("a run of params updates merges with the committee's residual")
     ids = [learner_id(i) for i in range(len(deltas))]
     weights = merge_weights(
         {k: (t, 0) for k, t in zip(ids, tokens, strict=True)}, cap_fraction=rules.weight_cap
@@ -284,13 +292,18 @@ def merge_fragment(
         inputs,
         rules=rules,
         outer=outer,
-        update_codec=update_codec(rules.update_codec),  # as sync.certified.next_state does
+        update_codec=rules_codec(rules),  # as sync.certified.next_state does
+        residual={n: residual[n] for n in names if n in residual}
+        if feedback and residual is not None
+        else None,
     )
     result.update = {}
     with torch.no_grad():
         for n in names:
             theta[n].copy_(result.params[n])
     momentum.update(result.momentum)
+    if residual is not None:
+        residual.update(result.residual)
     return result
 
 
@@ -308,6 +321,7 @@ def _run_diloco(
     theta = param_state(global_model)  # the global parameters, updated in place
     fragments = partition_fragments({n: t.numel() for n, t in theta.items()}, cfg.outer.fragments)
     momentum: dict[str, torch.Tensor] = {}  # outer Nesterov buffers, as certified state holds
+    residual: dict[str, torch.Tensor] = {}  # the committee's update residual (ADR 0064)
     learners = []
     for _ in range(cfg.learners):
         model = copy.deepcopy(global_model)
@@ -367,7 +381,14 @@ def _run_diloco(
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round, coalition)
             try:
                 result = merge_fragment(
-                    theta, momentum, deltas, sent_tokens, names, rules=cfg.rules, outer=cfg.outer
+                    theta,
+                    momentum,
+                    deltas,
+                    sent_tokens,
+                    names,
+                    rules=cfg.rules,
+                    outer=cfg.outer,
+                    residual=residual,
                 )
                 verdict_accepted, verdict_rejected = result.accepted, result.rejected
                 folded = result.folded

@@ -273,7 +273,7 @@ async def call(
         out = [await read_frame(reader, reply_limit, timeout) for _ in range(count)]
         got = sum(len(f) for f in out)
         TRAFFIC["down"] += got
-        if op in _FOLLOW_OPS:
+        if op in _FOLLOW_OPS and (args or {}).get("part") != "committee":  # a syncer's duty
             TRAFFIC["learner_down"] += got
     except FrameError as e:
         raise RpcError(f"{op} to {peer_id}: {e}", code=Reason.MALFORMED) from None

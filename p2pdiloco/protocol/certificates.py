@@ -103,6 +103,11 @@ class CertificateBody(_Strict):
     # sha256 of the encoded update that made this state from the base (sync.update, ADR 0029);
     # None: no update certified (bodies made outside a merge), peers download the whole state.
     update_hash: Hex64 | None = None
+    # Runs whose update is the parameters' change (``rules.update_form`` "params", ADR 0064):
+    # the hash of the parameters alone (``sync.state`` index of them), which a follower checks;
+    # ``state_hash`` covers the committee state too (momentum, residual). None otherwise, and
+    # then absent from the wire, so older bodies keep their bytes and signatures.
+    params_hash: Hex64 | None = None
     committee: list[PeerIdStr] = Field(min_length=1, max_length=64)
     quorum: int = Field(ge=1, le=64)
     accepted: list[Accepted] = Field(max_length=MAX_RECEIPTS)  # sorted by digest
@@ -117,12 +122,15 @@ class CertificateBody(_Strict):
     eval_loss: float | None = Field(default=None, ge=0, le=1e4)
 
     @model_serializer(mode="wrap")
-    def _omit_no_eval(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A body without an eval loss hashes and signs as before the field existed: every
-        # certificate already made still verifies, with the same body digest and beacon.
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A body without an eval loss or a parameters hash hashes and signs as before those
+        # fields existed: every certificate already made still verifies, with the same body
+        # digest and beacon.
         data: dict[str, Any] = handler(self)
         if self.eval_loss is None:
             data.pop("eval_loss", None)
+        if self.params_hash is None:
+            data.pop("params_hash", None)
         return data
 
     @model_validator(mode="after")

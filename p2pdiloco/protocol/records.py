@@ -222,8 +222,27 @@ class SyncRules(_Strict):
     roster_window: int = Field(default=10, ge=0, le=10_000)
     # Codec of the certified update, the round's merged pseudo-gradient (ADR 0029): the committee
     # steps with its decoded value and learners download it instead of the state. One of
-    # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``). "none": fp32.
+    # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``), or any codec
+    # with ``update_form`` "params" (ADR 0064). "none": fp32.
     update_codec: RuleName = "none"
+    # What the certified update is (ADR 0064). "gradient": the merged pseudo-gradient g, which a
+    # follower steps with its own momentum (dense codecs only). "params": what the parameters
+    # changed by, its unsent part kept as an error-feedback residual in the committee's state
+    # beside the momentum; followers add it to their parameters and need neither (any codec,
+    # sparse included).
+    update_form: Literal["gradient", "params"] = "gradient"
+    # Entries kept per chunk of 4096 by a topk2 update codec; None: the codec's 64 (1/64).
+    update_k: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults_of_0064(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Rules from before ADR 0064 serialise, hash and sign as they did: same run id.
+        data: dict[str, Any] = handler(self)
+        if self.update_form == "gradient":
+            data.pop("update_form", None)
+        if self.update_k is None:
+            data.pop("update_k", None)
+        return data
 
     @model_validator(mode="after")
     def _grace_bounds(self) -> SyncRules:

@@ -69,6 +69,14 @@ class ChainStore:
         self.previous, self.current = self.current, state
         return True
 
+    def complete(self, state: CertifiedState) -> None:
+        """Hold ``state`` (with its committee state: ADR 0064) in place of the held state of
+        its version, whose parameters alone were held."""
+        if self.current is not None and self.current.version == state.version:
+            self.current = state
+        elif self.previous is not None and self.previous.version == state.version:
+            self.previous = state
+
     def add_certs(self, chain: list[Certificate]) -> None:
         for c in chain:
             self.certs[c.body.version] = c.raw
@@ -152,7 +160,7 @@ class ChainStore:
         except (InvalidRecord, KeyError, ValueError, ValidationError) as e:
             log.warning("ignoring the saved state: %s", e)
             return None
-        if state.state_hash != cert.body.state_hash:
+        if not state.matches(cert):
             log.warning("ignoring the saved state: it does not match its certificate")
             return None
         try:
@@ -165,8 +173,9 @@ class ChainStore:
     # -- serving peers -------------------------------------------------------------------------
 
     def serve(self, op: str, control: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-        """``cert`` (version, -1 for the newest), ``index`` and ``chunk`` of a held state, and
-        chunk ``i`` of the update that made it (``update``; the reply names ``total_bytes``)."""
+        """``cert`` (version, -1 for the newest), ``index`` and ``chunk`` of a held state (its
+        parameters alone with ``part`` "params": ADR 0064), and chunk ``i`` of the update that
+        made it (``update``; the reply names ``total_bytes``)."""
         version = control.get("version")
         if op == "cert":
             if version == -1 and self.certs:
@@ -187,7 +196,12 @@ class ChainStore:
                 raise RpcRefused(Reason.OUT_OF_RANGE, "update chunk index out of range")
             part = bytes(update[i * UPDATE_CHUNK_BYTES : (i + 1) * UPDATE_CHUNK_BYTES])
             return {"total_bytes": len(update)}, [part]
-        blob = held[0].blob()
+        if control.get("part") == "params":  # the parameters alone (ADR 0064)
+            blob = held[0].params_blob()
+        elif held[0].committee_state:
+            blob = held[0].blob()
+        else:
+            raise RpcRefused(Reason.NOT_FOUND, f"only the parameters of {version!r} are held here")
         if op == "index":
             return {"state_hash": blob.state_hash}, [blob.index_bytes]
         if not isinstance(i, int) or not 0 <= i < len(blob.chunks):

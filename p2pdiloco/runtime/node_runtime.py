@@ -57,7 +57,7 @@ from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.runtime.chain import ChainStore
 from p2pdiloco.runtime.delivery import submit_to
 from p2pdiloco.runtime.evaluator import Evaluator
-from p2pdiloco.runtime.obtain import obtain_state
+from p2pdiloco.runtime.obtain import committee_state, obtain_state
 from p2pdiloco.runtime.status import RuntimeView, Tally, write_quietly
 from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, TrainerEvent
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
@@ -164,6 +164,7 @@ class NodeRuntime:
             live_learners=self.plane.live_learners,
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
             held_out=self._held_out(),
+            committee_state=self._committee_state,
         )
         limits = request_limits(self.service.max_payload)
         await self.transport.serve(self._handle, limits, self.service.screen)
@@ -342,6 +343,13 @@ class NodeRuntime:
         self.evaluator.spawn(new, self._loop)
         self._publish_view()
         await self.write_status()
+
+    async def _committee_state(self, state: CertifiedState) -> CertifiedState:
+        """``state`` with the committee state this node is to merge on (ADR 0064), which the
+        chain then serves in its place."""
+        full = await committee_state(self.transport, state, self._holders, self.tally)
+        self.chain.complete(full)
+        return full
 
     def _retry_later(self, raw: bytes, delay: float = 1.0) -> None:
         """Try a certificate again shortly, at most ``MAX_RETRIES`` times (a forged one that

@@ -5,6 +5,11 @@ one; the certified updates, when it holds the version one or two below (a fracti
 state's bytes, applied to its own parameters and momentum, checked against the state hash);
 else the whole state, chunk by verified chunk from several peers. Whatever path, the state's
 hash is the certificate's before it is returned.
+
+In runs whose update is the parameters' change (``rules.update_form`` "params", ADR 0064) a
+follower holds the parameters alone, checked against the certificate's ``params_hash``, and a
+download fetches only them; a node elected to a committee fetches the committee state
+(momentum and residual, with the parameters) once it needs it (``committee_state``).
 """
 
 from __future__ import annotations
@@ -50,10 +55,37 @@ async def obtain_state(
     tally.phase = "downloading"
     v = cert.body.version
     dl = await download_state(
-        transport, cert, holders(cert), lambda d, t, s: tally.download_progress(v, d, t, s)
+        transport,
+        cert,
+        holders(cert),
+        lambda d, t, s: tally.download_progress(v, d, t, s),
+        part="params" if manifest.rules.update_form == "params" else None,
     )
     tally.record_download(v, dict(dl.chunks_by_peer))
     return dl.state
+
+
+async def committee_state(
+    transport: Transport, state: CertifiedState, holders: Holders, tally: Tally
+) -> CertifiedState:
+    """``state`` with its committee state (momentum, residual: ADR 0064), downloaded whole and
+    checked against its certificate's ``state_hash``; the update it holds is kept. ``state``
+    itself when it holds them already. Raises SyncError when no peer serves it."""
+    if state.committee_state or state.cert is None:
+        return state
+    cert, v = state.cert, state.version
+    dl = await download_state(
+        transport,
+        cert,
+        holders(cert),
+        lambda d, t, s: tally.download_progress(v, d, t, s),
+        part="committee",
+    )
+    tally.record_download(v, dict(dl.chunks_by_peer))
+    full = dl.state
+    full.update = state.update
+    log.info("version %d: committee state downloaded to merge on", v)
+    return full
 
 
 async def _follow_updates(

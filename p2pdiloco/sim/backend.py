@@ -28,7 +28,12 @@ from p2pdiloco.protocol.submissions import (
 )
 from p2pdiloco.sim.config import identity
 from p2pdiloco.sync.aggregator import MergeError, MergeInput
-from p2pdiloco.sync.certified import CertifiedState, genesis_state, next_state
+from p2pdiloco.sync.certified import (
+    CertifiedState,
+    certified_params_hash,
+    genesis_state,
+    next_state,
+)
 from p2pdiloco.sync.fragments import round_fragment, round_shapes
 from p2pdiloco.sync.intake import Intake
 from p2pdiloco.train.outer import OuterConfig
@@ -46,6 +51,7 @@ class Outcome:
     merged: tuple[str, ...]  # digests merged (the input set less those screened out)
     screened_out: dict[str, str]  # digest → why screening refused it
     update_hash: str | None = None  # the certified update's hash (tensor mode only)
+    params_hash: str | None = None  # the parameters' hash of "params" updates (ADR 0064)
 
 
 class Merge(Protocol):
@@ -158,5 +164,9 @@ class TensorMerge:
             raise MergeFailed(frozenset(e.rejected)) from e
         self.states.setdefault(state.state_hash, state)
         return Outcome(
-            state.state_hash, tuple(result.accepted), dict(result.rejected), state.update_hash
+            state.state_hash,
+            tuple(result.accepted),
+            dict(result.rejected),
+            state.update_hash,
+            certified_params_hash(state, self.manifest.rules),
         )

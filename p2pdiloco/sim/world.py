@@ -471,6 +471,7 @@ class World:
             out.screened_out if out is not None else {},
             self.view,
             out.update_hash if out is not None else None,
+            params_hash=out.params_hash if out is not None else None,
         )
         self.cert = with_roster(self.manifest, self.cert, Certificate(body, done.signers, b""))
         self.cert_bytes = len(assemble(body, dict.fromkeys(done.signers, "0" * 128)))

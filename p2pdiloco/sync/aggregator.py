@@ -24,7 +24,7 @@ from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.clones import fold_clones
-from p2pdiloco.train.outer import OuterConfig, outer_update_
+from p2pdiloco.train.outer import OuterConfig, outer_update_, params_step_
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,10 @@ class MergeResult:
     folded: dict[str, str] = field(default_factory=dict)
     # The merged pseudo-gradient g encoded per tensor (sorted names) with the update codec, when
     # one was given: the outer step applied decode(encode(g)), which is what learners repeat.
+    # With a residual (ADR 0064): the parameters' change, sent with error feedback.
     update: dict[str, Encoded] = field(default_factory=dict)
+    # The error-feedback residual of the update per merged name, when one was given.
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class MergeError(ValueError):
@@ -77,6 +80,7 @@ def merge_round(
     rules: SyncRules,
     outer: OuterConfig,
     update_codec: Codec | None = None,
+    residual: Mapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """The next state of the tensors named in ``params`` (left untouched, as is ``momentum``).
 
@@ -95,7 +99,9 @@ def merge_round(
     With ``update_codec``, each tensor's merged g is kept until its last window, encoded
     (``MergeResult.update``), and the outer step applies the decoded values instead (ADR 0029):
     the merge then also holds one tensor's g and its encoding. Without it, g is applied as
-    merged, window by window.
+    merged, window by window. With ``residual`` too (the committee's error feedback, ADR 0064;
+    a name without one starts from zero), the update is the parameters' change instead
+    (``train.outer.params_step_``) and ``MergeResult.residual`` holds the new residuals.
 
     Raises MergeError if no input survives screening, and ValueError from ``get_rule`` for rule
     parameters the rule refuses (``sync.rules.check_supported`` catches those up front).
@@ -115,8 +121,9 @@ def merge_round(
     chosen, applied = _rule_or_fallback(chosen, rules.aggregation, len(voters))
     weights = check_weights([inputs[rows[j]].weight for j in voters], len(voters))
     new_params, new_momentum = _fresh_state(params, momentum, names)
+    feedback = _fresh_residual(residual, new_params, update_codec)
     update = _outer_step(
-        deltas, voters, weights, chosen, new_params, new_momentum, outer, update_codec
+        deltas, voters, weights, chosen, new_params, new_momentum, outer, update_codec, feedback
     )
     order = {inp.digest: k for k, inp in enumerate(inputs)}
     return MergeResult(
@@ -127,6 +134,7 @@ def merge_round(
         rule=applied,
         folded={inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items()},
         update={n: update[n] for n in names if n in update},
+        residual=feedback or {},
     )
 
 
@@ -203,6 +211,24 @@ def _fresh_state(
     return new_params, new_momentum
 
 
+def _fresh_residual(
+    residual: Mapping[str, torch.Tensor] | None,
+    new_params: Mapping[str, torch.Tensor],
+    update_codec: Codec | None,
+) -> dict[str, torch.Tensor] | None:
+    """Float32 copies of the merged names' error-feedback residuals (zero where none is held),
+    which the params step updates in place; None without a residual (the gradient update).
+    Raises ValueError for a residual without an update codec to feed back through."""
+    if residual is None:
+        return None
+    if update_codec is None:
+        raise ValueError("error feedback needs an update codec")
+    return {
+        n: residual[n].detach().float().clone() if n in residual else torch.zeros_like(p)
+        for n, p in new_params.items()
+    }
+
+
 def _outer_step(
     deltas: RowSet,
     voters: list[int],
@@ -212,14 +238,16 @@ def _outer_step(
     new_momentum: dict[str, torch.Tensor],
     outer: OuterConfig,
     update_codec: Codec | None,
+    residual: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Encoded]:
     """Merge the ``voters`` rows with ``chosen`` and apply the outer step to ``new_params``
     and ``new_momentum`` in place, window by window of columns for a coordinate-wise rule (the
     merge then holds the M deltas, the new state and one window), in one window of width D
     for the others. With ``update_codec``, each tensor's merged g is kept until its last
     window, encoded, and the step applies the decoded values; returns those encodings by
-    name ({} without a codec). ``weights`` are already checked (``check_weights``): the rule's
-    arithmetic runs per window without validating each window again."""
+    name ({} without a codec). With ``residual``, each tensor's step is sent as the parameters'
+    change instead (:func:`_step_encoded`). ``weights`` are already checked (``check_weights``):
+    the rule's arithmetic runs per window without validating each window again."""
     names = sorted(new_params)
     flat_p = [new_params[n].view(-1) for n in names]
     flat_m = [new_momentum[n].view(-1) for n in names]
@@ -239,7 +267,15 @@ def _outer_step(
             if not flat_p[k].numel():  # no window ever covers it
                 empty = flat_p[k].new_zeros(0)
                 _step_encoded(
-                    update_codec, update, n, empty, new_params[n], flat_p[k], flat_m[k], outer
+                    update_codec,
+                    update,
+                    n,
+                    empty,
+                    new_params[n],
+                    flat_p[k],
+                    flat_m[k],
+                    outer,
+                    residual,
                 )
     for s, e in spans:
         with torch.no_grad():
@@ -258,7 +294,15 @@ def _outer_step(
                 del g_of[k]
                 n = names[k]
                 _step_encoded(
-                    update_codec, update, n, g_D, new_params[n], flat_p[k], flat_m[k], outer
+                    update_codec,
+                    update,
+                    n,
+                    g_D,
+                    new_params[n],
+                    flat_p[k],
+                    flat_m[k],
+                    outer,
+                    residual,
                 )
     return update
 
@@ -272,8 +316,15 @@ def _step_encoded(
     p_D: torch.Tensor,
     m_D: torch.Tensor,
     outer: OuterConfig,
+    residual: dict[str, torch.Tensor] | None,
 ) -> None:
-    """Encode one tensor's merged g into ``update[name]`` and step with its decoded value."""
+    """Encode one tensor's merged g into ``update[name]`` and step with its decoded value; with
+    ``residual``, the named error-feedback step instead: the exact g steps the momentum, and
+    the parameters' change is what is encoded and applied (``train.outer.params_step_``)."""
+    if residual is not None:
+        r_D = residual[name].view(-1)
+        update[name] = params_step_(p_D, m_D, r_D, g_D, outer, codec, tuple(like.shape))
+        return
     enc = codec.encode(g_D.view(like.shape))
     update[name] = enc
     g_hat = codec.decode(enc).reshape(-1).to(p_D.device)

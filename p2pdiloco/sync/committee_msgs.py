@@ -120,6 +120,7 @@ def certificate_body(
     view: int = 0,
     update_hash: str | None = None,
     eval_loss: float | None = None,
+    params_hash: str | None = None,
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
     each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it; with
@@ -138,6 +139,7 @@ def certificate_body(
         view,
         update_hash,
         eval_loss,
+        params_hash,
     )
 
 
@@ -154,6 +156,7 @@ def body_of(
     view: int = 0,
     update_hash: str | None = None,
     eval_loss: float | None = None,
+    params_hash: str | None = None,
 ) -> CertificateBody:
     """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
     The simulator (``p2pdiloco.sim``) builds its certificates with it."""
@@ -176,6 +179,7 @@ def body_of(
         view=view,
         state_hash=new_state_hash,
         update_hash=update_hash,
+        params_hash=params_hash,
         committee=list(committee.members),
         quorum=committee.quorum,
         accepted=accepted,

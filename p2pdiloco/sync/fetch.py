@@ -30,7 +30,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.sync.certified import CertifiedState, apply_update
 from p2pdiloco.sync.state import StateError, decode_state, parse_index, verify_chunk
-from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update, max_update_bytes, update_codec
+from p2pdiloco.sync.update import UPDATE_CHUNK_BYTES, hash_update, max_update_bytes, rules_codec
 from p2pdiloco.train.configs import OuterConfig
 
 log = logging.getLogger(__name__)
@@ -181,15 +181,27 @@ async def download_state(
     cert: Certificate,
     peers: Sequence[str],
     progress: Callable[[int, int, float], None] | None = None,
+    *,
+    part: str | None = None,
 ) -> Download:
     """The state certified by ``cert``, chunks spread over ``peers`` and verified one by one.
-    ``progress(bytes_done, bytes_total, seconds)`` is called after every verified chunk."""
+    ``progress(bytes_done, bytes_total, seconds)`` is called after every verified chunk.
+
+    ``part`` (ADR 0064): "params", the parameters alone, checked against the certificate's
+    ``params_hash`` (what a learner needs, without the committee state); "committee", the whole
+    state for a syncer about to merge on it (the transport counts it as committee duty, not as
+    a learner's following the run); None, the whole state."""
     version, state_hash = cert.body.version, cert.body.state_hash
+    if part == "params":
+        if cert.body.params_hash is None:
+            raise SyncError(f"the certificate of version {version} names no params hash")
+        state_hash = cert.body.params_hash
+    extra: dict[str, object] = {"part": part} if part is not None else {}
     index = None
     for peer in peers:
         try:
             _, frames = await transport.call(
-                peer, "index", args={"version": version}, reply_limit=16 << 20
+                peer, "index", args={"version": version, **extra}, reply_limit=16 << 20
             )
             index = parse_index(frames[0], state_hash)
             break
@@ -215,7 +227,7 @@ async def download_state(
                     _, frames = await transport.call(
                         peer,
                         "chunk",
-                        args={"version": version, "i": i},
+                        args={"version": version, "i": i, **extra},
                         reply_limit=index.chunk_bytes,
                     )
                     verify_chunk(index, i, frames[0])
@@ -248,7 +260,7 @@ async def follow_update(
     peer that served the update. Raises SyncError (no peer served it) or UpdateError (it does
     not give the certified state): download the whole state instead."""
     shapes = {n: tuple(t.shape) for n, t in base.params.items()}
-    limit = max_update_bytes(update_codec(manifest.rules.update_codec), shapes)
+    limit = max_update_bytes(rules_codec(manifest.rules), shapes)
     raw, peer = await download_update(transport, cert, peers, limit)
     outer = OuterConfig(**manifest.outer.model_dump())
     state = await asyncio.get_running_loop().run_in_executor(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from p2pdiloco.aggregate import RULES, get_rule
-from p2pdiloco.choices import SPARSE_CODECS, UPDATE_CODECS
+from p2pdiloco.choices import PARAMS_UPDATE_CODECS, SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
 from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round_types import RoundParams
@@ -31,7 +31,8 @@ def check_supported(manifest: RunManifest) -> None:
 
     Checks: the aggregation rule is in ``p2pdiloco.aggregate.RULES`` and accepts the manifest's
     parameters; the codec is in ``p2pdiloco.compress.CODECS``; the update codec is a dense one
-    (``p2pdiloco.choices.UPDATE_CODECS``, ADR 0029); with Streaming DiLoCo fragments
+    (``p2pdiloco.choices.UPDATE_CODECS``, ADR 0029), or any codec for an update of the
+    parameters' change (``rules.update_form`` "params", ADR 0064); with Streaming DiLoCo fragments
     (``sync.fragments``, ADR 0032), H a multiple of them and staleness 0.
     """
     rules = manifest.rules
@@ -53,16 +54,22 @@ def check_supported(manifest: RunManifest) -> None:
             f"run {manifest.name!r} compresses deltas with codec {manifest.compression!r}, "
             f"which this p2pdiloco lacks; it has {', '.join(CODECS)}"
         )
-    if rules.update_codec not in UPDATE_CODECS:
+    allowed = PARAMS_UPDATE_CODECS if rules.update_form == "params" else UPDATE_CODECS
+    if rules.update_codec not in allowed:
         why = (
-            "a sparse update would need error feedback on the committee's side, which learners "
-            "cannot recompute"
+            "a sparse update of the gradient would need error feedback that followers cannot "
+            'recompute; certify the parameters\' change instead (rules.update_form "params")'
             if rules.update_codec in SPARSE_CODECS
             else "this p2pdiloco lacks it"
         )
         raise UnsupportedManifest(
             f"run {manifest.name!r} certifies updates with codec {rules.update_codec!r}: {why}; "
-            f"use one of {', '.join(UPDATE_CODECS)}"
+            f"use one of {', '.join(allowed)}"
+        )
+    if rules.update_k is not None and rules.update_codec not in SPARSE_CODECS:
+        raise UnsupportedManifest(
+            f"run {manifest.name!r} sets update_k for codec {rules.update_codec!r}, which keeps "
+            "every entry; update_k is for a sparse update codec"
         )
     fragments = manifest.outer.fragments
     if fragments > 1 and manifest.inner_steps % fragments:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from functools import partial
 from typing import Any
 
@@ -51,7 +51,7 @@ from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.submissions import ParsedSubmission, open_submission
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult
-from p2pdiloco.sync.certified import CertifiedState, next_state
+from p2pdiloco.sync.certified import CertifiedState, certified_params_hash, next_state
 from p2pdiloco.sync.committee_msgs import (
     BadMessage,
     certificate_body,
@@ -59,7 +59,7 @@ from p2pdiloco.sync.committee_msgs import (
     open_signature,
     seal_proposal,
 )
-from p2pdiloco.sync.fetch import fetch_submission
+from p2pdiloco.sync.fetch import SyncError, fetch_submission
 from p2pdiloco.sync.held_out import HeldOutEval
 from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
@@ -88,6 +88,8 @@ class SyncService:
         live_learners: Callable[[], Collection[str]],
         on_certified: Callable[[bytes, CertifiedState | None], None],
         held_out: HeldOutEval | None = None,
+        committee_state: Callable[[CertifiedState], Coroutine[Any, Any, CertifiedState]]
+        | None = None,
     ) -> None:
         self.identity = identity
         self.me = identity.peer_id
@@ -102,6 +104,10 @@ class SyncService:
         self.live_learners = live_learners
         self.on_certified = on_certified
         self.held_out = held_out  # the eval step of a run that certifies an eval loss (ADR 0059)
+        # Completes a state held without its committee state (a follower of "params" updates,
+        # ADR 0064) before this node merges on it; None: states always hold it.
+        self.committee_state = committee_state
+        self._completing: tuple[int, asyncio.Task[CertifiedState]] | None = None
         self.outer = OuterConfig(**manifest.outer.model_dump())  # lr, momentum, nesterov, P
         self.current: CertifiedState | None = None
         self.node: SyncerNode[Received, Early] = SyncerNode(self.me, run_id, manifest)
@@ -139,11 +145,33 @@ class SyncService:
         self.current = state
         self.signatures.clear()
         self._open_view()
+        if self.round is not None and not state.committee_state:  # fetched while it collects
+            self._spawn(self._with_committee_state(state))
         for op, peer, frames in early:
             try:
                 await self.handle(op, peer, {}, frames)
             except RpcRefused as e:
                 log.info("buffered %s from %s refused: %s", op, peer, e)
+
+    async def _with_committee_state(self, state: CertifiedState) -> CertifiedState:
+        """``state`` completed with its committee state (ADR 0064) when it lacks it and this
+        node sits on the committee that merges on it, held as ``current`` while it is the
+        version installed; one download per version at a time. ``state`` as it is if that
+        fails: the merge then fails, and its next attempt asks again."""
+        if state.committee_state or self.committee_state is None:
+            return state
+        pending = self._completing
+        if pending is None or pending[0] != state.version or pending[1].done():
+            pending = (state.version, asyncio.create_task(self.committee_state(state)))
+            self._completing = pending
+        try:
+            full = await asyncio.shield(pending[1])
+        except (SyncError, RpcError) as e:
+            log.warning("version %d: no committee state to merge on yet: %s", state.version, e)
+            return state
+        if self.current is not None and self.current.version == full.version:
+            self.current = full
+        return full
 
     def _open_view(self) -> None:
         """Open the round of the node's current view if it sits on that view's committee (the
@@ -208,7 +236,8 @@ class SyncService:
             self._execute(self.node.track(self.round.on_tick(now)))
 
     async def close(self) -> None:
-        await cancel_and_wait(list(self._tasks), "sync service")
+        completing = [self._completing[1]] if self._completing is not None else []
+        await cancel_and_wait([*self._tasks, *completing], "sync service")
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -411,6 +440,8 @@ class SyncService:
     async def _aggregate(self, action: Aggregate) -> None:
         rnd, base, committee = self.round, self.current, self.committee
         assert rnd is not None and base is not None and committee is not None
+        if not base.committee_state:  # elected by a later view: fetch it now
+            base = self.current = await self._with_committee_state(base)
         inputs = [
             (d, self.held[d].sub.peer_id, self.held[d].data.payload, w, a)
             for d, w, a in zip(action.digests, action.weights, action.anchors(), strict=True)
@@ -445,6 +476,7 @@ class SyncService:
             view=view,
             update_hash=state.update_hash,
             eval_loss=eval_loss,
+            params_hash=certified_params_hash(state, self.rules),
         )
         lock = self.node.views.lock if self.node.views is not None else None
         if lock is not None and content_digest(body) != lock:

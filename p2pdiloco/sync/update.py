@@ -1,11 +1,14 @@
-"""The certified update of a version: the round's merged pseudo-gradient g, encoded (ADR 0029).
+"""The certified update of a version: what a node holding the version before needs to make it.
 
-A committee merges the round's deltas into g, encodes it with the manifest's update codec
-(``SyncRules.update_codec``, dense codecs only), and steps with the decoded ĝ. The encoded g
-travels as one delta pack (``compress.wire``: tensors in sorted-name order), and the certificate
-names ``update_hash = sha256(UPDATE_DOMAIN + pack)`` beside the state hash. A node holding the
-version before downloads the pack, checks its hash, applies the same outer step and checks the
-resulting state hash: a few bytes per parameter instead of the whole state and momentum.
+Two forms (``SyncRules.update_form``). "gradient" (ADR 0029): the round's merged pseudo-gradient
+g, encoded with a dense codec; the committee steps with the decoded ĝ and a follower repeats the
+outer step with its own momentum and checks the state hash. "params" (ADR 0064): what the
+parameters changed by, encoded with any codec (sparse included); the committee keeps what it
+did not send as an error-feedback residual beside the momentum (``train.outer.params_step_``),
+and a follower adds the decoded update to its parameters and checks the certificate's
+``params_hash``, needing neither. Either way the encoded update travels as one delta pack
+(``compress.wire``: tensors in sorted-name order), and the certificate names
+``update_hash = sha256(UPDATE_DOMAIN + pack)``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from collections.abc import Mapping
 
 import torch
 
-from p2pdiloco.choices import UPDATE_CODECS
+from p2pdiloco.choices import PARAMS_UPDATE_CODECS, SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.base import Codec, Encoded
+from p2pdiloco.compress.sparse import TopKCodec
 from p2pdiloco.compress.wire import MAGIC, MAX_HEADER_BYTES, pack_consuming, unpack_deltas
 from p2pdiloco.protocol.reasons import Reason
+from p2pdiloco.protocol.records import SyncRules
 
 UPDATE_DOMAIN = b"p2pdiloco/update/v1\x00"
 UPDATE_CHUNK_BYTES = 1 << 20  # an update is served in chunks of this many bytes
@@ -34,12 +39,25 @@ class UpdateError(Exception):
         self.code = code
 
 
-def update_codec(name: str) -> Codec:
-    """The codec of ``SyncRules.update_codec``; ValueError for a sparse or unknown one
-    (``sync.rules.check_supported`` refuses such a manifest up front)."""
-    if name not in UPDATE_CODECS:
-        raise ValueError(f"update codec {name!r} is not one of {', '.join(UPDATE_CODECS)}")
+def update_codec(name: str, form: str = "gradient", k: int | None = None) -> Codec:
+    """The codec of ``SyncRules.update_codec`` for an update of ``form`` (``update_form``), with
+    ``k`` kept entries per chunk for topk2 (``update_k``; None: the codec's default). A sparse
+    codec breaks ties by the lowest offsets, so every syncer encodes the same bytes. ValueError
+    for a codec the form cannot certify (``sync.rules.check_supported`` refuses such a manifest
+    up front): sparse gradients, or an unknown name."""
+    allowed = PARAMS_UPDATE_CODECS if form == "params" else UPDATE_CODECS
+    if name not in allowed or form not in ("gradient", "params"):
+        raise ValueError(
+            f"update codec {name!r} is not one of {', '.join(allowed)} (update form {form!r})"
+        )
+    if name in SPARSE_CODECS:
+        return TopKCodec(name, k=64 if k is None else k, lowest_ties=True)
     return get_codec(name)
+
+
+def rules_codec(rules: SyncRules) -> Codec:
+    """The update codec a run's rules name: ``update_codec`` of their codec, form and k."""
+    return update_codec(rules.update_codec, rules.update_form, rules.update_k)
 
 
 def hash_update(raw: bytes | bytearray) -> str:
@@ -63,15 +81,14 @@ def max_update_bytes(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> int
 
 
 def decode_update(
-    raw: bytes | bytearray, codec_name: str, shapes: Mapping[str, tuple[int, ...]]
+    raw: bytes | bytearray, codec: Codec, shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """ĝ per tensor from a pack whose hash the caller checked; UpdateError (MALFORMED) if the
-    committee certified bytes that do not decode to exactly ``shapes``."""
-    codec = update_codec(codec_name)
+    """The decoded update per tensor from a pack whose hash the caller checked; UpdateError
+    (MALFORMED) if the committee certified bytes that do not decode to exactly ``shapes``."""
     expected = {n: tuple(shapes[n]) for n in sorted(shapes)}
     try:
         encoded = unpack_deltas(
-            raw, expected=expected, codec=codec_name, max_bytes=max_update_bytes(codec, shapes)
+            raw, expected=expected, codec=codec.name, max_bytes=max_update_bytes(codec, shapes)
         )
         return {n: codec.decode(enc) for n, enc in encoded.items()}
     except ValueError as e:  # CodecError is one

@@ -10,6 +10,11 @@ which is ``torch.optim.SGD(nesterov=True, dampening=0)``. Each operation is a se
 element-wise IEEE op in fp32 (no fused multiply-add, no reductions), so every honest syncer that
 applies the same merged Δ to the same state gets bit-identical results on any machine.
 
+With error feedback (``params_step_``, ADR 0064) the step is not applied as computed: what the
+parameters would change by, plus the residual the committee kept last time, is encoded with
+the update codec, the parameters move by exactly its decoded value and the rest stays in the
+residual, so a follower repeats the step with the update alone: θ ← θ + decode(u).
+
 Fragments (Streaming DiLoCo) are a balanced partition of the named tensors; a fragment is synced
 on its own schedule and the outer step only touches that fragment's tensors and momentum.
 """
@@ -20,9 +25,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.train.configs import OuterConfig
 
 MOMENTUM_PREFIX = "outer.momentum."
+RESIDUAL_PREFIX = "outer.residual."  # the committee's error feedback of the update (ADR 0064)
 
 
 def partition_fragments(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:
@@ -68,3 +75,33 @@ def outer_update_(p: torch.Tensor, buf: torch.Tensor, g: torch.Tensor, cfg: Oute
         update = buf.clone()
     update.mul_(lr)
     p.copy_((p.float() - update).to(p.dtype))
+
+
+@torch.no_grad()
+def params_step_(
+    p: torch.Tensor,
+    buf: torch.Tensor,
+    residual: torch.Tensor,
+    g: torch.Tensor,
+    cfg: OuterConfig,
+    codec: Codec,
+    shape: tuple[int, ...],
+) -> Encoded:
+    """The outer step of flat ``p``, ``buf`` and ``residual`` (in place) sent as the change of
+    the parameters, with error feedback: ``buf`` steps with the exact ``g`` (``outer_update_``),
+    ``v = (θ_stepped − θ) + residual`` is encoded as a tensor of ``shape``, ``θ ← θ + decode``
+    and ``residual ← v − decode``. Returns the encoding: ``θ + decode`` is the whole of what a
+    follower computes, one fp32 add, so it gets the committee's bits."""
+    stepped = p.detach().float().clone()
+    outer_update_(stepped, buf, g, cfg)
+    v = stepped.sub_(p.float()).add_(residual)
+    enc = codec.encode(v.view(shape))
+    sent = codec.decode(enc).reshape(-1).to(p.device)
+    residual.copy_(v.sub_(sent))
+    p.copy_(apply_params_step(p, sent))
+    return enc
+
+
+def apply_params_step(p: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """θ + decode(u) in fp32, cast to θ's dtype: the committee's step and a follower's alike."""
+    return (p.float() + sent.float()).to(p.dtype)
