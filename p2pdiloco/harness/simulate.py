@@ -35,6 +35,7 @@ from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
 from p2pdiloco.sync.update import update_codec
 from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
@@ -44,6 +45,7 @@ from p2pdiloco.train.data import (
     data_parallel_batches,
     eval_batches,
     learner_batches,
+    learner_row_indices,
 )
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.inner import evaluate, make_inner_optimizer, train_steps
@@ -262,13 +264,17 @@ def merge_fragment(
     *,
     rules: SyncRules,
     outer: OuterConfig,
+    work: WorkCheck | None = None,
+    last_update: dict[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """The outer step of fragment ``names``, as a syncer makes it, applied to the live model.
 
     ``deltas`` and ``tokens`` are per learner (in learner order), as sent. Learner i's input is
     ``learner_id(i)`` with weight ``merge_weights`` of its tokens at lag 0. Copies the merged
-    values into ``theta`` (in place, the global model) and the buffers into ``momentum``.
-    Raises MergeError (nothing changed) when screening rejects every delta.
+    values into ``theta`` (in place, the global model) and the buffers into ``momentum``;
+    with ``last_update``, the decoded merged update of these names goes there (what the next
+    ``work`` check compares deltas with). Raises MergeError (nothing changed) when screening
+    rejects every delta.
     """
     ids = [learner_id(i) for i in range(len(deltas))]
     weights = merge_weights(
@@ -285,13 +291,41 @@ def merge_fragment(
         rules=rules,
         outer=outer,
         update_codec=update_codec(rules.update_codec),  # as sync.certified.next_state does
+        work=work,
     )
+    if last_update is not None:
+        codec = update_codec(rules.update_codec)
+        last_update.update({n: codec.decode(e) for n, e in result.update.items()})
     result.update = {}
     with torch.no_grad():
         for n in names:
             theta[n].copy_(result.params[n])
     momentum.update(result.momentum)
     return result
+
+
+def shard_rows(
+    num_rows: int, cfg: SimulateConfig, steps: int
+) -> Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The rows ``learner_id(i)`` trains on in sub-round v (``learner_batches``) and every
+    other row: what work scoring measures a simulated learner's advantage on."""
+    ids = {learner_id(i): i for i in range(cfg.learners)}
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        own = learner_row_indices(
+            num_rows,
+            seed=cfg.seed,
+            learner=ids[peer],
+            num_learners=cfg.learners,
+            round=version,
+            steps=steps,
+            batch_size=cfg.inner.batch_size,
+        ).reshape(-1)
+        mask = torch.ones(num_rows, dtype=torch.bool)
+        mask[own] = False
+        return own, torch.nonzero(mask).squeeze(1)
+
+    return rows_of
 
 
 def _run_diloco(
@@ -319,6 +353,18 @@ def _run_diloco(
         else []
     )
     uploaded = 0  # encoded payload bytes, all learners (with a codec)
+    scorer = (
+        WorkScorer(
+            copy.deepcopy(global_model),
+            corpus.train_NS,
+            cfg.rules.work,
+            cfg.seed,
+            rows_of=shard_rows(corpus.num_train_rows, cfg, cfg.inner_steps // len(fragments)),
+        )
+        if cfg.rules.work is not None
+        else None
+    )
+    last_update: dict[str, torch.Tensor] = {}  # the merged update, as the committee certified it
 
     loss0 = evaluate(global_model, evals)
     losses, last_train, tokens, syncs = [], 0.0, 0, 0
@@ -365,9 +411,27 @@ def _run_diloco(
             coalition = [deltas[i] for i in sorted(attackers)]  # their own, before poisoning
             for i, attacker in attackers.items():
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round, coalition)
+            work = (
+                WorkCheck(
+                    cfg.rules.work,
+                    scorer.bind(theta, sub_round),
+                    last_update if all(n in last_update for n in names) else None,
+                    seed=sub_round,
+                )
+                if scorer is not None and cfg.rules.work is not None
+                else None
+            )
             try:
                 result = merge_fragment(
-                    theta, momentum, deltas, sent_tokens, names, rules=cfg.rules, outer=cfg.outer
+                    theta,
+                    momentum,
+                    deltas,
+                    sent_tokens,
+                    names,
+                    rules=cfg.rules,
+                    outer=cfg.outer,
+                    work=work,
+                    last_update=last_update if work is not None else None,
                 )
                 verdict_accepted, verdict_rejected = result.accepted, result.rejected
                 folded = result.folded

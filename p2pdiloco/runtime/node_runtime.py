@@ -63,6 +63,7 @@ from p2pdiloco.runtime.trainer import Certified, Dropped, Reply, Submission, Tra
 from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
 from p2pdiloco.sync.fetch import SyncError, catch_up
+from p2pdiloco.sync.scoring import work_scorer
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.data import PackedCorpus
 
@@ -154,6 +155,7 @@ class NodeRuntime:
             self.transport,
             live_learners=self.plane.live_learners,
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
+            scorer=work_scorer(self.manifest, self.corpus),
         )
         limits = request_limits(self.service.max_payload)
         await self.transport.serve(self._handle, limits, self.service.screen)

@@ -311,7 +311,7 @@ class Trainer:
         if c.first_at is not None:
             c.longest_pause_s = max(c.longest_pause_s, start - c.last_at)
         c.first_at = start if c.first_at is None else c.first_at
-        st = self.learner.train(steps)
+        st = self.learner.train(steps, self.state.version)
         c.last_at = time.monotonic()
         busy = c.last_at - start
         c.train_seconds += busy

@@ -18,6 +18,7 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.fragments import round_names, round_shapes
+from p2pdiloco.sync.scoring import WorkCheck
 from p2pdiloco.sync.state import StateBlob, encode_state
 from p2pdiloco.sync.update import (
     UpdateError,
@@ -86,13 +87,18 @@ def genesis_state(manifest: RunManifest) -> CertifiedState:
 
 
 def next_state(
-    base: CertifiedState, inputs: list[MergeInput], rules: SyncRules, outer: OuterConfig
+    base: CertifiedState,
+    inputs: list[MergeInput],
+    rules: SyncRules,
+    outer: OuterConfig,
+    work: WorkCheck | None = None,
 ) -> tuple[MergeResult, CertifiedState]:
     """The state a syncer signs after merging ``inputs`` on ``base`` (its hash computed), with
     the update that made it (``rules.update_codec``): the one tensor path of the network syncer
     (``sync.service``) and the simulator's tensor mode. Only the round's fragment
     (``sync.fragments``: all tensors when ``outer.fragments`` is 1) is merged and stepped; the
-    new state shares the base's other tensors. Raises what ``merge_round`` raises."""
+    new state shares the base's other tensors. ``work``: the run's work check (ADR 0062), None when it scores no work.
+    Raises what ``merge_round`` raises."""
     codec = update_codec(rules.update_codec)
     names = round_names(_shapes(base), outer.fragments, base.version)
     result = merge_round(
@@ -102,6 +108,7 @@ def next_state(
         rules=rules,
         outer=outer,
         update_codec=codec,
+        work=work,
     )
     raw = pack_update(result.update)  # empties result.update: the pack holds it now
     params = {n: result.params.get(n, t) for n, t in base.params.items()}
