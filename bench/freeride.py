@@ -59,12 +59,12 @@ KINDS = ("replay", "copy", "scaled", "noise")
 
 @dataclass
 class Setup:
-    honest: int = 4
+    honest: int = 3
     riders: int = 2  # free riders of the one kind in a run
-    rounds: int = 6
-    inner_steps: int = 10
-    batch_size: int = 8
-    seq_len: int = 64
+    rounds: int = 4
+    inner_steps: int = 8
+    batch_size: int = 4
+    seq_len: int = 32
     committee: int = 3
     seed: int = 0
 

@@ -173,9 +173,10 @@ class WorkScoring(_Strict):
     loss on a few seeded batches of those rows by more than on as many of other rows."""
 
     # Seeded batches scored on each side (rows assigned, rows not assigned), and rows per batch.
-    batches: int = Field(default=2, ge=1, le=64)
+    batches: int = Field(default=8, ge=1, le=64)
     rows: int = Field(default=8, ge=1, le=4096)
-    # Least advantage (nats: the own rows' loss drop minus the other rows') a delta must show.
+    # Least advantage a delta must show, in nats: the loss drop on its own rows, less that on
+    # the other rows, and at most the own rows' drop (``sync.scoring``).
     margin: float = Field(default=0.0, ge=-1e3, le=1e3)
     # Screening before scoring: a delta whose cosine similarity to the last certified update or
     # to an earlier input of the round is at least this is a copy (replayed or cloned).

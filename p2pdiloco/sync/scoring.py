@@ -6,12 +6,13 @@ assigned to it for v, a pure function of the run seed, its identity and v
 does: on a few seeded batches of those rows and as many of rows it was not assigned, the loss at
 the certified parameters θ and at θ − Δ (where the learner ended up):
 
-    advantage = (own loss drop) − (other loss drop)
+    advantage = min(own loss drop, own loss drop − other loss drop)
 
-Honest training lowers the loss on the rows trained more than on rows never seen. A delta that
-holds no work of its sender (the public certified update replayed or scaled, another learner's
-delta, noise) lowers both alike or neither: its advantage is ~0 or below, and it is refused
-(``MergeResult.rejected``): no receipt, no token credit, so no trust and no seat.
+Honest training lowers the loss on the rows trained, and more than on rows never seen. A delta
+that holds no work of its sender (the public certified update replayed or scaled, another
+learner's delta, noise) lowers both alike or neither (noise raises both): its advantage is ~0
+or below, and unless it exceeds ``margin`` it is refused (``MergeResult.rejected``): no
+receipt, no token credit, so no trust and no seat.
 
 Two screens run first, cheap and exact on the decoded deltas (float64 sums by the fixed tree of
 ``aggregate.exact``, so every syncer draws the same line): a delta whose cosine similarity to
@@ -160,7 +161,8 @@ class WorkScorer:
             self._load(base, delta)
             after = evaluate(self.model, own), evaluate(self.model, other)
             self.scored += 1
-            return (before[0] - after[0]) - (before[1] - after[1])
+            own, other = before[0] - after[0], before[1] - after[1]
+            return min(own, own - other)
 
         return score
 
