@@ -155,3 +155,12 @@ def test_a_round_of_free_riders_only_certifies_nothing() -> None:
     with pytest.raises(MergeError) as e:
         merge(inputs, check({"r1": 0.0, "r2": -0.1}))
     assert set(e.value.rejected) == {"r1", "r2"}
+
+
+def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
+    from tests.test_run_plan import create
+
+    _, plain = create(tmp_path)
+    assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
+    _, scored = create(tmp_path, "--score-work")
+    assert scored.rules.work == WorkScoring()

@@ -131,7 +131,7 @@ class WorkScorer:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Callable[[], torch.nn.Module],
         train_NS: torch.Tensor,
         rules: WorkScoring,
         run_seed: int,
@@ -140,7 +140,8 @@ class WorkScorer:
         steps: int = 1,
         batch_size: int = 1,
     ) -> None:
-        self.model, self.train_NS, self.rules, self.run_seed = model, train_NS, rules, run_seed
+        self._model = model  # or what builds it, on the first delta scored
+        self.train_NS, self.rules, self.run_seed = train_NS, rules, run_seed
         n = int(train_NS.shape[0])
 
         def assigned(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +150,12 @@ class WorkScorer:
 
         self.rows_of = rows_of or assigned
         self.scored = 0  # deltas scored so far (the cost bench reads it)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if not isinstance(self._model, torch.nn.Module):
+            self._model = self._model()
+        return self._model
 
     def bind(self, base: Mapping[str, torch.Tensor], version: int) -> ScoreFn:
         """A scorer of deltas on ``base``, the certified parameters of ``version``: batches
@@ -196,7 +203,7 @@ def work_scorer(manifest: RunManifest, corpus: PackedCorpus | None) -> WorkScore
     if manifest.rules.work is None or corpus is None:
         return None
     return WorkScorer(
-        build_for_loading(manifest.model),
+        lambda: build_for_loading(manifest.model),  # a syncer's first merge builds it
         corpus.train_NS,
         manifest.rules.work,
         manifest.seed,
