@@ -168,8 +168,8 @@ class WorkScorer:
             self._load(base, delta)
             after = evaluate(self.model, own), evaluate(self.model, other)
             self.scored += 1
-            own, other = before[0] - after[0], before[1] - after[1]
-            return min(own, own - other)
+            own_drop, other_drop = before[0] - after[0], before[1] - after[1]
+            return min(own_drop, own_drop - other_drop)
 
         return score
 
