@@ -41,7 +41,7 @@ import torch
 
 from p2pdiloco.choices import RULES
 from p2pdiloco.harness.simulate import run_simulation
-from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.protocol.records import SyncRules, WorkScoring
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
 
 # inflate lies in the signed header, which the simulator does not have: bench/demo_attacks.py.
@@ -101,7 +101,12 @@ def run_cell(
         baseline=False,
         eval_batches=a.eval_batches,
         compression=a.compression,
-        rules=SyncRules(aggregation=name, aggregation_params=params, clone_factor=clone),
+        rules=SyncRules(
+            aggregation=name,
+            aggregation_params=params,
+            clone_factor=clone,
+            work=WorkScoring() if a.work else None,
+        ),
         adversaries=attackers,
         attack=attack or "sign-flip",
         attack_jitter=jitter,
@@ -298,6 +303,9 @@ def main() -> int:
         type=float,
         default=0.0,
         help="each attacker adds noise of this × the honest std (clone evasion)",
+    )
+    ap.add_argument(
+        "--work", action="store_true", help="score work in every cell (rules.work, ADR 0062)"
     )
     ap.add_argument("--data", default="embedded")
     ap.add_argument("--seed", type=int, default=0)

@@ -11,9 +11,9 @@ from p2pdiloco.compress import get_codec
 from p2pdiloco.compress.wire import unpack_deltas
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.records import RunManifest, WorkScoring
 from p2pdiloco.train.attacks import AttackConfig
-from p2pdiloco.train.data import PackedCorpus, build_corpus
+from p2pdiloco.train.data import PackedCorpus, assigned_rows, build_corpus
 from p2pdiloco.train.inner import lr_factor
 from p2pdiloco.train.learner import Learner, Outgoing, data_seed, inner_config
 from p2pdiloco.train.models import build_model, get_spec, param_state
@@ -324,3 +324,29 @@ def test_a_fold_before_any_measure_keeps_the_share_of_steps_that_were_not_overti
     learner.train(12)
     out = learner.outgoing(0, base, tokens=1, loss=1.0, overtime=12)
     assert out.fold == pytest.approx(4 / 16)
+
+
+def test_with_work_scoring_a_learner_reads_the_rows_assigned_for_its_version(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    scored = manifest.model_copy(
+        update={"rules": manifest.rules.model_copy(update={"work": WorkScoring()})}
+    )
+    learner = _learner(scored, corpus, base)
+    h, b = scored.inner_steps, scored.inner.batch_size
+    own, _ = assigned_rows(
+        corpus.num_train_rows, seed=data_seed(0, "peer-a"), version=5, steps=h, batch_size=b
+    )
+    first = learner._assigned(3, 5)  # three steps from version 5, then three more (wrapping)
+    again = learner._assigned(3, 5)
+    rows_HB = own.reshape(h, b)
+    assert torch.equal(first, corpus.train_NS[rows_HB[[0, 1, 2]]])
+    assert torch.equal(again, corpus.train_NS[rows_HB[[3, 0, 1]]])
+    assert torch.equal(
+        learner._assigned(1, 6)[0],
+        corpus.train_NS[
+            assigned_rows(
+                corpus.num_train_rows, seed=data_seed(0, "peer-a"), version=6, steps=h, batch_size=b
+            )[0].reshape(h, b)[0]
+        ],
+    )  # a new version starts at its own first rows

@@ -75,9 +75,9 @@ def start_trainer(budget: float | None, events: Events) -> Trainer:
     learner = Learner(manifest, corpus, me.peer_id, params, device=torch.device("cpu"))
     train = learner.train
 
-    def slow_train(steps: int) -> Any:
+    def slow_train(steps: int, version: int | None = None) -> Any:
         start = time.monotonic()
-        out = train(steps)
+        out = train(steps, version)
         time.sleep(max(0.0, STEP * steps - (time.monotonic() - start)))
         events.append(("train", time.monotonic() - start))
         return out

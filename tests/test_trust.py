@@ -269,3 +269,15 @@ def test_a_fresh_delta_pointing_away_from_trusted_work_is_screened_out() -> None
     assert result.accepted == ["d0", "d1", "d2", "d4", "d5"]
     again = merge_round(params, {}, inputs, rules=SyncRules(), outer=OuterConfig())
     assert torch.equal(again.params["w"], result.params["w"])
+
+
+def test_with_work_scoring_a_young_run_trusts_only_scored_work() -> None:
+    m = manifest(genesis_committee=PEERS[:1], committee_size=4, rules={"work": {}})
+    worked = [entry(p, 0, 1, 1000, 1) for p in PEERS[4:6]]  # one scored receipt each
+    cert = certificate(worked, version=1)
+    trusted = trusted_peers(m, cert)
+    assert trusted == frozenset([PEERS[0], *PEERS[4:6]])  # not whoever arrives next
+    assert PEERS[8] not in trusted
+    assert trusted_peers(m, None) is None  # before any receipt the run must start
+    plain = manifest(genesis_committee=PEERS[:1], committee_size=4)
+    assert trusted_peers(plain, certificate(worked, version=1)) is None  # as before

@@ -115,6 +115,13 @@ def create(
     clone_folding: Annotated[
         bool, typer.Option(help="Fold copies of one delta into one vote in the merge.")
     ] = True,
+    score_work: Annotated[
+        bool,
+        typer.Option(
+            help="Count a delta only if it shows work on the learner's own assigned rows "
+            "(ADR 0062: refuses free riders; every syncer scores on the corpus)."
+        ),
+    ] = False,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _r.screen_norm_factor or 0.0,
@@ -193,6 +200,7 @@ def create(
         update_codec=update_compression,
         update_form=update_form,
         update_k=update_k,
+        work={} if score_work else None,
     )
     inner: dict[str, Any] = {"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len}
     plan = None

@@ -19,6 +19,11 @@ committee and then its oldest members. Genesis members count as trusted once tha
 not end the young run by themselves: a creator's syncers that never train would otherwise
 leave nobody able to close a round or earn trust. So a run is open to a flood of fresh
 identities during its first ``trust_min_age``-odd versions, and closed to it from then on.
+With work scoring (``rules.work``, ADR 0062) a receipt is scored work, and a young run no
+longer trusts whoever arrives: until k identities have earned trust, the trusted are the genesis
+committee and every identity with at least one receipt (everyone only before the first receipt,
+so that a run can start). An identity that never showed work on its own data (a free rider)
+therefore never closes a round, holds at most ``probation_share`` of one, and is never seated.
 Everything here is a pure function of the signed manifest and the certificate: every syncer
 agrees.
 """
@@ -55,9 +60,12 @@ def trusted_of_roster(
         for e in roster
         if e.accepted >= rules.trust_min_accepted and base - e.joined_version >= rules.trust_min_age
     }
-    if len(earned) < manifest.committee_size:
+    if len(earned) >= manifest.committee_size:
+        return frozenset(earned | set(manifest.genesis_committee))
+    if rules.work is None:
         return None
-    return frozenset(earned | set(manifest.genesis_committee))
+    worked = {e.peer_id for e in roster if e.accepted >= 1 and base > e.joined_version}
+    return frozenset(worked | set(manifest.genesis_committee)) if worked else None
 
 
 def trust_progress(manifest: RunManifest, cert: Certificate | None) -> dict[str, int]:

@@ -34,6 +34,7 @@ from p2pdiloco.core.weights import merge_weights
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, MergeResult, merge_round
+from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
 from p2pdiloco.sync.update import rules_codec
 from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.configs import InnerConfig, OuterConfig, SimulateConfig
@@ -43,6 +44,7 @@ from p2pdiloco.train.data import (
     data_parallel_batches,
     eval_batches,
     learner_batches,
+    learner_row_indices,
 )
 from p2pdiloco.train.device import resolve_device
 from p2pdiloco.train.inner import evaluate, make_inner_optimizer, train_steps
@@ -265,6 +267,8 @@ def merge_fragment(
     rules: SyncRules,
     outer: OuterConfig,
     residual: dict[str, torch.Tensor] | None = None,
+    work: WorkCheck | None = None,
+    last_update: dict[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """The outer step of fragment ``names``, as a syncer makes it, applied to the live model.
 
@@ -272,8 +276,9 @@ def merge_fragment(
     ``learner_id(i)`` with weight ``merge_weights`` of its tokens at lag 0. Copies the merged
     values into ``theta`` (in place, the global model) and the buffers into ``momentum``, and
     with "params" updates (``rules.update_form``, ADR 0064) the committee's error-feedback
-    residuals into ``residual`` (required then). Raises MergeError (nothing changed) when
-    screening rejects every delta.
+    residuals into ``residual`` (required then); with ``last_update``, the decoded merged update of these names goes there (what the next
+    ``work`` check compares deltas with). Raises MergeError (nothing changed) when screening
+    rejects every delta.
     """
     feedback = rules.update_form == "params"
     if feedback and residual is None:
@@ -296,7 +301,11 @@ def merge_fragment(
         residual={n: residual[n] for n in names if n in residual}
         if feedback and residual is not None
         else None,
+        work=work,
     )
+    if last_update is not None:
+        codec = rules_codec(rules)
+        last_update.update({n: codec.decode(e) for n, e in result.update.items()})
     result.update = {}
     with torch.no_grad():
         for n in names:
@@ -305,6 +314,30 @@ def merge_fragment(
     if residual is not None:
         residual.update(result.residual)
     return result
+
+
+def shard_rows(
+    num_rows: int, cfg: SimulateConfig, steps: int
+) -> Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The rows ``learner_id(i)`` trains on in sub-round v (``learner_batches``) and every
+    other row: what work scoring measures a simulated learner's advantage on."""
+    ids = {learner_id(i): i for i in range(cfg.learners)}
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        own = learner_row_indices(
+            num_rows,
+            seed=cfg.seed,
+            learner=ids[peer],
+            num_learners=cfg.learners,
+            round=version,
+            steps=steps,
+            batch_size=cfg.inner.batch_size,
+        ).reshape(-1)
+        mask = torch.ones(num_rows, dtype=torch.bool)
+        mask[own] = False
+        return own, torch.nonzero(mask).squeeze(1)
+
+    return rows_of
 
 
 def _run_diloco(
@@ -333,6 +366,18 @@ def _run_diloco(
         else []
     )
     uploaded = 0  # encoded payload bytes, all learners (with a codec)
+    scorer = (
+        WorkScorer(
+            copy.deepcopy(global_model),
+            corpus.train_NS,
+            cfg.rules.work,
+            cfg.seed,
+            rows_of=shard_rows(corpus.num_train_rows, cfg, cfg.inner_steps // len(fragments)),
+        )
+        if cfg.rules.work is not None
+        else None
+    )
+    last_update: dict[str, torch.Tensor] = {}  # the merged update, as the committee certified it
 
     loss0 = evaluate(global_model, evals)
     losses, last_train, tokens, syncs = [], 0.0, 0, 0
@@ -379,6 +424,16 @@ def _run_diloco(
             coalition = [deltas[i] for i in sorted(attackers)]  # their own, before poisoning
             for i, attacker in attackers.items():
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round, coalition)
+            work = (
+                WorkCheck(
+                    cfg.rules.work,
+                    scorer.bind(theta, sub_round),
+                    last_update if all(n in last_update for n in names) else None,
+                    seed=sub_round,
+                )
+                if scorer is not None and cfg.rules.work is not None
+                else None
+            )
             try:
                 result = merge_fragment(
                     theta,
@@ -389,6 +444,8 @@ def _run_diloco(
                     rules=cfg.rules,
                     outer=cfg.outer,
                     residual=residual,
+                    work=work,
+                    last_update=last_update if work is not None else None,
                 )
                 verdict_accepted, verdict_rejected = result.accepted, result.rejected
                 folded = result.folded

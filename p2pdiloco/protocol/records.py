@@ -166,6 +166,26 @@ class OuterParams(_Strict):
     fragments: int = Field(default=1, ge=1, le=1024)
 
 
+class WorkScoring(_Strict):
+    """Work scoring (``sync.scoring``, ADR 0062): a learner training from certified version v
+    reads rows assigned to it for v, a pure function of the run seed, its identity and v
+    (``train.data.assigned_rows``), and the committee counts its delta only if it lowers the
+    loss on a few seeded batches of those rows by more than on as many of other rows."""
+
+    # Seeded batches scored on each side (rows assigned, rows not assigned), and rows per batch.
+    batches: int = Field(default=8, ge=1, le=64)
+    rows: int = Field(default=8, ge=1, le=4096)
+    # Least advantage a delta must show, in nats: the loss drop on its own rows, less that on
+    # the other rows, and at most the own rows' drop (``sync.scoring``).
+    margin: float = Field(default=0.0, ge=-1e3, le=1e3)
+    # Screening before scoring: a delta whose cosine similarity to the last certified update or
+    # to an earlier input of the round is at least this is a copy (replayed or cloned).
+    max_cosine: float = Field(default=0.95, gt=0, le=1)
+    # Deltas scored per round at most: probationary ones first, then trusted ones in a seeded
+    # order; a probationary delta left unscored is refused, a trusted one merged as before.
+    max_scored: int = Field(default=16, ge=1, le=4096)
+
+
 class SyncRules(_Strict):
     """How a round turns submissions into the next certified state: every rule here changes the
     certified bytes (or which submissions make them), so every syncer must apply the same."""
@@ -234,14 +254,21 @@ class SyncRules(_Strict):
     # Entries kept per chunk of 4096 by a topk2 update codec; None: the codec's 64 (1/64).
     update_k: int | None = Field(default=None, ge=1, le=4096)
 
+    # Work scoring (ADR 0062): deltas earn a receipt, token credit and trust only if they show
+    # work on the learner's own data. None: not scored (a run made before it; the bytes, run id
+    # and signature of its manifest stay those of before).
+    work: WorkScoring | None = None
+
     @model_serializer(mode="wrap")
-    def _omit_defaults_of_0064(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Rules from before ADR 0064 serialise, hash and sign as they did: same run id.
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Rules from before ADRs 0062 and 0064 serialise, hash and sign as they did: same run id.
         data: dict[str, Any] = handler(self)
         if self.update_form == "gradient":
             data.pop("update_form", None)
         if self.update_k is None:
             data.pop("update_k", None)
+        if self.work is None:
+            data.pop("work", None)
         return data
 
     @model_validator(mode="after")

@@ -64,6 +64,7 @@ from p2pdiloco.sync.certified import CertifiedState, genesis_state
 from p2pdiloco.sync.committee_msgs import request_limits
 from p2pdiloco.sync.fetch import SyncError, catch_up
 from p2pdiloco.sync.held_out import HeldOutEval
+from p2pdiloco.sync.scoring import work_scorer
 from p2pdiloco.sync.service import SyncService
 from p2pdiloco.train.data import PackedCorpus
 
@@ -165,6 +166,7 @@ class NodeRuntime:
             on_certified=lambda raw, st: self._certs_in.put_nowait((raw, st)),
             held_out=self._held_out(),
             committee_state=self._committee_state,
+            scorer=work_scorer(self.manifest, self.corpus),
         )
         limits = request_limits(self.service.max_payload)
         await self.transport.serve(self._handle, limits, self.service.screen)

@@ -328,7 +328,7 @@ class Trainer:
         c.first_at = start if c.first_at is None else c.first_at
         self._chunk_start = start
         self._chunk_overtime = self.machine.phase is LearnerPhase.OVERTIME
-        st = self.learner.train(steps)
+        st = self.learner.train(steps, self.state.version)
         c.last_at = time.monotonic()
         busy = c.last_at - start
         c.train_seconds += busy

@@ -24,6 +24,7 @@ from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.clones import fold_clones
+from p2pdiloco.sync.scoring import WorkCheck, copies, scoring_order
 from p2pdiloco.train.outer import OuterConfig, outer_update_, params_step_
 
 
@@ -81,6 +82,7 @@ def merge_round(
     outer: OuterConfig,
     update_codec: Codec | None = None,
     residual: Mapping[str, torch.Tensor] | None = None,
+    work: WorkCheck | None = None,
 ) -> MergeResult:
     """The next state of the tensors named in ``params`` (left untouched, as is ``momentum``).
 
@@ -114,9 +116,15 @@ def merge_round(
     trusted = [inputs[i].trusted for i in rows]
     kept, reasons = _screen(deltas, trusted, rules.screen_norm_factor)
     rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
+    if work is not None:
+        kept, unworked = _check_work(inputs, rows, deltas, kept, trusted, names, work)
+        rejected.update({inputs[rows[j]].digest: reason for j, reason in unworked.items()})
     if not kept:
         raise MergeError("screening rejected every delta of the round", rejected)
     into = _fold(deltas, kept, trusted, rules.clone_factor)
+    if work is not None:  # one receipt per group of copies: its row's
+        for j, r in into.items():
+            rejected[inputs[rows[j]].digest] = f"folded into {inputs[rows[r]].digest[:12]}"
     voters = [j for j in kept if j not in into]  # one row per group of clones
     chosen, applied = _rule_or_fallback(chosen, rules.aggregation, len(voters))
     weights = check_weights([inputs[rows[j]].weight for j in voters], len(voters))
@@ -129,10 +137,12 @@ def merge_round(
     return MergeResult(
         params=new_params,
         momentum=new_momentum,
-        accepted=[inputs[rows[j]].digest for j in kept],
+        accepted=[inputs[rows[j]].digest for j in kept if work is None or j not in into],
         rejected=dict(sorted(rejected.items(), key=lambda kv: order[kv[0]])),
         rule=applied,
-        folded={inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items()},
+        folded={
+            inputs[rows[j]].digest: inputs[rows[r]].digest for j, r in into.items() if work is None
+        },
         update={n: update[n] for n in names if n in update},
         residual=feedback or {},
     )
@@ -176,6 +186,56 @@ def _screen(
     away = _away_from_trusted(deltas, verdict.accepted, trusted)
     kept = [j for j in verdict.accepted if j not in away]
     return kept, {**verdict.rejected, **away}
+
+
+def _check_work(
+    inputs: Sequence[MergeInput],
+    rows: list[int],
+    deltas: RowSet,
+    kept: list[int],
+    trusted: list[bool],
+    names: list[str],
+    work: WorkCheck,
+) -> tuple[list[int], dict[int, str]]:
+    """Work scoring (``sync.scoring``, ADR 0062): of ``kept``, the rows that replay the last
+    certified update are refused; then the copies of one another, the probationary rows and
+    the trusted ones are scored in that order, up to ``max_scored`` (copies always), and a row
+    is refused unless its advantage on its sender's own data exceeds ``margin``; of a group of
+    copies only the best such row stays; a probationary row left unscored is refused. Returns
+    the rows kept (in row order) and row → reason for the others."""
+    r = work.rules
+    last = (
+        [work.last_update[n] for n in names]
+        if work.last_update is not None and all(n in work.last_update for n in names)
+        else None
+    )
+    refused, groups = copies(deltas, kept, last, r.max_cosine)
+    rest = [j for j in kept if j not in refused]
+    peers = [inputs[rows[j]].peer_id for j in rest]
+    first = {at for at, j in enumerate(rest) if j in groups}
+    order = scoring_order(peers, [trusted[j] for j in rest], work.seed, first)
+    best: dict[int, tuple[float, int]] = {}  # group → (best advantage, its row)
+    for k, at in enumerate(order):
+        j = rest[at]
+        if k >= r.max_scored and at not in first:
+            if not trusted[j]:
+                refused[j] = "not scored this round (probationary, over max_scored)"
+            continue
+        delta = {n: inputs[rows[j]].delta[n] for n in names}
+        advantage = work.score(peers[at], delta)
+        if not advantage > r.margin:
+            # No figure in the text: it enters the certificate body, and a loss is not
+            # bit-exact across machines the way the fixed-tree sums of the norm screen are.
+            refused[j] = "no advantage on its own data"
+        elif j in groups:
+            g = groups[j]
+            if g in best and best[g][0] >= advantage:
+                refused[j] = f"copies input {inputs[rows[best[g][1]]].digest[:12]}"
+                continue
+            if g in best:
+                refused[best[g][1]] = f"copies input {inputs[rows[j]].digest[:12]}"
+            best[g] = (advantage, j)
+    return [j for j in kept if j not in refused], refused
 
 
 def _fold(

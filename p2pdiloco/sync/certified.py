@@ -23,6 +23,7 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.sync.aggregator import MergeInput, MergeResult, merge_round
 from p2pdiloco.sync.fragments import round_names, round_shapes
+from p2pdiloco.sync.scoring import WorkCheck
 from p2pdiloco.sync.state import StateBlob, StateError, encode_state
 from p2pdiloco.sync.update import (
     UpdateError,
@@ -150,7 +151,11 @@ def genesis_state(manifest: RunManifest) -> CertifiedState:
 
 
 def next_state(
-    base: CertifiedState, inputs: list[MergeInput], rules: SyncRules, outer: OuterConfig
+    base: CertifiedState,
+    inputs: list[MergeInput],
+    rules: SyncRules,
+    outer: OuterConfig,
+    work: WorkCheck | None = None,
 ) -> tuple[MergeResult, CertifiedState]:
     """The state a syncer signs after merging ``inputs`` on ``base`` (its hash computed), with
     the update that made it (``rules.update_codec``): the one tensor path of the network syncer
@@ -158,7 +163,8 @@ def next_state(
     (``sync.fragments``: all tensors when ``outer.fragments`` is 1) is merged and stepped; the
     new state shares the base's other tensors. With "params" updates (ADR 0064) the merge keeps
     the residual beside the momentum and the state's ``params_hash`` is computed too. Raises
-    what ``merge_round`` raises, and ValueError for a base without the committee state."""
+    what ``merge_round`` raises, and ValueError for a base without the committee state.
+    ``work``: the run's work check (ADR 0062), None when it scores no work."""
     if base.momentum is None:
         raise ValueError(f"version {base.version}: no committee state here to merge on")
     names = round_names(_shapes(base), outer.fragments, base.version)
@@ -171,6 +177,7 @@ def next_state(
         outer=outer,
         update_codec=rules_codec(rules),
         residual={n: base.residual[n] for n in names if n in base.residual} if feedback else None,
+        work=work,
     )
     raw = pack_update(result.update)  # empties result.update: the pack holds it now
     params = {n: result.params.get(n, t) for n, t in base.params.items()}

@@ -64,8 +64,10 @@ from p2pdiloco.sync.held_out import HeldOutEval
 from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
+from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
 from p2pdiloco.sync.sending import Fellows, still_proposing, still_signing
 from p2pdiloco.sync.signatures import RoundSignatures, refusal_of
+from p2pdiloco.sync.update import UpdateError, decode_update, rules_codec
 from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
 
@@ -90,8 +92,12 @@ class SyncService:
         held_out: HeldOutEval | None = None,
         committee_state: Callable[[CertifiedState], Coroutine[Any, Any, CertifiedState]]
         | None = None,
+        scorer: WorkScorer | None = None,
     ) -> None:
+        """``scorer``: what scores deltas for work (``sync.scoring``) when the manifest asks
+        for it (``rules.work``); a syncer without one cannot merge such a run's rounds."""
         self.identity = identity
+        self.scorer = scorer
         self.me = identity.peer_id
         self.run_id = run_id
         self.manifest = manifest
@@ -503,7 +509,24 @@ class SyncService:
     ) -> tuple[MergeResult, CertifiedState]:
         decode = self.intake.decode
         merge_inputs = [MergeInput(d, p, decode(b, base.version), w, a) for d, p, b, w, a in inputs]
-        return next_state(base, merge_inputs, self.rules, self.outer)
+        return next_state(base, merge_inputs, self.rules, self.outer, self._work(base))
+
+    def _work(self, base: CertifiedState) -> WorkCheck | None:
+        """The work check of the round on ``base`` (ADR 0062), None when the run scores none.
+        Raises RuntimeError for a run that scores work on a syncer without a scorer."""
+        if self.rules.work is None:
+            return None
+        if self.scorer is None:
+            raise RuntimeError("this run scores work, and this syncer has no corpus to score on")
+        last = None
+        if base.update is not None:
+            shapes = {n: tuple(t.shape) for n, t in base.params.items()}
+            try:
+                last = decode_update(base.update, rules_codec(self.rules), shapes)
+            except UpdateError:  # a fragment's update: that screen is skipped
+                last = None
+        score = self.scorer.bind(base.params, base.version)
+        return WorkCheck(self.rules.work, score, last, seed=base.version)
 
     def _evaluate(self, state: CertifiedState) -> float | None:
         """The merge's eval step: the merged state's loss on the run's held-out batches (ADR

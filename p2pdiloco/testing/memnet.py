@@ -261,9 +261,9 @@ def _throttle(learner: Learner, factor: float) -> None:
     every chunk, sleep (factor − 1) × the chunk's time."""
     train = learner.train
 
-    def slow(steps: int):  # type: ignore[no-untyped-def]
+    def slow(steps: int, version: int | None = None):  # type: ignore[no-untyped-def]
         start = time.monotonic()
-        out = train(steps)
+        out = train(steps, version)
         time.sleep((factor - 1.0) * (time.monotonic() - start))
         return out
 

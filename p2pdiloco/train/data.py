@@ -44,6 +44,8 @@ __all__ = [
     "Document",
     "PackedCorpus",
     "SourceStats",
+    "assigned_rows",
+    "sample_rows",
     "build_corpus",
     "data_parallel_batches",
     "eval_batches",
@@ -353,6 +355,34 @@ def learner_row_indices(
         mask = epochs == epoch
         rows_TB[mask] = shard[order[offsets[mask]]]
     return rows_TB.reshape(steps, batch_size)
+
+
+def assigned_rows(
+    num_rows: int, *, seed: int, version: int, steps: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The train rows assigned to the network learner whose data seed is `seed` for its
+    stretch from certified `version` (``learner_row_indices`` with one learner, round =
+    `version`: ``Learner.train`` reads exactly these), and every other row. A pure function,
+    so a committee knows which rows a delta was trained on (``sync.scoring``, ADR 0062)."""
+    own = learner_row_indices(
+        num_rows,
+        seed=seed,
+        learner=0,
+        num_learners=1,
+        round=version,
+        steps=steps,
+        batch_size=batch_size,
+    ).reshape(-1)
+    mask = torch.ones(num_rows, dtype=torch.bool)
+    mask[own] = False
+    return own, torch.nonzero(mask).squeeze(1)
+
+
+def sample_rows(rows: torch.Tensor, count: int, *parts: object) -> torch.Tensor:
+    """``count`` of ``rows`` (all when fewer) in an order seeded by ``parts``: a pure
+    function, the same on every machine (the committee's scoring batches)."""
+    order = _permutation(int(rows.shape[0]), _derive_seed("sample", *parts))
+    return rows[order[:count]]
 
 
 def learner_batches(

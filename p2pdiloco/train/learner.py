@@ -38,7 +38,7 @@ from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.train.attacks import AttackConfig, Attacker
-from p2pdiloco.train.data import PackedCorpus, learner_batches
+from p2pdiloco.train.data import PackedCorpus, assigned_rows, learner_batches
 from p2pdiloco.train.inner import (
     InnerConfig,
     InnerStats,
@@ -55,7 +55,8 @@ def inner_config(manifest: RunManifest) -> InnerConfig:
 
 
 def data_seed(run_seed: int, peer_id: str) -> int:
-    """Each learner walks its own permutation of the whole corpus (no coordination needed)."""
+    """Each learner walks its own permutation of the whole corpus (no coordination needed);
+    with work scoring, at the position of the certified version it trains from (ADR 0062)."""
     digest = hashlib.sha256(f"p2pdiloco/data/{run_seed}/{peer_id}".encode()).digest()
     return int.from_bytes(digest[:6], "big")
 
@@ -118,6 +119,9 @@ class Learner:
             else None
         )
         self.rounds_done = rounds_done  # stretches of H steps trained: the data position
+        # With work scoring (ADR 0062) the data position is the certified version trained from
+        # and the steps trained from it so far: the rows the committee scores a delta on.
+        self.data_at = (-1, 0)
         self.steps_since_send = 0
         # L2 norm of the stretch trained right after the delta in flight was sent, taken when
         # that stretch ended (``measure_stretch``): what a delta folding overtime is scaled
@@ -148,20 +152,42 @@ class Learner:
         restored by a later start (an island's moments are sharded over its ranks)."""
         return self.optimizer.state_dict()
 
-    def train(self, steps: int) -> InnerStats:
-        """``steps`` inner steps on the next rows of this learner's data."""
-        batches = learner_batches(
-            self.corpus,
-            seed=self.seed,
-            learner=0,
-            num_learners=1,
-            round=self.rounds_done,
-            steps=steps,
-            batch_size=self.cfg.batch_size,
-        )
+    def train(self, steps: int, version: int | None = None) -> InnerStats:
+        """``steps`` inner steps on the next rows of this learner's data: with work scoring
+        and the certified ``version`` trained from, the rows assigned to it for that version
+        (``train.data.assigned_rows``; past H steps they are read again)."""
+        if self.manifest.rules.work is not None and version is not None:
+            batches = self._assigned(steps, version)
+        else:
+            batches = learner_batches(
+                self.corpus,
+                seed=self.seed,
+                learner=0,
+                num_learners=1,
+                round=self.rounds_done,
+                steps=steps,
+                batch_size=self.cfg.batch_size,
+            )
         self.rounds_done += 1
         self.steps_since_send += steps
         return self._train_batches(batches)
+
+    def _assigned(self, steps: int, version: int) -> torch.Tensor:
+        """The next ``steps`` batches [T, B, S] of the rows assigned for ``version``."""
+        h = self.manifest.inner_steps
+        rows_N, _ = assigned_rows(
+            self.corpus.num_train_rows,
+            seed=self.seed,
+            version=version,
+            steps=h,
+            batch_size=self.cfg.batch_size,
+        )
+        at, done = self.data_at
+        start = done if at == version else 0
+        self.data_at = (version, start + steps)
+        rows_HB = rows_N.reshape(h, self.cfg.batch_size)
+        picked = torch.arange(start, start + steps) % h
+        return self.corpus.train_NS[rows_HB[picked]]
 
     def _train_batches(self, batches: torch.Tensor) -> InnerStats:
         return train_steps(

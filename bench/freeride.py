@@ -1,0 +1,304 @@
+"""Free riders against honest learners: what they earn, where they sit, what the run loses.
+
+One process, real tensors, the network's own pieces: honest learners train gemma-tiny from the
+certified parameters on the rows assigned to them (``train.data.assigned_rows``, as ``join``
+reads them with work scoring); free riders train nothing and send, each round,
+
+    replay   the last certified update (what the ``update`` op serves), from version 1 on
+    copy     a copy of one honest learner's delta of the round (every copier the same one)
+    scaled   the mean of the last three certified updates, scaled up 1.5× (scaled history)
+    noise    Gaussian noise with the norm of the last certified update
+
+claiming an honest delta's steps and tokens (H, H × batch × seq_len). Each version is merged by
+``sync.aggregator.merge_round`` (the run's rule, screening, clone folding, and with ``rules
+.work`` the work check of ``sync.scoring``), the input set filled as ``core.round`` fills it
+(every trusted submission, probationary ones up to ``probation_room``, weights capped by
+``cap_probation``); receipts make the roster (``core.roster.next_roster``), trust and seats
+come from it (``core.trust.trusted_of_roster``, ``core.roster.committee_of_roster``). Per
+kind it prints the free riders' receipts, tokens, whether any is trusted, their committee seats,
+the versions certified and the final eval loss, beside the same run without free riders, with
+work scoring on (the new default) and off (before ADR 0062).
+
+    .venv/bin/python bench/freeride.py                     # every kind, scoring on and off
+    .venv/bin/python bench/freeride.py --kinds replay --scoring on --rounds 4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from p2pdiloco.core.roster import committee_of_roster, genesis_roster, next_roster
+from p2pdiloco.core.trust import cap_probation, probation_room, trusted_of_roster
+from p2pdiloco.core.weights import merge_weights
+from p2pdiloco.net.manifests import create_manifest
+from p2pdiloco.protocol.certificates import Accepted
+from p2pdiloco.protocol.identity import Identity
+from p2pdiloco.protocol.records import RunManifest, WorkScoring
+from p2pdiloco.sync.aggregator import MergeError, MergeInput, merge_round
+from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
+from p2pdiloco.sync.update import update_codec
+from p2pdiloco.train.configs import InnerConfig, OuterConfig
+from p2pdiloco.train.data import assigned_rows, build_corpus, eval_batches
+from p2pdiloco.train.inner import evaluate, make_inner_optimizer, train_steps
+from p2pdiloco.train.learner import data_seed
+from p2pdiloco.train.models import build_model, get_spec, param_state
+from p2pdiloco.train.tokenizer import load_tokenizer
+
+KINDS = ("replay", "copy", "scaled", "noise")
+
+
+@dataclass
+class Setup:
+    honest: int = 3
+    riders: int = 2  # free riders of the one kind in a run
+    rounds: int = 4
+    inner_steps: int = 8
+    batch_size: int = 4
+    seq_len: int = 32
+    committee: int = 3
+    seed: int = 0
+
+
+@dataclass
+class Outcome:
+    kind: str
+    scoring: bool
+    versions: int  # certified (a merge that screening emptied certifies nothing)
+    eval_loss: float
+    rider_receipts: int
+    rider_tokens: int
+    rider_trusted: int  # free riders trusted after the last version
+    rider_seats: int  # committee seats the free riders held over the run
+    honest_receipts: int
+    honest_refused: int  # honest deltas refused (work scoring must keep this at 0)
+    score_seconds: float  # wall time the work check took, all versions
+    scored: int  # deltas scored, all versions
+    honest_advantage: list[float] = field(default_factory=list)
+    rider_advantage: list[float] = field(default_factory=list)
+
+
+def identity(tag: str) -> Identity:
+    return Identity.from_seed(hashlib.sha256(f"bench/freeride/{tag}".encode()).digest())
+
+
+def manifest(s: Setup, genesis: list[str], scoring: bool) -> RunManifest:
+    rules: dict[str, object] = {"aggregation": "median", "clone_factor": 0.25}
+    if scoring:
+        rules["work"] = WorkScoring().model_dump()
+    _, m, _ = create_manifest(
+        identity("creator"),
+        created_at=0.0,
+        name="freeride",
+        model="gemma-tiny",
+        data="embedded",
+        seed=s.seed,
+        inner_steps=s.inner_steps,
+        committee_size=s.committee,
+        inner={"batch_size": s.batch_size, "seq_len": s.seq_len},
+        rules=rules,
+        genesis_committee=genesis,
+    )
+    return m
+
+
+def rider_delta(
+    kind: str,
+    history: list[dict[str, torch.Tensor]],
+    honest: list[dict[str, torch.Tensor]],
+    like: Mapping[str, torch.Tensor],
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor] | None:
+    """What a free rider of ``kind`` sends this round (None: nothing to send yet)."""
+    if kind == "copy":
+        return {n: t.clone() for n, t in honest[0].items()}
+    if not history:
+        return None
+    last = history[-1]
+    if kind == "replay":
+        return {n: t.clone() for n, t in last.items()}
+    if kind == "scaled":
+        few = history[-3:]
+        return {n: 1.5 * sum(h[n] for h in few) / len(few) for n in like}
+    norm = torch.sqrt(sum(t.double().square().sum() for t in last.values()))
+    noise = {n: torch.randn(like[n].shape, generator=gen) for n in like}
+    scale = norm / torch.sqrt(sum(t.double().square().sum() for t in noise.values()))
+    return {n: (t * scale).float() for n, t in noise.items()}
+
+
+def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
+    torch.manual_seed(s.seed)
+    honest_ids = [identity(f"honest{i}").peer_id for i in range(s.honest)]
+    rider_ids = [identity(f"{kind}{i}").peer_id for i in range(s.riders)] if kind else []
+    m = manifest(s, honest_ids[: s.committee], scoring)
+    inner = InnerConfig(
+        batch_size=s.batch_size, seq_len=s.seq_len, total_steps=s.rounds * s.inner_steps
+    )
+    tok = load_tokenizer(get_spec("gemma-tiny").tokenizer)
+    corpus = build_corpus("embedded", tok, seq_len=s.seq_len)
+    evals = eval_batches(corpus, batch_size=s.batch_size, max_batches=8)
+    model = build_model("gemma-tiny", seed=s.seed)
+    theta = {n: t.clone() for n, t in param_state(model).items()}
+    momentum: dict[str, torch.Tensor] = {}
+    outer = OuterConfig(**m.outer.model_dump())
+    learners = {}
+    for p in honest_ids:
+        local = copy.deepcopy(model)
+        learners[p] = (local, *make_inner_optimizer(local, inner))
+    scorer = (
+        WorkScorer(
+            copy.deepcopy(model),
+            corpus.train_NS,
+            m.rules.work,
+            m.seed,
+            steps=s.inner_steps,
+            batch_size=s.batch_size,
+        )
+        if m.rules.work is not None
+        else None
+    )
+    codec = update_codec(m.rules.update_codec)
+    roster = genesis_roster(m)
+    history: list[dict[str, torch.Tensor]] = []
+    gen = torch.Generator().manual_seed(s.seed)
+    tokens = s.inner_steps * s.batch_size * s.seq_len
+    out = Outcome(kind or "none", scoring, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0)
+    advantages: dict[str, float] = {}
+    for v in range(s.rounds):
+        trusted = trusted_of_roster(m, roster, v)
+        seats = committee_of_roster(m, roster, v, f"{v}".encode()).members
+        out.rider_seats += sum(p in rider_ids for p in seats)
+        deltas: dict[str, dict[str, torch.Tensor]] = {}
+        for p, (local, opt, sched) in learners.items():
+            with torch.no_grad():
+                for n, t in param_state(local).items():
+                    t.copy_(theta[n])
+            rows, _ = assigned_rows(
+                corpus.num_train_rows,
+                seed=data_seed(m.seed, p),
+                version=v,
+                steps=s.inner_steps,
+                batch_size=s.batch_size,
+            )
+            batches = corpus.train_NS[rows.reshape(s.inner_steps, s.batch_size)]
+            train_steps(local, opt, sched, batches, grad_accum=1, grad_clip=inner.grad_clip)
+            deltas[p] = {n: theta[n] - t.detach() for n, t in param_state(local).items()}
+        honest = [deltas[p] for p in honest_ids]
+        for p in rider_ids:
+            d = rider_delta(kind or "", history, honest, theta, gen)
+            if d is not None:
+                deltas[p] = d
+        # The input set as core.round makes it: trusted ones, then probationary ones (closest
+        # to trust first) up to probation_room; merge weights capped for the probationary.
+        is_trusted = {p: trusted is None or p in trusted for p in deltas}
+        credit = {e.peer_id: e.accepted for e in roster}
+        low = sorted((p for p in deltas if not is_trusted[p]), key=lambda p: -credit.get(p, 0))
+        high = [p for p in deltas if is_trusted[p]]
+        chosen = sorted(high + low[: probation_room(len(high), m.rules.probation_share)])
+        weights = merge_weights({p: (tokens, 0) for p in chosen}, m.rules.weight_cap)
+        if trusted is not None:
+            weights = cap_probation(
+                weights, frozenset(p for p in chosen if not is_trusted[p]), m.rules.probation_share
+            )
+        inputs = [MergeInput(p, p, deltas[p], weights[p], is_trusted[p]) for p in chosen]
+        work = None
+        if scorer is not None and m.rules.work is not None:
+            score = scorer.bind(theta, v)
+
+            def noted(peer: str, delta: Mapping[str, torch.Tensor], score=score) -> float:
+                a = score(peer, delta)
+                advantages[peer] = a
+                return a
+
+            work = WorkCheck(m.rules.work, noted, history[-1] if history else None, seed=v)
+        t0 = time.perf_counter()
+        advantages.clear()
+        try:
+            result = merge_round(
+                theta, momentum, inputs, rules=m.rules, outer=outer, update_codec=codec, work=work
+            )
+        except MergeError as e:
+            out.honest_refused += sum(p in e.rejected for p in honest_ids)
+            continue
+        finally:
+            out.score_seconds += time.perf_counter() - t0 if work is not None else 0.0
+        for p, a in advantages.items():
+            (out.rider_advantage if p in rider_ids else out.honest_advantage).append(round(a, 4))
+        out.versions += 1
+        history.append({n: codec.decode(e) for n, e in result.update.items()})
+        theta, momentum = result.params, result.momentum
+        out.honest_refused += sum(p in result.rejected for p in honest_ids)
+        receipts = [
+            Accepted(
+                peer_id=p,
+                digest=hashlib.sha256(f"{p}/{v}".encode()).hexdigest(),
+                steps=s.inner_steps,
+                tokens=tokens,
+            )
+            for p in result.accepted
+        ]
+        roster = next_roster(
+            roster, new_version=out.versions, accepted=receipts, window=m.rules.roster_window
+        )
+    with torch.no_grad():
+        for n, t in param_state(model).items():
+            t.copy_(theta[n])
+    out.eval_loss = evaluate(model, evals)
+    for e in roster:
+        if e.peer_id in rider_ids:
+            out.rider_receipts += e.accepted
+            out.rider_tokens += e.tokens
+        elif e.peer_id in honest_ids:
+            out.honest_receipts += e.accepted
+    final = trusted_of_roster(m, roster, out.versions)
+    out.rider_trusted = sum(final is None or p in final for p in rider_ids if kind)
+    out.scored = scorer.scored if scorer is not None else 0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--scoring", default="on,off", help="on, off or on,off")
+    ap.add_argument("--rounds", type=int, default=Setup.rounds)
+    ap.add_argument("--honest", type=int, default=Setup.honest)
+    ap.add_argument("--riders", type=int, default=Setup.riders)
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    s = Setup(rounds=args.rounds, honest=args.honest, riders=args.riders)
+    rows: list[Outcome] = []
+    for scoring in [x == "on" for x in args.scoring.split(",")]:
+        for kind in [None, *args.kinds.split(",")]:
+            t0 = time.perf_counter()
+            o = run(s, kind, scoring)
+            rows.append(o)
+            print(
+                f"{o.kind:7s} scoring={'on ' if scoring else 'off'} versions={o.versions} "
+                f"loss={o.eval_loss:.4f} rider receipts={o.rider_receipts} "
+                f"tokens={o.rider_tokens} trusted={o.rider_trusted} seats={o.rider_seats} "
+                f"honest receipts={o.honest_receipts} refused={o.honest_refused} "
+                f"scored={o.scored} in {o.score_seconds:.1f}s ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "freeride.json").write_text(
+        json.dumps({"setup": asdict(s), "runs": [asdict(o) for o in rows]}, indent=1)
+    )
+    if args.json:
+        json.dump([asdict(o) for o in rows], sys.stdout, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""Work scoring (ADR 0062): a delta counts only if it shows work on the learner's own data.
+
+With ``SyncRules.work`` set, a learner training from certified version v reads the rows
+assigned to it for v, a pure function of the run seed, its identity and v
+(``train.data.assigned_rows``). The committee scores a delta Δ on base v as Templar's Gauntlet
+does: on a few seeded batches of those rows and as many of rows it was not assigned, the loss at
+the certified parameters θ and at θ − Δ (where the learner ended up):
+
+    advantage = min(own loss drop, own loss drop − other loss drop)
+
+Honest training lowers the loss on the rows trained, and more than on rows never seen. A delta
+that holds no work of its sender (the public certified update replayed or scaled, another
+learner's delta, noise) lowers both alike or neither (noise raises both): its advantage is ~0
+or below, and unless it exceeds ``margin`` it is refused (``MergeResult.rejected``): no
+receipt, no token credit, so no trust and no seat.
+
+Two screens run first, cheap and exact on the decoded deltas (float64 sums by the fixed tree of
+``aggregate.exact``, so every syncer draws the same line): a delta whose cosine similarity to
+the last certified update reaches ``max_cosine`` replays it and is refused; inputs that close to
+one another are a group of copies, every one of them is scored, and only the one with the best
+advantage above the margin may count. A copy of an honest delta thus earns nothing (it shows no
+advantage on its sender's rows), and the original keeps its receipt whatever the input order.
+
+Scoring costs 4 × ``batches`` forward passes of ``rows`` rows per delta; ``max_scored`` bounds
+it per round: probationary deltas first, then trusted ones in an order seeded by the version.
+A probationary delta left unscored is refused; a trusted one is merged as before.
+
+Shapes: M inputs, D parameters (a RowSet's virtual rows); B rows per batch, S = seq_len + 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2pdiloco.aggregate.rows import RowSet
+from p2pdiloco.protocol.records import RunManifest, WorkScoring
+from p2pdiloco.train.data import PackedCorpus, assigned_rows, sample_rows
+from p2pdiloco.train.inner import evaluate
+from p2pdiloco.train.learner import data_seed
+from p2pdiloco.train.models import build_for_loading, param_state
+
+# (peer id, its delta by tensor name) → advantage in nats; the merge's view of a scorer.
+ScoreFn = Callable[[str, Mapping[str, torch.Tensor]], float]
+# (peer id, certified version) → (rows assigned to it for that version, every other row).
+RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class WorkCheck:
+    """What the merge needs to check work: the run's rules, a scorer bound to the round's base
+    (:meth:`WorkScorer.bind`), the decoded last certified update (None: not held here, that
+    screen is skipped) and the seed of the scoring order."""
+
+    rules: WorkScoring
+    score: ScoreFn
+    last_update: Mapping[str, torch.Tensor] | None = None
+    seed: int = 0
+
+
+def copies(
+    deltas: RowSet, rows: Sequence[int], last: Sequence[torch.Tensor] | None, max_cosine: float
+) -> tuple[dict[int, str], dict[int, int]]:
+    """Copies among ``rows``: those of the last certified update (``last``: its tensors in the
+    deltas' order), row → reason; and the groups of rows that copy one another (joined
+    transitively), row → its group's first row, for the rows of groups of two or more.
+    A copy is a cosine similarity of at least ``max_cosine``."""
+    m = len(rows)
+    if not m:
+        return {}, {}
+    if last is not None:
+        ref = RowSet([*([deltas.rows[j] for j in rows]), list(last)])
+        dist, norms = ref.pairwise_sq_dists(list(range(m + 1))), ref.sq_norms(list(range(m + 1)))
+    else:
+        dist, norms = deltas.pairwise_sq_dists(list(rows)), deltas.sq_norms(list(rows))
+    replays = {
+        rows[a]: "replays the last certified update"
+        for a in range(m)
+        if last is not None and _cosine(norms[a], norms[m], dist[a][m]) >= max_cosine
+    }
+    root = list(range(m))
+    for a in range(m):
+        for b in range(a):
+            if _cosine(norms[a], norms[b], dist[a][b]) >= max_cosine:
+                ra, rb = _find(root, a), _find(root, b)
+                root[max(ra, rb)] = min(ra, rb)
+    sizes: dict[int, int] = {}
+    for a in range(m):
+        sizes[_find(root, a)] = sizes.get(_find(root, a), 0) + 1
+    groups = {rows[a]: rows[_find(root, a)] for a in range(m) if sizes[_find(root, a)] > 1}
+    return replays, groups
+
+
+def _find(root: list[int], a: int) -> int:
+    while root[a] != a:
+        a = root[a]
+    return a
+
+
+def _cosine(aa: float, bb: float, dd: float) -> float:
+    if aa <= 0 or bb <= 0:
+        return 1.0 if aa == bb else 0.0  # two zero deltas are one copy
+    return (aa + bb - dd) / (2 * math.sqrt(aa * bb))
+
+
+def scoring_order(
+    peers: Sequence[str], trusted: Sequence[bool], seed: int, first: Collection[int] = ()
+) -> list[int]:
+    """Positions of ``peers`` in the order they are scored: those in ``first`` (copies), then
+    probationary ones, then trusted ones, each in an order seeded by ``seed`` (every syncer
+    scores the same)."""
+
+    def key(i: int) -> tuple[bool, bool, bytes]:
+        digest = hashlib.sha256(f"{seed}/{peers[i]}".encode()).digest()
+        return i not in first, trusted[i], digest
+
+    return sorted(range(len(peers)), key=key)
+
+
+class WorkScorer:
+    """Scores deltas with a model of the run on its corpus' train rows ``train_NS``.
+
+    ``rows_of(peer, version)`` gives the rows assigned to a learner for its stretch from
+    ``version`` and the rows it was not (default: ``train.data.assigned_rows`` of its data seed
+    with H = ``steps`` and ``batch_size``, as a network learner reads them). One model is kept
+    and reloaded per delta: memory is one model more than the merge's."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Callable[[], torch.nn.Module],
+        train_NS: torch.Tensor,
+        rules: WorkScoring,
+        run_seed: int,
+        rows_of: RowsOf | None = None,
+        *,
+        steps: int = 1,
+        batch_size: int = 1,
+    ) -> None:
+        self._model = model  # or what builds it, on the first delta scored
+        self.train_NS, self.rules, self.run_seed = train_NS, rules, run_seed
+        n = int(train_NS.shape[0])
+
+        def assigned(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+            seed = data_seed(run_seed, peer)
+            return assigned_rows(n, seed=seed, version=version, steps=steps, batch_size=batch_size)
+
+        self.rows_of = rows_of or assigned
+        self.scored = 0  # deltas scored so far (the cost bench reads it)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if not isinstance(self._model, torch.nn.Module):
+            self._model = self._model()
+        return self._model
+
+    def bind(self, base: Mapping[str, torch.Tensor], version: int) -> ScoreFn:
+        """A scorer of deltas on ``base``, the certified parameters of ``version``: batches
+        are seeded by (run seed, version, peer), so every syncer scores on the same rows."""
+
+        def score(peer: str, delta: Mapping[str, torch.Tensor]) -> float:
+            own, other = self.batches(peer, version)
+            self._load(base, None)
+            before = evaluate(self.model, own), evaluate(self.model, other)
+            self._load(base, delta)
+            after = evaluate(self.model, own), evaluate(self.model, other)
+            self.scored += 1
+            own_drop, other_drop = before[0] - after[0], before[1] - after[1]
+            return min(own_drop, own_drop - other_drop)
+
+        return score
+
+    def batches(self, peer: str, version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The seeded [B, S] batches of ``peer``'s own rows and of rows not assigned to it."""
+        r = self.rules
+        own_N, other_N = self.rows_of(peer, version)
+        count = r.batches * r.rows
+        parts = (self.run_seed, version, peer)
+        own = sample_rows(own_N, count, "own", *parts)
+        other = sample_rows(other_N, count, "other", *parts)
+        return (
+            list(torch.split(self.train_NS[own], r.rows)),
+            list(torch.split(self.train_NS[other], r.rows)),
+        )
+
+    @torch.no_grad()
+    def _load(
+        self, base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        for n, p in param_state(self.model).items():
+            t = base[n].to(p.device, torch.float32)
+            if delta is not None and n in delta:
+                t = t - delta[n].to(p.device, torch.float32)
+            p.copy_(t.to(p.dtype))
+
+
+def work_scorer(manifest: RunManifest, corpus: PackedCorpus | None) -> WorkScorer | None:
+    """A node's scorer for ``manifest``'s run, None when it scores no work or the node holds
+    no corpus (then it cannot merge such a run's rounds: ``SyncService``)."""
+    if manifest.rules.work is None or corpus is None:
+        return None
+    return WorkScorer(
+        lambda: build_for_loading(manifest.model),  # a syncer's first merge builds it
+        corpus.train_NS,
+        manifest.rules.work,
+        manifest.seed,
+        steps=manifest.inner_steps,
+        batch_size=manifest.inner.batch_size,
+    )

@@ -1,0 +1,166 @@
+"""Work scoring (sync.scoring, ADR 0062): copies and deltas without work earn no receipt."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pdiloco.aggregate.rows import RowSet
+from p2pdiloco.protocol.records import RunManifest, SyncRules, WorkScoring, run_id_of
+from p2pdiloco.protocol.signing import open_envelope
+from p2pdiloco.sync.aggregator import MergeError, MergeInput, merge_round
+from p2pdiloco.sync.scoring import WorkCheck, copies, scoring_order
+from p2pdiloco.train.data import assigned_rows, sample_rows
+from p2pdiloco.train.outer import OuterConfig
+
+OLD_MANIFEST = Path(__file__).parent / "data" / "manifest-protocol10.json"
+OLD_RUN_ID = "6ec0dd12f6593418f7611c063df87a0c5ef8f706b4bf1a2110f6f02355c3bad2"
+D = 64
+
+
+def vec(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": scale * torch.randn(D, generator=g)}
+
+
+def params() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(D)}
+
+
+SEEN: list[str] = []  # the peers the last check() scored, in order
+
+
+def check(
+    scores: Mapping[str, float], last: Mapping[str, torch.Tensor] | None = None, **rules: object
+) -> WorkCheck:
+    """A work check whose scorer reads each peer's advantage from ``scores``."""
+    SEEN.clear()
+
+    def score(peer: str, delta: Mapping[str, torch.Tensor]) -> float:
+        SEEN.append(peer)
+        return scores[peer]
+
+    return WorkCheck(WorkScoring(**rules), score, last, seed=1)  # type: ignore[arg-type]
+
+
+def merge(inputs: list[MergeInput], work: WorkCheck | None, **rules: object):
+    return merge_round(
+        params(),
+        {},
+        inputs,
+        rules=SyncRules(aggregation="mean", **rules),  # type: ignore[arg-type]
+        outer=OuterConfig(),
+        work=work,
+    )
+
+
+def inp(peer: str, delta: dict[str, torch.Tensor], trusted: bool = True) -> MergeInput:
+    return MergeInput(peer, peer, delta, 1.0, trusted)
+
+
+def test_an_old_manifest_keeps_its_bytes_and_scores_no_work() -> None:
+    env = open_envelope(OLD_MANIFEST.read_bytes(), kind="manifest")
+    m = RunManifest.model_validate(env.body)
+    assert m.rules.work is None
+    assert m.model_dump(mode="json") == env.body  # no "work": null added to its bytes
+    assert run_id_of(m) == OLD_RUN_ID
+    body = json.loads(OLD_MANIFEST.read_bytes())["body"]
+    scored = RunManifest.model_validate({**body, "rules": {**body["rules"], "work": {}}})
+    assert scored.rules.work == WorkScoring()
+    assert run_id_of(scored) != OLD_RUN_ID  # turning scoring on is another run
+
+
+def test_assigned_rows_are_a_pure_function_and_split_the_corpus() -> None:
+    own, other = assigned_rows(1000, seed=7, version=3, steps=5, batch_size=4)
+    again, _ = assigned_rows(1000, seed=7, version=3, steps=5, batch_size=4)
+    assert torch.equal(own, again) and own.numel() == 20
+    assert sorted(torch.cat([own, other]).tolist()) == list(range(1000))
+    nxt, _ = assigned_rows(1000, seed=7, version=4, steps=5, batch_size=4)
+    assert not set(own.tolist()) & set(nxt.tolist())  # the next version reads the next rows
+    assert torch.equal(sample_rows(other, 8, "x", 1), sample_rows(other, 8, "x", 1))
+
+
+def test_copies_finds_replays_and_groups() -> None:
+    a, b, last = vec(1), vec(2), vec(3)
+    rows = RowSet([[a["w"]], [b["w"]], [1.01 * a["w"]], [last["w"] * 2]])
+    replays, groups = copies(rows, [0, 1, 2, 3], [last["w"]], 0.95)
+    assert replays == {3: "replays the last certified update"}
+    assert groups == {0: 0, 2: 0}
+    assert copies(rows, [0, 1, 2, 3], None, 0.95)[0] == {}
+
+
+def test_scoring_order_copies_then_probationary_then_trusted() -> None:
+    order = scoring_order(["a", "b", "c", "d"], [True, False, True, False], 5, first={2})
+    assert order[0] == 2 and set(order[1:3]) == {1, 3} and order[3] == 0
+
+
+def test_no_advantage_and_a_replay_earn_no_receipt() -> None:
+    last = vec(9)
+    inputs = [
+        inp("honest", vec(1)),
+        inp("lazy", vec(2)),  # scored, no advantage
+        inp("new", vec(4), trusted=False),
+        inp("replay", {"w": 0.5 * last["w"]}, trusted=False),
+    ]
+    result = merge(inputs, check({"honest": 0.2, "lazy": -0.01, "new": 0.3}, last))
+    assert result.accepted == ["honest", "new"]
+    assert "no advantage" in result.rejected["lazy"]
+    assert "replays" in result.rejected["replay"]
+    assert sorted(SEEN) == ["honest", "lazy", "new"]  # the replay costs no scoring
+
+
+def test_past_max_scored_probationary_deltas_are_refused_trusted_ones_merged() -> None:
+    along = [{"w": vec(1)["w"] + vec(2)["w"] + vec(k)["w"]} for k in (3, 4)]  # not away
+    inputs = [inp("t1", vec(1)), inp("t2", vec(2)), inp("p1", along[0], False)]
+    inputs.append(inp("p2", along[1], False))
+    scores = dict.fromkeys(["t1", "t2", "p1", "p2"], 0.1)
+    result = merge(inputs, check(scores, max_scored=1))
+    assert len(SEEN) == 1 and SEEN[0] in ("p1", "p2")  # probationary ones first
+    other = "p2" if SEEN[0] == "p1" else "p1"
+    assert set(result.accepted) == {"t1", "t2", SEEN[0]}
+    assert "not scored" in result.rejected[other]
+
+
+def test_of_a_group_of_copies_only_the_best_scored_counts_whatever_the_order() -> None:
+    honest = vec(1)
+    for names in (["a-copier", "b-honest"], ["b-copier", "a-honest"]):
+        copier, original = names if "copier" in names[0] else names[::-1]
+        inputs = sorted(
+            [inp(copier, {"w": honest["w"].clone()}), inp(original, honest), inp("x", vec(5))],
+            key=lambda i: i.digest,
+        )
+        result = merge(inputs, check({copier: 0.0, original: 0.1, "x": 0.1}))
+        assert set(result.accepted) == {original, "x"}
+        assert set(result.rejected) == {copier}
+
+
+def test_copies_folded_by_clone_factor_earn_no_receipt_with_scoring() -> None:
+    base = vec(1)
+    near = {"w": base["w"] + 0.1 * vec(2)["w"]}  # within the fold, below max_cosine
+    inputs = [inp("a", base), inp("b", near), inp("c", vec(3)), inp("d", vec(4))]
+    scores = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1}
+    off = merge(inputs, None, clone_factor=0.5)
+    assert "b" in off.accepted and off.folded == {"b": "a"}  # before: a receipt for the copy
+    on = merge(inputs, check(scores, max_cosine=0.999), clone_factor=0.5)
+    assert "b" not in on.accepted and on.rejected["b"].startswith("folded into")
+    assert torch.equal(on.params["w"], off.params["w"])  # merged as before: one row
+
+
+def test_a_round_of_free_riders_only_certifies_nothing() -> None:
+    inputs = [inp("r1", vec(1)), inp("r2", vec(2))]
+    with pytest.raises(MergeError) as e:
+        merge(inputs, check({"r1": 0.0, "r2": -0.1}))
+    assert set(e.value.rejected) == {"r1", "r2"}
+
+
+def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
+    from tests.test_run_plan import create
+
+    _, plain = create(tmp_path)
+    assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
+    _, scored = create(tmp_path, "--score-work")
+    assert scored.rules.work == WorkScoring()
