@@ -122,7 +122,7 @@ def certify(
         {},
         0,
         state.update_hash,
-        params_hash or certified_params_hash(state, manifest.rules),
+        params_hash=params_hash or certified_params_hash(state, manifest.rules),
     )
     sigs = {p: sign_body(BY_ID[p], body) for p in body.committee}
     return with_roster(manifest, base.cert, parse_certificate(assemble(body, sigs), run_id=run_id))

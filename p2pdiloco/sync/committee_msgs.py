@@ -119,6 +119,7 @@ def certificate_body(
     rejected: dict[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    *,
     eval_loss: float | None = None,
     params_hash: str | None = None,
 ) -> CertificateBody:
@@ -138,8 +139,8 @@ def certificate_body(
         rejected,
         view,
         update_hash,
-        eval_loss,
-        params_hash,
+        eval_loss=eval_loss,
+        params_hash=params_hash,
     )
 
 
@@ -155,6 +156,7 @@ def body_of(
     rejected: Mapping[str, str],
     view: int = 0,
     update_hash: str | None = None,
+    *,
     eval_loss: float | None = None,
     params_hash: str | None = None,
 ) -> CertificateBody:
