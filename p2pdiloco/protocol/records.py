@@ -202,6 +202,11 @@ class SyncRules(_Strict):
     # it votes to hand the version to the next view's committee (protocol.view_change); None:
     # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
     view_timeout: float | None = Field(default=None, gt=0, le=86_400)
+    # Pacemaker (core.views, ADR 0055): each view that fails doubles the next one's timeout (and
+    # the leader's agree_timeout), up to this many seconds; a certificate starts the next
+    # version at ``view_timeout`` again. None: 8 × the view timeout. Omitted from the signed
+    # manifest when None, so a manifest made before it keeps its bytes and run id.
+    view_timeout_max: float | None = Field(default=None, gt=0, le=7 * 86_400)
     # Trust (core.trust, ADR 0016): an identity counts fully, closes rounds and may be elected
     # once the certified roster credits it with this many accepted deltas and it joined this
     # many versions earlier (or it is on the genesis committee); until then its submissions
@@ -225,6 +230,13 @@ class SyncRules(_Strict):
     # ``p2pdiloco.choices.UPDATE_CODECS`` (dense; ``sync.rules.check_supported``). "none": fp32.
     update_codec: RuleName = "none"
 
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.view_timeout_max is None:
+            data.pop("view_timeout_max", None)
+        return data
+
     @model_validator(mode="after")
     def _grace_bounds(self) -> SyncRules:
         if self.grace_min is not None and self.grace_min > self.grace:
@@ -235,6 +247,8 @@ class SyncRules(_Strict):
     def _view_after_round(self) -> SyncRules:
         if self.view_timeout is not None and self.view_timeout <= self.grace + self.agree_timeout:
             raise ValueError("view_timeout must exceed grace + agree_timeout")
+        if self.view_timeout_max is not None and self.view_timeout_max < self.view_timeout_s:
+            raise ValueError("view_timeout_max must not be below the view timeout")
         return self
 
     @property
@@ -243,6 +257,14 @@ class SyncRules(_Strict):
         if self.view_timeout is not None:
             return self.view_timeout
         return 3 * (self.grace + self.agree_timeout)
+
+    @property
+    def view_timeout_max_s(self) -> float:
+        """The pacemaker's bound on one view's timeout, the default (8 × view timeout) filled
+        in."""
+        if self.view_timeout_max is not None:
+            return self.view_timeout_max
+        return 8 * self.view_timeout_s
 
     @property
     def give_up_after(self) -> float:
