@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from p2pdiloco.core.roster import committee_for
 from p2pdiloco.core.views import view_start
 from p2pdiloco.harness.demo import LocalNetwork
 from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
 from p2pdiloco.protocol.certificates import parse_certificate
 from p2pdiloco.protocol.identity import Identity
+from tests.test_sync_network import verified_certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(900)]
 
@@ -47,6 +49,13 @@ def next_version_within(
     start = time.monotonic()
     net.wait_versions(base + 1, survivors, bound)
     return time.monotonic() - start
+
+
+def next_committee(net: LocalNetwork, node: NodeProc) -> tuple[int, tuple[str, ...]]:
+    """The newest version ``node`` holds and view 0's committee of the version after it, leader
+    first, from its chain verified from genesis."""
+    cert = verified_certificates(node, net.run_id, net.manifest)[-1]
+    return cert.body.version, committee_for(net.run_id, net.manifest, cert).members
 
 
 def chain_is_one_history(net: LocalNetwork, nodes: list[NodeProc]) -> None:
@@ -80,9 +89,11 @@ def test_one_of_three_volunteers_leaves_and_the_other_two_certify_within_one_vie
     with LocalNetwork(tmp_path, SMALL) as net:
         _, nodes = three_volunteers(net)
         timeout = net.manifest.rules.view_timeout_s
-        victim, survivors = nodes[0], nodes[1:]
-        base = max(version(n) for n in nodes)
-        net.wait_versions(base, nodes, 120)
+        # the worst case: the one who leaves leads view 0 of the next version (its silence
+        # costs that view; view 1 has another leader)
+        _, members = next_committee(net, nodes[0])
+        victim = next(n for n in nodes if n.identity.peer_id == members[0])
+        survivors = [n for n in nodes if n is not victim]
         ctrl_c(victim) if stop == "ctrl-c" else victim.kill()
         base = max(version(n) for n in survivors)
         took = next_version_within(net, survivors, base, timeout)
@@ -111,11 +122,14 @@ def test_two_of_five_volunteers_leave_at_once_and_the_three_left_certify_on(
         nodes = [net.start_node(f"node{i}", k, until_version=UNTIL) for i, k in enumerate(keys)]
         net.wait_versions(3, nodes, 400)
         rules = net.manifest.rules
-        ctrl_c_node, killed = nodes[0], nodes[1]
+        # the worst case: both sit on view 0 of the next version, one of them its leader
+        _, members = next_committee(net, nodes[0])
+        by_id = {n.identity.peer_id: n for n in nodes}
+        ctrl_c_node, killed = by_id[members[0]], by_id[members[1]]
         os.killpg(ctrl_c_node.proc.pid, signal.SIGINT)
         killed.kill()
         ctrl_c_node.proc.wait(60)
-        survivors = nodes[2:]
+        survivors = [n for n in nodes if n not in (ctrl_c_node, killed)]
         base = max(version(n) for n in survivors)
         bound = view_start(rules, 4) + rules.grace
         took = next_version_within(net, survivors, base, bound)
