@@ -76,11 +76,15 @@ def test_quorum_out_of_reach_with_two_busy_processes_beside_it(
     than the fixed agree timeout made every view end and the next start over. The pacemaker
     doubles the timeouts after each failed view (ADR 0055), so a later view has time."""
     assert all(p.poll() is None for p in busy_neighbours)
-    two_dead_of_four(tmp_path, slice(1, 3), {**RULES, "view_timeout": 3600.0}, 120.0)
+    # The setup (all six learners merged once, on a busy machine where a slow learner's delta
+    # is late for a few rounds) gets longer; the view change keeps its bound of 120 s.
+    two_dead_of_four(tmp_path, slice(1, 3), {**RULES, "view_timeout": 3600.0}, 120.0, setup=400)
     assert all(p.poll() is None for p in busy_neighbours)  # they spun throughout
 
 
-def two_dead_of_four(tmp_path: Path, dead: slice, rules: dict[str, float], wait: float) -> None:
+def two_dead_of_four(
+    tmp_path: Path, dead: slice, rules: dict[str, float], wait: float, setup: float = 120
+) -> None:
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=6, committee_size=4, rules=rules) as net:
             assert net.manifest is not None
@@ -94,7 +98,7 @@ def two_dead_of_four(tmp_path: Path, dead: slice, rules: dict[str, float], wait:
                 cert = net.live()[0].runtime.chain.cert
                 return everyone <= {e.peer_id for e in roster_of(net.manifest, cert)}
 
-            await net.wait_for(all_in_roster, 120, "every learner in the certified roster")
+            await net.wait_for(all_in_roster, setup, "every learner in the certified roster")
             base = max(n.version for n in net.live())
             await net.wait_for(lambda: net.min_version() >= base, 60, "all on one version")
             info = committee_for(net.run_id, net.manifest, net.live()[0].runtime.chain.cert)
