@@ -116,7 +116,8 @@ def test_genesis_committee_is_sorted_and_seats_its_members() -> None:
         for e in genesis_roster(m)
     )
     info = committee_for(RUN, m, None)
-    assert sorted(info.members) == sorted(chosen) and info.quorum == committee.quorum(3) == 3
+    # three of k = 4, q = 3: the short quorum that tolerates the manifest's one absence (ADR 0055)
+    assert sorted(info.members) == sorted(chosen) and info.quorum == committee.short_quorum(3) == 2
     assert CREATOR.peer_id not in info.members  # the creator named others
     # more genesis members than seats: a full committee at the manifest's quorum
     big = manifest(genesis_committee=PEERS[:7])
@@ -283,6 +284,11 @@ def test_short_roster_gets_a_quorum_of_its_size() -> None:
     strict = manifest(quorum=4)
     assert committee_for(RUN, strict, certificate(veterans(PEERS[:5]))).quorum == 4
     assert committee_for(RUN, strict, certificate(veterans(PEERS[:3]))).quorum == 3
+    # the default k = 4, q = 3 tolerates one absence; three members keep that (ADR 0055)
+    assert committee_for(RUN, m, certificate(veterans(PEERS[:3]))).quorum == 2
+    for n in range(1, 10):  # the short quorum is safe: two quorums share f + 1 members
+        q, f = committee.short_quorum(n), (n - 1) // 3
+        assert 2 * q - n >= f + 1 and n - q >= f and q <= committee.quorum(n)
 
 
 def test_empty_certified_roster_falls_back_to_genesis_and_runs_must_match() -> None:

@@ -22,7 +22,7 @@ from p2pdiloco.protocol.certificates import (
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
 from p2pdiloco.protocol.view_change import (
-    MAX_VIEWS,
+    MAX_VIEW,
     TimeoutCert,
     parse_timeout_cert,
     sign_vote,
@@ -54,6 +54,13 @@ def tc_of(view: int, version: int, votes: dict[str, str | None]) -> TimeoutCert:
         (3, 3, [H1, H1, H2], (True, None)),  # the split that stalled a run: nobody reached 3
         (3, 3, [H1, H1], (True, H1)),  # the third may have signed H1
         (1, 1, [None], (True, None)),
+        (3, 3, [None], (False, None)),  # a lone vote never ends a view (issue 44)
+        (3, 3, [H1], (False, None)),
+        (3, 2, [None, None], (True, None)),  # a short committee's quorum of 2: one gone
+        (3, 2, [None], (False, None)),
+        (2, 2, [None], (False, None)),
+        (7, 5, [None, None], (False, None)),  # f + 1 = 3 voters at least
+        (7, 5, [None, None, None], (True, None)),
     ],
 )
 def test_timeout_lock_counts_silent_members_as_possible_signers(
@@ -119,7 +126,7 @@ def test_each_view_slides_past_a_blocking_set_and_is_the_same_on_every_node() ->
     assert all(len(v.members) == 4 and v.quorum == 3 for v in views)
     assert len({v.members[0] for v in views[:5]}) == 5  # a new leader each view
     with pytest.raises(ValueError):
-        committee_for(RUN, m, prev, MAX_VIEWS)
+        committee_for(RUN, m, prev, MAX_VIEW + 1)
 
 
 def test_any_two_dead_of_six_leave_a_live_quorum_within_two_views() -> None:
@@ -174,7 +181,7 @@ def test_a_view_one_certificate_verifies_only_with_a_proof_that_view_zero_timed_
     one_vote = tc_of(0, 2, {v0.members[0]: None})
     with pytest.raises(InvalidRecord, match="do not prove that it timed out"):
         verify_successor(RUN, m, prev, view_cert(m, prev, 1, [one_vote]))
-    with pytest.raises(InvalidRecord, match="must carry 1 timeout certificates"):
+    with pytest.raises(InvalidRecord, match="must carry 1 timeout certificate"):
         view_cert(m, prev, 1, [])
     # signed by view 0's committee but claiming view 1: not the committee of view 1
     with pytest.raises(InvalidRecord, match="committee or quorum"):

@@ -17,7 +17,9 @@ can check a claimed one:
   fresh identities worthless: they have no weight and no eligibility.
 
 Quorum q = floor(2k/3) + 1 signatures certify a version; fewer than k/3 faulty syncers can
-neither certify a wrong state nor block a right one.
+neither certify a wrong state nor block a right one. A committee that finds fewer than k
+candidates (a young or small run) uses :func:`short_quorum` of its actual size instead: the
+smallest quorum still safe for the faults that size tolerates (ADR 0055).
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def quorum(size: int) -> int:
     if size < 1:
         raise ValueError("committee size must be at least 1")
     return (2 * size) // 3 + 1
+
+
+def short_quorum(size: int) -> int:
+    """The smallest q with 2q > n + f for a committee of n = ``size`` and f = ⌊(n − 1)/3⌋:
+    any two quorums share f + 1 members (one correct, which signs one state per view), and
+    n − q ≥ f members may be gone. Equal to :func:`quorum` except for n divisible by 3, where it
+    is one less (n = 3: 2, so one departure of three does not stop the committee)."""
+    if size < 1:
+        raise ValueError("committee size must be at least 1")
+    return (size + (size - 1) // 3) // 2 + 1
 
 
 def _uniform(beacon_bytes: bytes, peer_id: str) -> float:

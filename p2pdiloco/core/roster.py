@@ -15,6 +15,7 @@ accepted delta, so the roster follows the learners actually contributing; its co
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -29,7 +30,7 @@ from p2pdiloco.protocol.certificates import (
 )
 from p2pdiloco.protocol.records import RunManifest, SyncRules
 from p2pdiloco.protocol.signing import InvalidRecord
-from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, timeout_lock
+from p2pdiloco.protocol.view_change import MAX_VIEW, TimeoutCert, tc_lock
 
 __all__ = [
     "MAX_ROSTER",
@@ -118,6 +119,7 @@ class CommitteeInfo:
     version: int  # the version this round produces (base + 1)
     members: tuple[str, ...]  # elected syncers, best score first (index 0 is the first leader)
     quorum: int  # matching signatures that certify ``version``
+    view: int = 0  # which view of ``version`` this committee sits in
 
 
 def roster_of(manifest: RunManifest, cert: Certificate | None) -> list[RosterEntry]:
@@ -180,14 +182,20 @@ def committee_for(
     View 0 is elected by :func:`committee.elect` over :func:`roster_of` with
     :func:`beacon_of`, committee size and eligibility (the trust thresholds of ``core.trust``)
     from the manifest. Later views (the committees that take over once earlier views timed
-    out, ``protocol.view_change``) slide a window of k over the election's full ranking (view
-    0's members first, then every other eligible candidate in score order, then the rest in
-    score order, so fresh identities sit only after every eligible one): view j starts at
-    j × (k − q + 1), so each view replaces more members than can block a quorum, its first
-    member leads, and after a few views every candidate has sat. The same
-    (certificate, view) gives the same committee on every node. The quorum is the manifest's
-    when the committee is full, else ⌊2m/3⌋+1 of the m members found (a young run with a short
-    roster). Raises ValueError if ``cert`` belongs to another run (a caller bug:
+    out, ``protocol.view_change``) slide a window of k over a ranking of every candidate, with
+    no last view (ADR 0055): view j starts at j × (k − q + 1), so each view replaces more
+    members than can block a quorum and its first member leads. The first pass over the
+    ranking puts view 0's members first (they hold the submissions), then the other eligible
+    candidates, those with a delta in the base certificate first (the chain's best sign that
+    they are live), in score order, then the rest; every later pass re-ranks the candidates with
+    a beacon of its own, so the windows of one pass never repeat the compositions of the last
+    and a blocking set cannot sit in every window. The committee is a function of
+    (certificate, view) only: every node computes the same one, and the lock argument of
+    ``protocol.view_change`` holds (ADR 0055 says why it cannot depend on who was silent). The
+    quorum is the manifest's when the committee is full, else, for the m < k members found (a
+    young run with a short roster), :func:`committee.short_quorum` of m, raised to m − (k − q)
+    if the manifest asks for fewer absences than that.
+    Raises ValueError if ``cert`` belongs to another run (a caller bug:
     ``parse_certificate(run_id=...)`` checks it) or ``view`` is out of range.
     """
     if cert is not None and cert.body.run != run_id:
@@ -196,6 +204,11 @@ def committee_for(
     return committee_of_roster(
         manifest, roster_of(manifest, cert), base, beacon_of(run_id, cert), view
     )
+
+
+def _pass_beacon(beacon: bytes, rank_pass: int) -> bytes:
+    seed = b"p2pdiloco/view-pass/v1\x00" + beacon + rank_pass.to_bytes(8, "big")
+    return hashlib.sha256(seed).digest()
 
 
 def committee_of_roster(
@@ -207,7 +220,7 @@ def committee_of_roster(
 ) -> CommitteeInfo:
     """:func:`committee_for` on its inputs: the certified roster of version ``base`` and the
     beacon after it. Pure."""
-    if not 0 <= view < MAX_VIEWS:
+    if not 0 <= view <= MAX_VIEW:
         raise ValueError(f"view {view} out of range")
     candidates = [
         committee.Candidate(
@@ -228,46 +241,68 @@ def committee_of_roster(
         recency=r.committee_recency,
     )
     members = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=rules)
+    size = len(members)
+    # A short committee tolerates the manifest's k − q absences, never more than its size is
+    # safe for (ADR 0055): k = 4, q = 3 gives 3 members a quorum of 2, q = 4 keeps 3 of 3.
+    short = max(committee.short_quorum(size), size - (k - manifest.quorum))
+    q = manifest.quorum if size == k else min(size, short)
     if view:
-        # Eligible candidates in score order, then the rest: fresh identities sit only once
-        # every eligible one has had a seat, and a run whose eligible members are down still
-        # finds a live quorum.
-        pool = committee.eligible(candidates, base, rules)
-        in_pool = set(pool)  # a list here made a view change at 10,000 peers take 25 s
-        others = [c for c in candidates if c not in in_pool]
-        ranked = [
-            p
-            for group in (pool, others)
-            if group
-            for p in committee.elect(
-                group, version=base, beacon_bytes=beacon, rules=replace(rules, size=len(group))
-            )
-        ]
-        seated = set(members)
-        ranking = members + [p for p in ranked if p not in seated]
-        step = k - manifest.quorum + 1
-        start = (view * step) % len(ranking)
-        members = [ranking[(start + i) % len(ranking)] for i in range(min(k, len(ranking)))]
-    q = manifest.quorum if len(members) == k else committee.quorum(len(members))
-    return CommitteeInfo(version=base + 1, members=tuple(members), quorum=q)
+        step = size - q + 1
+        rank_pass, start = divmod(view * step, len(candidates))
+        ranking = _ranking(candidates, members, base, beacon, rules, rank_pass)
+        members = [ranking[(start + i) % len(ranking)] for i in range(size)]
+    return CommitteeInfo(version=base + 1, members=tuple(members), quorum=q, view=view)
+
+
+def _ranking(
+    candidates: list[committee.Candidate],
+    elected: list[str],
+    base: int,
+    beacon: bytes,
+    rules: committee.CommitteeRules,
+    rank_pass: int,
+) -> list[str]:
+    """Every candidate in the order later views seat them in pass ``rank_pass``: eligible
+    candidates in score order, then the rest, so fresh identities sit only once every eligible
+    one has had a seat and a run whose eligible members are down still finds a live quorum.
+    Pass 0 puts view 0's members first and, among the other eligible ones, those with a delta
+    in the base certificate; later passes draw with their own beacon."""
+    pool = committee.eligible(candidates, base, rules)
+    in_pool = set(pool)  # a list here made a view change at 10,000 peers take 25 s
+    others = [c for c in candidates if c not in in_pool]
+    draw = beacon if rank_pass == 0 else _pass_beacon(beacon, rank_pass)
+    ranked = [
+        p
+        for group in (pool, others)
+        if group
+        for p in committee.elect(
+            group, version=base, beacon_bytes=draw, rules=replace(rules, size=len(group))
+        )
+    ]
+    if rank_pass:
+        return ranked
+    stale = {c.peer_id for c in candidates if c.last_version < base}
+    seated, eligible = set(elected), {c.peer_id for c in pool}
+    rest = [p for p in ranked if p not in seated]
+    rest.sort(key=lambda p: (p not in eligible, p in stale))  # stable: score order within
+    return elected + rest
 
 
 def chain_lock(
     run_id: str, manifest: RunManifest, prev: Certificate | None, tcs: Sequence[TimeoutCert]
 ) -> str | None:
-    """The content every later view of the version after ``prev`` must certify, given the
-    timeout certificates of its views 0 … len(tcs) − 1 (None: free). Raises InvalidRecord if one
-    does not prove its view's timeout, or two lock different contents."""
-    lock: str | None = None
-    for tc in tcs:
-        info = committee_for(run_id, manifest, prev, tc.view)
-        ok, locked = timeout_lock(tc, info.members, info.quorum)
-        if not ok:
-            raise InvalidRecord(f"the votes for view {tc.view} do not prove that it timed out")
-        if locked is not None and lock is not None and locked != lock:
-            raise InvalidRecord(f"view {tc.view} locks another content than an earlier view")
-        lock = lock or locked
-    return lock
+    """The content the version after ``prev`` must certify in the view after the last of
+    ``tcs`` (None: free), from the timeout certificate of the view before it (ADR 0055: the
+    last TC carries every earlier view's lock). Raises InvalidRecord if it does not prove its
+    view's timeout."""
+    if not tcs:
+        return None
+    tc = tcs[-1]
+    info = committee_for(run_id, manifest, prev, tc.view)
+    ok, lock = tc_lock(tc, info.members, info.quorum)
+    if not ok:
+        raise InvalidRecord(f"the votes for view {tc.view} do not prove that it timed out")
+    return lock.content if lock is not None else None
 
 
 def verify_successor(
@@ -279,9 +314,10 @@ def verify_successor(
     :func:`parse_certificate` only counts signatures of the committee the body itself names, so
     on its own it accepts a body in which anyone names themselves the committee. This closes
     the chain: run, ``base_version`` = prev's version (0 for genesis), ``version`` = base + 1,
-    committee (in election order) and quorum = :func:`committee_for` of the body's view, every
-    earlier view's timeout certificate valid against that view's committee and the body's
-    content the one they lock, if any (:func:`chain_lock`), and roster hash = that of
+    committee (in election order) and quorum = :func:`committee_for` of the body's view, the
+    timeout certificate of the view before (a body of view j > 0 carries that of view j − 1)
+    valid against that view's committee and the body's content the one it locks, if any
+    (:func:`chain_lock`), and roster hash = that of
     :func:`next_roster` of prev's roster and ``cert``'s receipts. Raises InvalidRecord naming
     the first mismatch; apply nothing from a certificate that fails.
     """

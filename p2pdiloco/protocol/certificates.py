@@ -43,7 +43,7 @@ from p2pdiloco.protocol.signing import (
     schema_error_reason,
     signing_message,
 )
-from p2pdiloco.protocol.view_change import MAX_VIEWS, TimeoutCert, parse_timeout_cert
+from p2pdiloco.protocol.view_change import MAX_VIEW, TimeoutCert, parse_timeout_cert
 
 CERTIFICATE_KIND = "certificate"
 # Receipts one certificate lists: the most inputs a round may merge (ADR 0047). A receipt is
@@ -97,8 +97,9 @@ class CertificateBody(_Strict):
     version: int = Field(ge=1, le=2**63 - 1)
     base_version: int = Field(ge=0)
     # Which committee of this version signs: 0 is the elected one, j > 0 the one that took
-    # over after views 0 … j − 1 timed out (the certificate carries their timeout certificates).
-    view: int = Field(default=0, ge=0, lt=MAX_VIEWS)
+    # over after views 0 … j − 1 timed out (the certificate carries the timeout certificate of
+    # view j − 1, which carries the lock of every earlier view: ADR 0055).
+    view: int = Field(default=0, ge=0, le=MAX_VIEW)
     state_hash: Hex64
     # sha256 of the encoded update that made this state from the base (sync.update, ADR 0029);
     # None: no update certified (bodies made outside a merge), peers download the whole state.
@@ -200,8 +201,8 @@ class Certificate:
     body: CertificateBody
     signers: tuple[str, ...]  # committee members whose signatures verified
     raw: bytes
-    # Timeout certificates of views 0 … body.view − 1, votes verified; that each proves its
-    # view's timeout is checked against the chain (core.roster.verify_successor).
+    # The timeout certificate of view body.view − 1 (none for view 0), votes verified; that it
+    # proves its view's timeout is checked against the chain (core.roster.verify_successor).
     views: tuple[TimeoutCert, ...] = ()
     # The roster whose hash the body carries, once derived from the chain (core.roster
     # .verify_successor, or the committee that made the body); None for a certificate only
@@ -216,7 +217,7 @@ def assemble(
     body: CertificateBody, signatures: dict[str, str], views: tuple[TimeoutCert, ...] = ()
 ) -> bytes:
     """Wire bytes of a certificate from a body, collected signatures and, for a body of view
-    j > 0, the timeout certificates of views 0 … j − 1 (not verified here)."""
+    j > 0, the timeout certificate of view j − 1 (not verified here)."""
     obj: dict[str, object] = {
         "body": body.model_dump(mode="json"),
         "sigs": dict(sorted(signatures.items())),
@@ -270,12 +271,17 @@ def parse_certificate(
 
 
 def _views(body: CertificateBody, wire: object) -> tuple[TimeoutCert, ...]:
-    """The timeout certificates a view-j body needs: exactly views 0 … j − 1, in order."""
-    if not isinstance(wire, list) or len(wire) != body.view:
+    """The timeout certificate a view-j body needs: that of view j − 1 (none for view 0)."""
+    want = 1 if body.view else 0
+    if not isinstance(wire, list) or len(wire) != want:
         raise InvalidRecord(
-            f"certificate of view {body.view} must carry {body.view} timeout certificates"
+            f"certificate of view {body.view} must carry {want} timeout certificate"
+            + ("" if want == 1 else "s")
         )
     views = tuple(parse_timeout_cert(body.run, body.version, tc) for tc in wire)
-    if [tc.view for tc in views] != list(range(body.view)):
-        raise InvalidRecord("a certificate's timeout certificates must be views 0, 1, … in order")
+    if views and views[0].view != body.view - 1:
+        raise InvalidRecord(
+            f"a certificate of view {body.view} must carry the timeout certificate of view "
+            f"{body.view - 1}"
+        )
     return views

@@ -222,6 +222,11 @@ class SyncRules(_Strict):
     # it votes to hand the version to the next view's committee (protocol.view_change); None:
     # 3 × (grace + agree_timeout). Must exceed grace + agree_timeout.
     view_timeout: float | None = Field(default=None, gt=0, le=86_400)
+    # Pacemaker (core.views, ADR 0055): each view that fails doubles the next one's timeout (and
+    # the leader's agree_timeout), up to this many seconds; a certificate starts the next
+    # version at ``view_timeout`` again. None: 8 × the view timeout. Omitted from the signed
+    # manifest when None, so a manifest made before it keeps its bytes and run id.
+    view_timeout_max: float | None = Field(default=None, gt=0, le=7 * 86_400)
     # Trust (core.trust, ADR 0016): an identity counts fully, closes rounds and may be elected
     # once the certified roster credits it with this many accepted deltas and it joined this
     # many versions earlier (or it is on the genesis committee); until then its submissions
@@ -261,7 +266,7 @@ class SyncRules(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Rules from before ADRs 0062 and 0064 serialise, hash and sign as they did: same run id.
+        # Rules from before ADRs 0055, 0062 and 0064 serialise, hash and sign as they did: same run id.
         data: dict[str, Any] = handler(self)
         if self.update_form == "gradient":
             data.pop("update_form", None)
@@ -269,6 +274,8 @@ class SyncRules(_Strict):
             data.pop("update_k", None)
         if self.work is None:
             data.pop("work", None)
+        if self.view_timeout_max is None:
+            data.pop("view_timeout_max", None)
         return data
 
     @model_validator(mode="after")
@@ -281,6 +288,8 @@ class SyncRules(_Strict):
     def _view_after_round(self) -> SyncRules:
         if self.view_timeout is not None and self.view_timeout <= self.grace + self.agree_timeout:
             raise ValueError("view_timeout must exceed grace + agree_timeout")
+        if self.view_timeout_max is not None and self.view_timeout_max < self.view_timeout_s:
+            raise ValueError("view_timeout_max must not be below the view timeout")
         return self
 
     @property
@@ -289,6 +298,14 @@ class SyncRules(_Strict):
         if self.view_timeout is not None:
             return self.view_timeout
         return 3 * (self.grace + self.agree_timeout)
+
+    @property
+    def view_timeout_max_s(self) -> float:
+        """The pacemaker's bound on one view's timeout, the default (8 × view timeout) filled
+        in."""
+        if self.view_timeout_max is not None:
+            return self.view_timeout_max
+        return 8 * self.view_timeout_s
 
     @property
     def give_up_after(self) -> float:

@@ -429,7 +429,8 @@ class World:
         certify, and at most one signed state could have), locked on that state."""
         if member.view != self.view:
             return
-        vote = ViewVote(self.run_id, self.version + 1, self.view, signed, member.peer_id, "")
+        lock = self.views.lock_ref
+        vote = ViewVote(self.run_id, self.version + 1, self.view, signed, member.peer_id, "", lock)
         if not self.views.add(vote, self.clock.now):
             return
         self.view_changes += self.views.view - self.view

@@ -28,7 +28,7 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, open_envelope, seal
 from p2pdiloco.protocol.submissions import SubmissionHeader
-from p2pdiloco.protocol.view_change import MAX_VIEWS
+from p2pdiloco.protocol.view_change import MAX_VIEW
 from p2pdiloco.sync.certified import CertifiedState
 
 PROPOSAL_KIND = "proposal"
@@ -78,7 +78,7 @@ def open_proposal(raw: bytes, run_id: str) -> Proposal:
     if not (
         isinstance(version, int)
         and isinstance(view, int)
-        and 0 <= view < MAX_VIEWS
+        and 0 <= view <= MAX_VIEW
         and isinstance(attempt, int)
         and 0 <= attempt < 2**31
         and isinstance(digests, list)
@@ -192,7 +192,7 @@ def body_of(
 
 
 MAX_SIGNATURE_BYTES = MAX_CERTIFICATE_BYTES  # a signature message carries the body it signs
-MAX_VOTE_BYTES = 256 * 1024  # a view vote with MAX_VIEWS − 1 timeout certificates of 64 votes
+MAX_VOTE_BYTES = 256 * 1024  # a view vote with one timeout certificate of 64 votes, two bodies
 
 
 def request_limits(max_payload: int) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,7 @@ from p2pdiloco.compress import CODECS
 from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round_types import RoundParams
 from p2pdiloco.core.trust import trust_progress, trusted_peers
+from p2pdiloco.core.views import backoff
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.records import RunManifest
@@ -161,7 +162,7 @@ def params_of(
         max_tokens_per_step=inner.batch_size * inner.seq_len,
         max_steps=manifest.inner_steps,
         weight_cap=r.weight_cap,
-        agree_timeout=r.agree_timeout,
+        agree_timeout=r.agree_timeout * backoff(r, committee.view),
         linger=r.linger,
         locked=locked,
         close_after=close_after,

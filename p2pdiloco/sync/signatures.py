@@ -85,9 +85,10 @@ class RoundSignatures:
         self, digest: str, signers: tuple[str, ...], tcs: tuple[TimeoutCert, ...], run_id: str
     ) -> tuple[bytes, Certificate, CertifiedState | None]:
         """The certificate of ``digest`` from ``signers``' signatures (and, for a later view, the
-        timeout certificates of the views before), verified; with the state if merged here."""
+        timeout certificate of the view before), verified; with the state if merged here."""
         body = self.bodies[digest]
-        raw = assemble(body, {s: self.sigs[digest][s] for s in signers}, tcs[: body.view])
+        proof = tuple(tc for tc in tcs if tc.view == body.view - 1)
+        raw = assemble(body, {s: self.sigs[digest][s] for s in signers}, proof)
         cert = parse_certificate(raw, run_id=run_id)
         state = self.results.get(digest)
         if state is not None:

@@ -9,7 +9,8 @@ view, so the service opens that view's round. The protocol is in ``protocol/view
 
 Vote message (one frame, canonical JSON, at most ``MAX_VOTE_BYTES``):
 ``{"version": v + 1, "view": j, "voter": peer id, "vote": {"signed", "sig"},
-"views": [timeout certificates of views 0 … j − 1], "body": the body the voter signed or null,
+"views": [the timeout certificate of view j − 1, or none in view 0], "body": the body the voter
+signed or null,
 "lock": a body of the content the earlier views locked, or null}``. The bodies are checked
 against the signed content digests before they are believed.
 """
@@ -27,7 +28,6 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json
 from p2pdiloco.protocol.view_change import (
-    MAX_VIEWS,
     TimeoutCert,
     ViewVote,
     parse_timeout_cert,
@@ -84,8 +84,8 @@ def open_vote(raw: bytes, run_id: str) -> VoteMessage:
         version, view, views = msg["version"], msg["view"], msg["views"]
         if not isinstance(version, int) or not isinstance(view, int) or not isinstance(views, list):
             raise InvalidRecord("a vote message's version and view are ints, views a list")
-        if len(views) >= MAX_VIEWS:
-            raise InvalidRecord("a vote message carries too many timeout certificates")
+        if len(views) > 1:
+            raise InvalidRecord("a vote message carries at most one timeout certificate")
         vote = parse_vote(run_id, version, view, msg["voter"], msg["vote"])
         tcs = [parse_timeout_cert(run_id, version, tc) for tc in views]
         body, lock = _body(msg["body"]), _body(msg["lock"])
@@ -129,7 +129,9 @@ class ViewDriver:
         st = self.state
         assert st is not None
         signed = content_digest(body) if body is not None else None
-        vote = sign_vote(self.identity, self.run_id, intent.version, intent.view, signed)
+        vote = sign_vote(
+            self.identity, self.run_id, intent.version, intent.view, signed, intent.lock
+        )
         log.warning(
             "no certificate for version %d in view %d after %.0f s: voting to hand it to view %d "
             "(%s)",
