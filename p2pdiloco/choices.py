@@ -13,6 +13,7 @@ from p2pdiloco.errors import ConfigError
 # Merge rules (p2pdiloco.aggregate), in the order `--help` lists them.
 RULES: tuple[str, ...] = (
     "mean",
+    "sender_mean",
     "median",
     "trimmed_mean",
     "krum",

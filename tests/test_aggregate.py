@@ -118,6 +118,7 @@ def _inputs(seed: int, m: int, d: int, weighted: bool) -> tuple[torch.Tensor, to
 
 CASES = [
     ("mean", {}, lambda x, w: ref_mean(x, w)),
+    ("sender_mean", {}, lambda x, w: ref_mean(x, w)),  # no zeros: everyone sent everything
     ("median", {}, lambda x, w: ref_median(x, w)),
     ("trimmed_mean", {"f": 2}, lambda x, w: ref_trimmed_mean(x, 2, w)),
     ("trimmed_mean", {"f": 0}, lambda x, w: ref_trimmed_mean(x, 0, w)),
@@ -164,6 +165,7 @@ def test_equal_weights_give_the_unweighted_result_bit_for_bit() -> None:
     ones = torch.ones(8)
     for name in (
         "mean",
+        "sender_mean",
         "median",
         "trimmed_mean",
         "multi_krum",
@@ -365,6 +367,7 @@ def compute():
     out = {"input": digest(x)}
     cases = [
         ("mean", {}, None), ("mean", {}, w),
+        ("sender_mean", {}, None), ("sender_mean", {}, w),
         ("median", {}, None), ("median", {}, w),
         ("trimmed_mean", {"f": 2}, None), ("trimmed_mean", {"f": 2}, w),
         ("krum", {"f": 2}, None),

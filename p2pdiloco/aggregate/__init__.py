@@ -10,6 +10,7 @@ bit-identical across machines and thread counts) is in ``exact.py``.
 
 Choosing a rule, with b attackers expected among M screened learners:
     mean              no attackers (trusted runs); baseline
+    sender_mean       as mean, each coordinate over the learners that sent it (top-k codecs)
     trimmed_mean(f)   f ≥ b, M > 2f; good default against unknown attacks (f ≈ M/4)
     median            b < M/2, no tuning; noisier on honest data
     multi_krum(f, m)  f ≥ b, M > 2f + 2; strong against large or scaled attacks
@@ -26,13 +27,14 @@ from .base import AggregationRule
 from .clipping import CenteredClip, ScreenResult, clip_norms, screen
 from .geomed import GeometricMedian
 from .krum import Krum, MultiKrum
-from .mean import Mean
+from .mean import Mean, SenderMean
 from .order import CoordinateMedian, TrimmedMean
 
 _REGISTRY: dict[str, type[AggregationRule]] = {
     cls.name: cls
     for cls in (
         Mean,
+        SenderMean,
         CoordinateMedian,
         TrimmedMean,
         Krum,
@@ -75,6 +77,7 @@ __all__ = [
     "Mean",
     "MultiKrum",
     "ScreenResult",
+    "SenderMean",
     "TrimmedMean",
     "clip_norms",
     "get_rule",

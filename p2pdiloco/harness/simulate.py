@@ -64,7 +64,7 @@ class MethodResult:
     method: str
     eval_loss_initial: float
     eval_loss_final: float
-    eval_losses: list[float]  # after each round
+    eval_losses: list[float]  # after every ``eval_every``-th round and the last
     train_loss_last: float
     tokens: int
     wire_bytes: int  # all learners together, uncompressed fp32
@@ -131,8 +131,8 @@ def prepare(cfg: SimulateConfig) -> tuple[torch.device, PackedCorpus]:
     TokenizerUnavailable with one-line messages otherwise.
     """
     spec = get_spec(cfg.model)
-    if cfg.learners < 1 or cfg.inner_steps < 1 or cfg.rounds < 1:
-        raise ConfigError("--learners, --inner-steps and --rounds must be at least 1")
+    if cfg.learners < 1 or cfg.inner_steps < 1 or cfg.rounds < 1 or cfg.eval_every < 1:
+        raise ConfigError("--learners, --inner-steps, --rounds and eval_every must be at least 1")
     if cfg.inner_steps % cfg.outer.fragments:
         raise ConfigError(
             f"--inner-steps {cfg.inner_steps} must be a multiple of --fragments "
@@ -164,6 +164,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     """Train DiLoCo (and the data-parallel baseline) on the same tokens; return both losses.
     ConfigError (before any work) for a codec this build lacks."""
     get_codec(cfg.compression)
+    get_codec(cfg.compression_first)
     try:
         rules_codec(cfg.rules)
     except ValueError as e:  # a sparse gradient update: certify the parameters' change
@@ -221,6 +222,33 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         accepted_deltas=counts.accepted,
         rejected_deltas=counts.rejected,
         folded_deltas=counts.folded,
+    )
+
+
+def train_method(
+    cfg: SimulateConfig,
+    method: str,
+    corpus: PackedCorpus,
+    evals: list[torch.Tensor],
+    model: torch.nn.Module,
+) -> MethodResult:
+    """One method of ``run_simulation`` alone, ``"diloco"`` or ``"data-parallel"``: trains
+    ``model`` in place (DiLoCo: the global model) on the rows ``run_simulation`` would give it,
+    so two calls at different settings compare at equal tokens (``bench/parity.py`` tunes each
+    method on its own grid this way). ``corpus`` comes from ``prepare(cfg)``.
+
+    Raises ConfigError as ``run_simulation`` does, ValueError for another method name.
+    """
+    if method not in ("diloco", "data-parallel"):
+        raise ValueError(f"method is 'diloco' or 'data-parallel', not {method!r}")
+    get_codec(cfg.compression)
+    get_codec(cfg.compression_first)
+    inner = replace(cfg.inner, total_steps=cfg.rounds * cfg.inner_steps)
+    if method == "data-parallel":
+        return _run_data_parallel(cfg, inner, corpus, evals, model, lambda _d, _u: None)
+    counts = _Verdicts(*([0] * cfg.learners for _ in range(3)))
+    return _run_diloco(
+        cfg, inner, corpus, evals, model, lambda _d, _u: None, build_attackers(cfg), counts
     )
 
 
@@ -360,9 +388,11 @@ def _run_diloco(
         model = copy.deepcopy(global_model)
         learners.append((model, *make_inner_optimizer(model, inner)))
     steps_per_sync = cfg.inner_steps // len(fragments)
+    later = get_codec(cfg.compression)
+    first = get_codec(cfg.compression_first) if cfg.compression_first_rounds else later
     feedback = (
-        [ErrorFeedback(get_codec(cfg.compression)) for _ in range(cfg.learners)]
-        if cfg.compression != "none"
+        [ErrorFeedback(first) for _ in range(cfg.learners)]
+        if {first.name, later.name} != {"none"}
         else []
     )
     uploaded = 0  # encoded payload bytes, all learners (with a codec)
@@ -382,6 +412,8 @@ def _run_diloco(
     loss0 = evaluate(global_model, evals)
     losses, last_train, tokens, syncs = [], 0.0, 0, 0
     for rnd in range(cfg.rounds):
+        for ef in feedback:  # the residual carries over when the schedule changes codec
+            ef.codec = first if rnd < cfg.compression_first_rounds else later
         for f, names in enumerate(fragments):
             sub_round = rnd * len(fragments) + f
             sent_tokens = []
@@ -461,8 +493,9 @@ def _run_diloco(
                     for n in names:
                         local[n].copy_(theta[n])
             syncs += 1
-        losses.append(evaluate(global_model, evals))
-        tick(f"DiLoCo round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
+        if _evaluates(cfg, rnd):
+            losses.append(evaluate(global_model, evals))
+            tick(f"DiLoCo round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
 
     n_params = sum(t.numel() for t in theta.values())
     # Each round every learner sends its Δ for all fragments (fp32, or as encoded) and gets the
@@ -520,8 +553,9 @@ def _run_data_parallel(
                 f"data-parallel round {rnd + 1}/{cfg.rounds}: train loss {stats.loss_last:.3f}",
                 stats.steps * cfg.learners,
             )
-        losses.append(evaluate(model, evals))
-        tick(f"data-parallel round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
+        if _evaluates(cfg, rnd):
+            losses.append(evaluate(model, evals))
+            tick(f"data-parallel round {rnd + 1}/{cfg.rounds}: eval loss {losses[-1]:.4f}", 0)
     n_params = sum(p.numel() for p in param_state(model).values())
     wire = steps * cfg.learners * 2 * n_params * 4
     return MethodResult(
@@ -535,6 +569,11 @@ def _run_data_parallel(
         syncs=steps,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _evaluates(cfg: SimulateConfig, rnd: int) -> bool:
+    """Whether round ``rnd`` (from 0) ends with an eval: every ``eval_every``-th and the last."""
+    return (rnd + 1) % cfg.eval_every == 0 or rnd + 1 == cfg.rounds
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -52,6 +52,7 @@ class SimulateConfig:
     tokenizer: str | None = None  # None: the model's default tokenizer
     device: str = "auto"
     eval_batches: int = 8  # eval batches of inner.batch_size rows at each round end
+    eval_every: int = 1  # rounds between two evals (the last round is always evaluated)
     max_data_bytes: int = 16 * 2**20  # cap on text read from the source
     init_from: str | None = None  # local Hugging Face checkpoint instead of random init
     baseline: bool = True  # also train the data-parallel baseline
@@ -64,5 +65,8 @@ class SimulateConfig:
     # .jitter): copies that stay apart from one another, to measure clone folding's limit.
     attack_jitter: float = 0.0
     compression: str = "none"  # delta codec (p2pdiloco.compress.CODECS), with error feedback
+    # A codec for the first rounds instead (e.g. int8 before topk2); the residual carries over.
+    compression_first: str = "none"
+    compression_first_rounds: int = 0  # rounds that use ``compression_first``
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
