@@ -100,6 +100,9 @@ class Learner:
         # Called with the steps done after each inner step of ``train`` (one process only: an
         # island's ranks train elsewhere and report per chunk).
         self.on_step: Callable[[int], None] | None = None
+        # Asked after each inner step of ``train`` (one process only, as ``on_step``): once
+        # true, the chunk ends there (a node stopping does not finish it).
+        self.should_stop: Callable[[], bool] | None = None
         if micro_batch is not None and self.cfg.batch_size % micro_batch == 0:
             # Same step batch as everyone (the run's), split to fit this device's memory.
             self.cfg = replace(self.cfg, grad_accum=self.cfg.batch_size // micro_batch)
@@ -149,7 +152,8 @@ class Learner:
         return self.optimizer.state_dict()
 
     def train(self, steps: int) -> InnerStats:
-        """``steps`` inner steps on the next rows of this learner's data."""
+        """``steps`` inner steps on the next rows of this learner's data (fewer once
+        ``should_stop`` says so: the stats count those trained)."""
         batches = learner_batches(
             self.corpus,
             seed=self.seed,
@@ -160,8 +164,9 @@ class Learner:
             batch_size=self.cfg.batch_size,
         )
         self.rounds_done += 1
-        self.steps_since_send += steps
-        return self._train_batches(batches)
+        st = self._train_batches(batches)
+        self.steps_since_send += st.steps
+        return st
 
     def _train_batches(self, batches: torch.Tensor) -> InnerStats:
         return train_steps(
@@ -172,6 +177,7 @@ class Learner:
             grad_accum=self.cfg.grad_accum,
             grad_clip=self.cfg.grad_clip,
             on_step=self.on_step,
+            stop=self.should_stop,
         )
 
     @torch.no_grad()
