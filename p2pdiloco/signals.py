@@ -82,8 +82,10 @@ def stop_event() -> Stop:
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     # `kill -USR1 <pid>` prints every thread's stack to stderr, for a bug report on a node that
-    # does not stop (C level: it works while every Python thread is blocked).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # does not stop (C level: it works while every Python thread is blocked). Not where stderr
+    # has no file descriptor (an in-process test runner's).
+    with contextlib.suppress(ValueError, AttributeError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
 
 
