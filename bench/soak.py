@@ -63,6 +63,7 @@ from bench.chaos_verify import (
 )
 from p2pdiloco.harness.demo import LocalNetwork
 from p2pdiloco.harness.demo_config import DemoConfig, NodeProc
+from p2pdiloco.net.lifeline import descendants
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest
 
@@ -141,8 +142,15 @@ class Starver:
             self._thread.start()
 
     def _signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.node().proc.pid, sig)
+        """``sig`` to the node's process group and to its DHT daemons' (their own group)."""
+        pid = self.node().proc.pid
+        groups = {pid}
+        for child, _ in descendants([pid]):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(child))
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -156,13 +156,13 @@ class Node:
         try:
             self.bridge = P2PBridge(self.dht.dht)
             self.reachability = self._check_reachability()
+            if gossip is not None:
+                starting.join()
         except BaseException:
             if gossip is not None:  # interrupted: the start gives up at once, the child stops
                 gossip.close()
-            raise
-        finally:
-            if gossip is not None:
                 starting.join()
+            raise
         self._event(f"reachability: {self.reachability.status}: {self.reachability.detail}")
         if self.reachability.fix:
             log.warning("relayed: %s", self.reachability.fix)

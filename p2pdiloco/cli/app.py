@@ -9,6 +9,7 @@ typer. ``tests/test_cli_startup.py`` keeps it so: importing this module loads no
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Annotated, Any, NamedTuple
 
 import typer
@@ -138,4 +139,11 @@ def _root(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        # typer's exit for a KeyboardInterrupt: a Ctrl-C before the command installed its own
+        # handler (``signals.stop_event``), while its modules load. Said, not left silent.
+        if e.code == 130:
+            print("interrupted", file=sys.stderr, flush=True)
+        raise

@@ -1,4 +1,4 @@
-"""``p2pdiloco bootstrap``: run a community bootstrap server until SIGTERM."""
+"""``p2pdiloco bootstrap``: run a community bootstrap server until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from p2pdiloco.cli.common import user_errors
 from p2pdiloco.net.bootstrap_config import BootstrapConfig
-from p2pdiloco.signals import stop_event
+from p2pdiloco.signals import Interrupted, stop_event
 
 _d = BootstrapConfig()
 
@@ -59,7 +59,8 @@ def bootstrap(
     )
     server = BootstrapServer(cfg)
     try:
-        server.start()
+        with stop.interrupting():  # Ctrl-C while starting: close what started, at once
+            server.start()
         assert server.http is not None
         print(f"p2pdiloco bootstrap {server.identity.peer_id}", flush=True)
         print("DHT multiaddrs (give one to nodes with --bootstrap):", flush=True)
@@ -73,5 +74,7 @@ def bootstrap(
         print(f"HTTP: {web}/healthz  {web}/api/v1/state  {web}/metrics", flush=True)
         stop.wait()
         print("stopping", flush=True)
+    except Interrupted:
+        print("stopping (interrupted while starting)", flush=True)
     finally:
         server.close()

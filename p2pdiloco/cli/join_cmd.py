@@ -24,7 +24,7 @@ from p2pdiloco.island.spec import IslandSpec, default_gpus, lan_host
 from p2pdiloco.island.spec import island_spec as spec_from_flags
 from p2pdiloco.net import keys
 from p2pdiloco.protocol.identity import default_identity_path
-from p2pdiloco.signals import stop_event
+from p2pdiloco.signals import Interrupted, Stop, stop_event
 
 if TYPE_CHECKING:  # hivemind, torch: imported once the settings and addresses are known good
     from p2pdiloco.node import Node
@@ -146,32 +146,47 @@ def run_join(cfg: JoinConfig) -> None:
     the run (``node.Node``), serve another host's LAN island or start training
     (``runtime.launch.RunningNode``), show it (``node_view.NodeView``: dashboard, log lines,
     metrics), then stop cleanly and say what was kept. UserError (exit 2) for what the user
-    can fix; the node is closed whatever happens."""
-    # A taken port first, before anything starts; the bootstrap servers are probed meanwhile
-    # (seconds at most) while this machine is checked, and their answer awaited after.
-    _check_ports(cfg.host, cfg.port, cfg.metrics_port, not cfg.no_gossip)
-    probe = _probe_bootstrap(cfg)
-    device, gpus, island = _placement(cfg)
-    if cfg.cache_dir is not None:
-        os.environ["HF_HOME"] = str(cfg.cache_dir)  # read by transformers when tokenizers load
-    if cfg.json_logs:
-        json_logging()
-    if cfg.model:  # refuse before any network or allocation work, with what would fit instead
-        island = _refuse_what_does_not_fit(cfg.model, device, island, cfg.max_memory)
-    _preflight(cfg.preflight_config(device, gpus))
-    probe.result()
+    can fix; the node is closed whatever happens.
+
+    Ctrl-C (or SIGTERM) is honoured at any moment: while starting it interrupts the step under
+    way (``signals.Interrupted``), what was started is closed, and the command ends (exit 0)
+    saying so; a second Ctrl-C exits at once (130)."""
     stop = stop_event()
+    try:
+        _join(cfg, stop)
+    except Interrupted:
+        print("stopped cleanly (interrupted while starting)", flush=True)
+
+
+def _join(cfg: JoinConfig, stop: Stop) -> None:
+    with stop.interrupting():
+        # A taken port first, before anything starts; the bootstrap servers are probed
+        # meanwhile (seconds at most) while this machine is checked, and their answer awaited
+        # after.
+        _check_ports(cfg.host, cfg.port, cfg.metrics_port, not cfg.no_gossip)
+        probe = _probe_bootstrap(cfg)
+        device, gpus, island = _placement(cfg)
+        if cfg.cache_dir is not None:
+            os.environ["HF_HOME"] = str(cfg.cache_dir)  # read by transformers for tokenizers
+        if cfg.json_logs:
+            json_logging()
+        if cfg.model:  # refuse before any network or allocation work, with what would fit
+            island = _refuse_what_does_not_fit(cfg.model, device, island, cfg.max_memory)
+        _preflight(cfg.preflight_config(device, gpus))
+        probe.result()
     log.info("bootstrap servers from %s: %s", cfg.bootstrap_source, ", ".join(cfg.bootstrap))
     from p2pdiloco.node import Node
 
     node = Node(cfg.node_config())
     running, metrics_api, announcer = None, None, None
     try:
-        node.start()
-        _say_joined(node)
+        with stop.interrupting():
+            node.start()
+            _say_joined(node)
         if cfg.lan_island and _serve_a_lan_island(node, cfg.island_secret, device, stop):
             return
-        running = _start_training(node, cfg, device, island)
+        with stop.interrupting():
+            running = _start_training(node, cfg, device, island)
         training = None if cfg.no_train else running  # what the view and the loop show
         from p2pdiloco.runtime.node_view import NodeView
 
@@ -402,7 +417,7 @@ def _start_training(node: Node, cfg: JoinConfig, device: str, island: IslandSpec
     assert node.run is not None
     if cfg.no_train:
         running = RunningNode(node, TrainConfig(state_dir=Path("."), train=False))
-        running.start()
+        _start(running)
         return running
     if cfg.adversary is not None and cfg.adversary not in ATTACKS:
         raise ConfigError(f"unknown attack '{cfg.adversary}'; one of {', '.join(ATTACKS)}")
@@ -429,9 +444,18 @@ def _start_training(node: Node, cfg: JoinConfig, device: str, island: IslandSpec
         flush=True,
     )
     running = RunningNode(node, cfg.train_config(state, device, micro, island))
-    version = running.start()
-    print(f"training from version {version}", flush=True)
+    print(f"training from version {_start(running)}", flush=True)
     return running
+
+
+def _start(running: Any) -> int:
+    """``running.start()``; interrupted (Ctrl-C) or failed, what it started is stopped: its
+    runtime's tasks end and the checkpoint writes under way finish (each is atomic)."""
+    try:
+        return int(running.start())
+    except BaseException:
+        running.stop()
+        raise
 
 
 def _serve(view: Any, running: Any, stop: Any, tui: bool, json_logs: bool, interval: float) -> None:

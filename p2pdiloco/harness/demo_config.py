@@ -64,7 +64,8 @@ class NodeProc:
             return {}
 
     def kill(self) -> None:
-        """SIGKILL the node's whole process group (daemons included), as a crash would."""
+        """SIGKILL the node's whole process group, as a crash would; its DHT process and p2pd,
+        in their own group, stop once they see it gone (``net.lifeline``)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)

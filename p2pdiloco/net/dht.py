@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from p2pdiloco.net.record_rules import RecordRefused, RejectionLog, check_record
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.signing import Envelope, InvalidRecord, open_envelope
+from p2pdiloco.signals import ignore_interrupts, interrupts_held
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +152,14 @@ def _start_failure(e: Exception, initial_peers: Sequence[str]) -> str:
 
 
 class _GuardedDHT(hivemind.DHT):
-    """hivemind's DHT process, and its p2pd, die with the process that started them (ADR 0011).
+    """hivemind's DHT process, and its p2pd, die with the process that started them (ADR 0011),
+    and never hear the terminal's Ctrl-C: stopping them is the node's part of its clean stop.
 
     The DHT process watches its parent; the parent's reaper watches the DHT process's tree.
+    hivemind ignores SIGINT in the DHT process, but p2pd starts with every signal at its
+    default (libuv resets them) and shuts down on SIGINT: a Ctrl-C during a node's start made
+    the DHT fail ("Daemon failed to start: None"), and at a stop left it to hivemind's hard
+    way. So the DHT process leaves the terminal's process group, p2pd with it.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -160,10 +167,16 @@ class _GuardedDHT(hivemind.DHT):
         super().__init__(**kwargs)
 
     def start(self) -> None:
-        super().start()
+        with interrupts_held():  # until the child ignores SIGINT (``run``)
+            super().start()
         lifeline.guard(self.pid)
 
     def run(self) -> None:
+        ignore_interrupts()
+        os.setpgid(0, 0)
+        # In a background group a write to the terminal would stop the process (stty tostop);
+        # one that ignores SIGTTOU may write.
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
         lifeline.watch_parent(self._lifeline_parent)
         super().run()
 
@@ -211,14 +224,18 @@ class DHTPlane:
         try:
             self.dht = _GuardedDHT(
                 initial_peers=list(initial_peers) or None,
-                start=True,
+                start=False,
                 record_validators=[EnvelopeValidator()],
                 # A returning peer with the same key would otherwise wait for a dial timeout.
                 check_if_identity_free=False,
                 **kwargs,
             )
-        except Exception as e:
+            self.dht.run_in_background(await_ready=True)
+        except BaseException as e:  # failed, or interrupted (Ctrl-C while starting)
+            self._kill()
             self._cleanup_tmp()
+            if not isinstance(e, Exception):
+                raise
             raise NetworkError(_start_failure(e, initial_peers)) from e
         if str(self.dht.peer_id) != identity.peer_id:
             self.close()
@@ -278,11 +295,24 @@ class DHTPlane:
         )
 
     def close(self) -> None:
-        """Stop the DHT process and its daemon (idempotent)."""
+        """Stop the DHT process and its daemon (idempotent); whatever of them is left after
+        hivemind's shutdown (its hard way ends the DHT process, not p2pd) is killed."""
         dht = getattr(self, "dht", None)
         if dht is not None and dht.is_alive():
+            tree = lifeline.descendants([dht.pid])
             dht.shutdown()
+            lifeline.kill_all(tree)
         self._cleanup_tmp()
+
+    def _kill(self) -> None:
+        """A DHT process that failed or was interrupted while starting holds nothing to save:
+        it and its daemon are ended at once (SIGTERM, then SIGKILL)."""
+        dht = getattr(self, "dht", None)
+        if dht is None or dht.pid is None:
+            return
+        me = lifeline.identify(dht.pid)
+        lifeline.kill_all(lifeline.descendants([dht.pid]) | ({me} if me is not None else set()))
+        dht.join(timeout=1.0)
 
     def _cleanup_tmp(self) -> None:
         if self._tmpdir is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from p2pdiloco.net import lifeline
+from p2pdiloco.signals import ignore_interrupts, interrupts_held
 
 _main_lock = threading.Lock()
 
@@ -25,7 +25,7 @@ def child_entry(
 ) -> None:
     # Runs in the spawned child. The import happens here, never in the parent.
     # Ctrl-C reaches the whole process group: the parent decides when gossip stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_interrupts()
     lifeline.watch_parent(parent)
     if "hivemind" in sys.modules:  # py-libp2p cannot load next to it (ADR 0001)
         raise RuntimeError("hivemind was imported into the gossip child; it must not be")
@@ -74,7 +74,9 @@ def start_child(
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     args = (child_conn, seed, listen_host, port, topics, parent)
     proc = ctx.Process(target=child_entry, args=args, name="p2pdiloco-gossip", daemon=True)
-    with no_main_reimport():
+    # Blocked until the child ignores it: a Ctrl-C during the new interpreter's start would
+    # end it with a KeyboardInterrupt traceback.
+    with no_main_reimport(), interrupts_held():
         proc.start()
     child_conn.close()  # so that the child's death reads as EOF on the parent's end
     return proc, parent_conn

@@ -198,10 +198,14 @@ def guard(pid: int | None) -> None:
         _guarded.add(pid)
         try:
             if _reaper is None or _reaper.poll() is not None:
-                _reaper = subprocess.Popen(
-                    [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
-                    stdin=subprocess.PIPE,
-                )
+                # Not at the top: this file also runs as the reaper's script, stdlib only.
+                from p2pdiloco.signals import interrupts_held
+
+                with interrupts_held():  # until the reaper ignores Ctrl-C (``_reap``)
+                    _reaper = subprocess.Popen(
+                        [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
+                        stdin=subprocess.PIPE,
+                    )
                 _guarded.intersection_update(p for p in _guarded if _stat(p) is not None)
                 pids = sorted(_guarded)
             else:
@@ -226,6 +230,7 @@ def _reap(parent_pid: int) -> None:
     # the parent to clean up after it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by ``guard``
     trees: dict[Proc, set[Proc]] = {}  # guarded child -> its recorded descendants
     reading, buf, polls = True, b"", 0
     while os.getppid() == parent_pid:

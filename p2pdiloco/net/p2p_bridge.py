@@ -33,8 +33,15 @@ class P2PBridge:
         self.p2p: P2P = self.run(dht.replicate_p2p(), timeout)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the bridge loop; raise TimeoutError after ``timeout`` seconds."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        """Run ``coro`` on the bridge loop; raise TimeoutError after ``timeout`` seconds. A wait
+        that ends without its result (the timeout, or Ctrl-C interrupting a start) cancels
+        ``coro``: nothing goes on on the loop for a caller that left."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()
+            raise
 
     def close(self) -> None:
         """Shut the replica's daemon client down, cancel what still runs, stop the loop."""

@@ -186,6 +186,7 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self._shapes = {n: tuple(t.shape) for n, t in state.params.items()}
         learner.on_step = self._stepped
+        learner.should_stop = self._stop.is_set
         self._chunk_start = 0.0  # monotonic start of the chunk under way
         self._chunk_overtime = False  # the chunk under way trains past the stretch
         self._past_horizon = False  # said once: the lr schedule ended (ADR 0053)
@@ -200,7 +201,9 @@ class Trainer:
         self._thread.start()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Stop after the current chunk of steps; the delta in flight is abandoned."""
+        """Stop after the current inner step (an island's: after its chunk); the delta in
+        flight is abandoned, and a stretch that was due is not sent: its steps stay in the
+        local progress, which the next start sends."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -271,6 +274,8 @@ class Trainer:
                 self._do(a)
 
     def _do(self, action: LearnerAction) -> None:
+        if isinstance(action, (Train, Send)) and self._stop.is_set():
+            return  # stopping: the rest of this step's actions keep learner and machine in step
         if isinstance(action, Train):
             self._train(action.steps)
             overtime = self.machine.phase is LearnerPhase.OVERTIME

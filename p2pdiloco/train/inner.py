@@ -85,9 +85,11 @@ def train_steps(
     grad_clip: float = 1.0,
     all_finite: Callable[[bool], bool] | None = None,
     on_step: Callable[[int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> InnerStats:
     """Run one inner step per leading slice of ``batches_TBS`` on the model's device;
-    ``on_step(done)`` after each (what a dashboard shows between chunks).
+    ``on_step(done)`` after each (what a dashboard shows between chunks). Once ``stop()`` is
+    true after a step, the rest are left (a node stopping); the stats count the steps done.
 
     Raises ValueError if B is not divisible by ``grad_accum``; a non-finite loss raises
     FloatingPointError before the optimizer touches the weights, so a diverged learner never
@@ -102,6 +104,7 @@ def train_steps(
     model.train()
     t0 = time.perf_counter()
     losses = torch.zeros(steps, dtype=torch.float64)
+    done = steps
     for t in range(steps):
         step_rows_BS = batches_TBS[t].to(device, non_blocking=True)
         step_loss = torch.zeros((), device=device)
@@ -129,10 +132,14 @@ def train_steps(
         losses[t] = step_loss.item()
         if on_step is not None:
             on_step(t + 1)
+        if stop is not None and t + 1 < steps and stop():
+            done = t + 1
+            losses = losses[:done]
+            break
     synchronize(device)
     return InnerStats(
-        steps=steps,
-        tokens=steps * batch * (seq - 1),
+        steps=done,
+        tokens=done * batch * (seq - 1),
         loss_mean=float(losses.mean()),
         loss_last=float(losses[-1]),
         seconds=time.perf_counter() - t0,

@@ -101,6 +101,9 @@ class Learner:
         # Called with the steps done after each inner step of ``train`` (one process only: an
         # island's ranks train elsewhere and report per chunk).
         self.on_step: Callable[[int], None] | None = None
+        # Asked after each inner step of ``train`` (one process only, as ``on_step``): once
+        # true, the chunk ends there (a node stopping does not finish it).
+        self.should_stop: Callable[[], bool] | None = None
         if micro_batch is not None and self.cfg.batch_size % micro_batch == 0:
             # Same step batch as everyone (the run's), split to fit this device's memory.
             self.cfg = replace(self.cfg, grad_accum=self.cfg.batch_size // micro_batch)
@@ -153,8 +156,9 @@ class Learner:
         return self.optimizer.state_dict()
 
     def train(self, steps: int, version: int | None = None) -> InnerStats:
-        """``steps`` inner steps on the next rows of this learner's data: with work scoring
-        and the certified ``version`` trained from, the rows assigned to it for that version
+        """``steps`` inner steps on the next rows of this learner's data (fewer once
+        ``should_stop`` says so: the stats count those trained): with work scoring and the
+        certified ``version`` trained from, the rows assigned to it for that version
         (``train.data.assigned_rows``; past H steps they are read again)."""
         if self.manifest.rules.work is not None and version is not None:
             batches = self._assigned(steps, version)
@@ -169,8 +173,12 @@ class Learner:
                 batch_size=self.cfg.batch_size,
             )
         self.rounds_done += 1
-        self.steps_since_send += steps
-        return self._train_batches(batches)
+        st = self._train_batches(batches)
+        self.steps_since_send += st.steps
+        if st.steps < steps and self.manifest.rules.work is not None and version is not None:
+            at, done = self.data_at  # stopped early: the rows not trained come next
+            self.data_at = (at, done - (steps - st.steps))
+        return st
 
     def _assigned(self, steps: int, version: int) -> torch.Tensor:
         """The next ``steps`` batches [T, B, S] of the rows assigned for ``version``."""
@@ -198,6 +206,7 @@ class Learner:
             grad_accum=self.cfg.grad_accum,
             grad_clip=self.cfg.grad_clip,
             on_step=self.on_step,
+            stop=self.should_stop,
         )
 
     @torch.no_grad()
