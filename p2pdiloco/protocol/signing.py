@@ -45,7 +45,12 @@ from p2pdiloco.protocol.identity import (
 # was 3).
 # 10: receipts that scale (ADR 0047): a certificate lists up to 16,384 receipts (was 4,096),
 # a proposal as many digests; certificates and signature messages may be up to 8 MiB.
-PROTOCOL_VERSION = 10
+# 11: views that fit the live network (ADR 0055: short-committee quorums, votes carry their
+# lock, a certificate carries one TC, no last view, the pacemaker's `rules.view_timeout_max`),
+# the certified eval loss (ADR 0059: `held_out`, `eval_loss`), work scoring (ADR 0062:
+# `rules.work`) and sparse certified updates (ADR 0064: `update_form`, `update_k`,
+# `params_hash`). Manifests that name none of the new fields keep their bytes and run id.
+PROTOCOL_VERSION = 11
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1
