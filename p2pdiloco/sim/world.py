@@ -502,6 +502,7 @@ class World:
         self.round_opened, self.view, self.members = self.clock.now, 0, {}
         self.views = ViewState(self.run_id, self.manifest, self.cert, "", self.clock.now)
         self._forget_old_subs()
+        self._move_nodes_on()
         for peer in self.peers.values():
             learner = peer.learner
             if learner is not None and learner.alive:
@@ -521,6 +522,14 @@ class World:
         if got is None:
             got = self._sets[cert.version] = frozenset(cert.merged)
         return got
+
+    def _move_nodes_on(self) -> None:
+        """Every node that has sat learns the new version now, not when it is next seated: what
+        it held and saw for older rounds is over (``SyncerNode.install``), so memory is that of
+        the live rounds. Lazily, the held copies of every node seated once grew with the run
+        (400,000 after 5 simulated minutes at 1,000 peers; gigabytes in the 10,000-peer hour)."""
+        for _epoch, node in self.nodes.values():
+            node.install(self.cert, self.version, self.clock.now, self.views)
 
     def _forget_old_subs(self) -> None:
         oldest = self.version - self.manifest.rules.staleness - 1
