@@ -27,7 +27,13 @@ from p2pdiloco.protocol.certificates import (
     sign_body,
 )
 from p2pdiloco.protocol.identity import Identity
-from p2pdiloco.protocol.records import RunManifest, parse_manifest, run_id_of, run_id_of_body
+from p2pdiloco.protocol.records import (
+    IncompatibleProtocol,
+    RunManifest,
+    parse_manifest,
+    run_id_of,
+    run_id_of_body,
+)
 from p2pdiloco.protocol.signing import open_envelope
 from p2pdiloco.runtime.trainer import Certified, Trainer
 from p2pdiloco.sync.certified import CertifiedState
@@ -145,8 +151,11 @@ def test_rounds_and_tokens_give_one_plan() -> None:
 def test_a_manifest_signed_before_plans_verifies_with_its_run_id() -> None:
     raw = OLD_MANIFEST.read_bytes()
     env = open_envelope(raw, kind="manifest")  # the signature over the bytes as signed
-    run_id, manifest = parse_manifest(env)
-    assert run_id == OLD_RUN_ID == run_id_of_body(env.body) == run_id_of(manifest)
+    # Signed at protocol 10: a node of protocol 11 verifies it and says which protocol it needs.
+    with pytest.raises(IncompatibleProtocol, match="protocol version 10"):
+        parse_manifest(env)
+    manifest = RunManifest.model_validate(env.body)
+    assert OLD_RUN_ID == run_id_of_body(env.body) == run_id_of(manifest)
     assert manifest.plan is None
     assert (manifest.inner.warmup_steps, manifest.inner.total_steps) == (100, 10_000)
     assert manifest.model_dump(mode="json") == env.body  # no field added to its bytes

@@ -64,8 +64,10 @@ def test_overtime_replayed_at_events_gives_the_figures_of_an_event_a_chunk(
     got, want = fast.to_dict(), slow.to_dict()
     for key in ("wall_seconds", "events"):
         got.pop(key), want.pop(key)
-    for key in ("latency_p50", "latency_p95", "latency_p99"):  # sums in another order
-        assert got.pop(key) == pytest.approx(want.pop(key), rel=1e-12)
+    # Latencies are differences of event times, which are sums taken in another order (the
+    # pacemaker's view times, ADR 0055, add terms): equal to a nanosecond in seconds.
+    for key in ("latency_p50", "latency_p95", "latency_p99"):
+        assert got.pop(key) == pytest.approx(want.pop(key), rel=1e-10)
     assert got == want
     assert [c.content for c in fast_world.certs] == [c.content for c in slow_world.certs]
 
@@ -99,8 +101,9 @@ def test_failures_cost_diloco_its_own_work_and_stall_data_parallel() -> None:
 
 
 def test_a_committee_that_loses_its_members_hands_the_version_to_the_next_view() -> None:
-    # Failures long enough that committee members are down when their round is due.
-    cfg = replace(SMALL, duration=3600.0, mtbf_hours=0.5, repair_seconds=900, seed=5)
+    # Failures long enough that committee members are down when their round is due (since
+    # ADR 0055 a short committee's quorum rides out what MTBF 0.5 h did at this seed: harsher).
+    cfg = replace(SMALL, duration=3600.0, mtbf_hours=0.25, repair_seconds=900, seed=5)
     result, world = simulate_run(cfg, baseline=False)
     assert result.view_changes > 0
     assert any(c.view > 0 for c in world.certs)  # certified by a later view's committee

@@ -364,7 +364,10 @@ def test_a_sparse_update_needs_the_params_form_and_old_manifests_keep_their_byte
         check_supported(make_run("int8", "params", update_k=16)[1])
     # Rules and bodies of before ADR 0064 serialise without the new fields: the same run id,
     # the same signed body bytes, the same genesis state.
-    old = make_run("int8", "gradient")[1].model_copy(update={"created_at": 1.0})
+    # (Recorded at protocol 10; protocol 11 is the only difference from that run.)
+    old = make_run("int8", "gradient")[1].model_copy(
+        update={"created_at": 1.0, "protocol_version": 10}
+    )
     dumped = old.model_dump(mode="json")
     assert "update_form" not in dumped["rules"] and "update_k" not in dumped["rules"]
     assert run_id_of(RunManifest.model_validate(json.loads(json.dumps(dumped)))) == run_id_of(old)
