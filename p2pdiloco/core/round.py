@@ -116,6 +116,9 @@ class SyncerRound:
     enough_at: float | None = None  # when this attempt first reached the learner quorum
     reach: Reach = field(default_factory=Reach)  # fellows the driver failed to dial (ADR 0041)
     input_set: tuple[str, ...] | None = None
+    # ``input_set`` as a set, for membership (built once per set, not once per question)
+    _agreed_of: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
+    _agreed_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
     own_hash: str | None = None  # the state this syncer signed; set once per version
     last_hash: str | None = None  # the state of this syncer's latest successful merge
     signatures: dict[str, str] = field(default_factory=dict)  # syncer → state hash
@@ -148,7 +151,7 @@ class SyncerRound:
     def on_submission(self, sub: Submission, now: float) -> list[Action]:
         """Screen one submission header; accepted ones wait for the attempt to close. One of
         the agreed input set that this syncer still lacks is taken as if fetched."""
-        agreed = self.input_set is not None and sub.digest in self.input_set
+        agreed = self.input_set is not None and sub.digest in self._agreed()
         if agreed and self.phase is Phase.AGREEING and sub.digest not in self.accepted:
             return self.on_fetched(sub)
         refusal = self._screen(sub)
@@ -222,7 +225,7 @@ class SyncerRound:
         """A submission fetched from a fellow syncer (header re-checked like any other)."""
         if self.phase is not Phase.AGREEING or self.input_set is None:
             return []
-        if sub.digest not in self.input_set:
+        if sub.digest not in self._agreed():
             text = "fetched submission is not in the agreed input set"
             return [Reject(sub.peer_id, Reason.NOT_IN_INPUT_SET, text)]
         if sub.digest in self.accepted:
@@ -232,9 +235,15 @@ class SyncerRound:
             return [Reject(sub.peer_id, *refusal)]
         actions = self._make_room(self.input_set)
         self._accept(sub)
-        if all(d in self.accepted for d in self.input_set):
+        if self._agreed() <= self.accepted.keys():
             actions += self._adopted(self.leader(0))
         return actions
+
+    def _agreed(self) -> frozenset[str]:
+        """The agreed input set's digests (empty before one is agreed)."""
+        if self._agreed_of is not self.input_set:
+            self._agreed_of, self._agreed_set = self.input_set, frozenset(self.input_set or ())
+        return self._agreed_set
 
     def on_aggregated(
         self, state_hash: str, attempt: int | None = None, evaluated: Evaluated | None = None
