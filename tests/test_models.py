@@ -118,6 +118,38 @@ def test_a_model_built_for_loading_is_the_seeded_one_once_loaded(name: str) -> N
         assert torch.equal(model(rows).logits, ref(rows).logits)
 
 
+def test_models_built_on_many_threads_at_once_keep_the_seeded_init() -> None:
+    """transformers' ``no_init_weights`` swaps torch's init functions process-wide: two threads
+    inside it at once used to leave the no-ops installed for good, and every later seeded build
+    in the process kept uninitialised memory (CI, stop 46: ``loss is nan`` at step 0)."""
+    import threading
+
+    reference = state_hash(param_state(build_model("gemma-tiny", seed=5)))
+    init_fns = {n: getattr(torch.nn.init, n) for n in ("normal_", "zeros_", "ones_")}
+    errors: list[BaseException] = []
+    hashes: list[str] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                if i % 2:
+                    build_for_loading("gemma-tiny", params_on_meta=i % 4 == 1)
+                else:
+                    hashes.append(state_hash(param_state(build_model("gemma-tiny", seed=5))))
+        except BaseException as e:  # re-raised below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert hashes and set(hashes) == {reference}
+    assert {n: getattr(torch.nn.init, n) for n in init_fns} == init_fns
+    assert state_hash(param_state(build_model("gemma-tiny", seed=5))) == reference
+
+
 def test_an_island_build_holds_no_parameter_memory_and_the_real_buffers() -> None:
     """What an island rank builds before sharding (island.shards): gemma-12b's 11.8 B
     parameters all on the meta device, its buffers computed; gemma-tiny's buffers equal to the

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from p2pdiloco.train.hf_import import import_transformers
+from p2pdiloco.train.hf_import import building_models, import_transformers
 from p2pdiloco.train.model_specs import get_spec
 from p2pdiloco.train.models import build_for_loading, param_state
 from p2pdiloco.train.tokenizer import ByteTokenizer, TokenizerUnavailable, load_tokenizer
@@ -136,7 +136,8 @@ def load_hf_dir(path: Path) -> tuple[torch.nn.Module, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with building_models():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(str(path))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.train.hf_import import import_transformers
+from p2pdiloco.train.hf_import import building_models, import_transformers
 from p2pdiloco.train.model_specs import (
     BYTE_VOCAB_SIZE,
     REGISTRY,
@@ -54,7 +54,7 @@ def _seeded_build(spec: ModelSpec, seed: int) -> torch.nn.Module:
 
     # Build on the CPU in fp32 under a forked RNG: the draw sequence then depends only on the
     # seed and the architecture, never on the caller's RNG state or the target device.
-    with torch.random.fork_rng(devices=[]):
+    with building_models(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device("cpu"):
             model = Gemma3ForCausalLM(spec.hf_config())
@@ -100,7 +100,7 @@ def build_for_loading(
     from transformers import Gemma3ForCausalLM
 
     meta = _params_on_meta() if params_on_meta else contextlib.nullcontext()
-    with _no_init_weights(), torch.device(device), meta:
+    with building_models(), _no_init_weights(), torch.device(device), meta:
         model = Gemma3ForCausalLM(spec.hf_config())
     model.tie_weights()  # skipped with the init: the output head shares the embedding
     model.train()
@@ -147,9 +147,10 @@ def _load_pretrained(spec: ModelSpec, path: Path) -> torch.nn.Module:
     if not path.exists():
         raise ModelError(f"--init-from '{path}' does not exist")
     try:
-        model = Gemma3ForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32
-        )
+        with building_models():
+            model = Gemma3ForCausalLM.from_pretrained(
+                str(path), local_files_only=True, dtype=torch.float32
+            )
     except Exception as e:  # transformers raises many types for a bad checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load checkpoint '{path}': {first}") from e
@@ -168,7 +169,7 @@ def _meta_model(spec: ModelSpec) -> torch.nn.Module:
     import_transformers()
     from transformers import Gemma3ForCausalLM
 
-    with torch.device("meta"):
+    with building_models(), torch.device("meta"):
         return Gemma3ForCausalLM(spec.hf_config())
 
 
