@@ -51,6 +51,7 @@ refused with BUSY), at most ``max_dropped`` dropped digests, one signature per c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
@@ -203,7 +204,7 @@ class SyncerRound:
         if (
             not digests
             or len(digests) > self.params.max_inputs
-            or list(digests) != sorted(set(digests))
+            or any(a >= b for a, b in itertools.pairwise(digests))  # unsorted or repeated
         ):
             text = "malformed input set (empty, too long, unsorted or repeated)"
             return [Reject(sender, Reason.MALFORMED, text)]
