@@ -2,16 +2,17 @@
 
 Fresh identities that never train send, for every certified version, the run's own public
 certified update of that version as their delta: fetched over the real ``cert`` and ``update``
-ops from a node that holds it, decoded, re-encoded with the run's submission codec (the same
-bytes from every rider), claiming an honest delta's credit (steps = H, tokens = H × batch ×
-seq_len). They speak the sync protocol from one DHT client of this process, as any peer could;
-the nodes are real processes (``p2pdiloco.harness.demo.LocalNetwork``).
+ops from a node that holds it (its very bytes where the run's update and submission codecs are
+one, as with ``run create``'s int8; the same bytes from every rider), claiming an honest
+delta's credit (steps = H, tokens = H × batch × seq_len). They announce heartbeats as
+learners, so a round waits for them as for any live learner. They speak the sync protocol
+from one DHT client of this process, as any peer could; the nodes are real processes
+(``p2pdiloco.harness.demo.LocalNetwork``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Coroutine
@@ -44,8 +45,6 @@ from p2pdiloco.sync.fetch import SyncError, download_update
 from p2pdiloco.sync.update import decode_update, max_update_bytes, rules_codec
 from p2pdiloco.train.models import build_model, param_state
 
-log = logging.getLogger(__name__)
-
 Targets = dict[str, list[str]]  # peer id → the multiaddrs of its heartbeat
 HEARTBEAT_EVERY = 2.0  # seconds between the riders' heartbeats (a node's, in the tests)
 
@@ -58,6 +57,9 @@ class RideReport:
     first_base: int = 0  # the first base version the riders sent for
     until: int = 0  # the version every node held when they stopped
     seconds: float = 0.0  # from the first send to the end
+    # base version → seconds from the riders' first sight of its certificate to the update
+    # in hand, and from there to every reply (how late they are against the round's close)
+    lags: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def accepted(self) -> int:
@@ -112,14 +114,17 @@ class _Replayer:
 
     async def payload(self, cert: Certificate, peer: str) -> bytes | None:
         """The update ``cert`` names, from ``peer`` (``update``, checked against the update
-        hash), re-encoded as a submission payload with the run's codec; None when ``peer`` does
-        not hold it yet."""
+        hash), as a submission payload: its very bytes when the run's update and submission
+        codecs are one (a gradient update is a delta pack), else decoded and re-encoded with
+        the submission codec; None when ``peer`` does not hold it yet."""
         try:
             raw, _ = await download_update(
                 self.transport, cert, [peer], max_update_bytes(self.codec, self.shapes)
             )
         except SyncError:
             return None
+        if self.codec.name == self.m.compression and self.m.rules.update_form == "gradient":
+            return bytes(raw)
         update = decode_update(raw, self.codec, self.shapes)
         send = get_codec(self.m.compression)
         return pack_deltas({n: send.encode(update[n]) for n in sorted(update)})
@@ -169,7 +174,6 @@ def ride(
                     break
                 if time.monotonic() > deadline:
                     raise UserError(f"the nodes did not reach version {until} with riders")
-                asked = time.monotonic()
                 got = bridge.run(replayer.newest(), 60)
                 base = newest[0] = got[0].body.version if got else 0
                 if got and base >= max(1, start) and base not in report.sent_for:
@@ -185,13 +189,7 @@ def ride(
                         packed = time.monotonic()
                         sends = _sends(bridge, riders, run_id, m, base, payload, targets)
                         report.replies += bridge.run(gather_replies(sends), 120)
-                        log.info(
-                            "free riders on v%d: seen in %.2f s, update in %.2f s, sent in %.2f s",
-                            base,
-                            fetched - asked,
-                            packed - fetched,
-                            time.monotonic() - packed,
-                        )
+                        report.lags[base] = (packed - fetched, time.monotonic() - packed)
                 for n in nodes:
                     if n.proc.poll() is not None:
                         raise UserError(f"{n.name} exited during the ride:\n{n.log_tail()}")
