@@ -24,12 +24,13 @@ work scoring on (the new default) and off (before ADR 0062).
 
 ``--real``: the replay riders against real processes on loopback instead
 (``p2pdiloco.harness.freeride``: a bootstrap and three honest ``join`` processes, the tests'
-small setting, work scoring on), beside the same run without them over the same minutes: for
-each (riders, first version ridden) in ``--cases``, the versions certified in ``--window``
-seconds from the first send, honest acceptance, and the riders' receipts, tokens, trust and
-seats from the verified chain (what ``status --leaderboard`` reads).
+small setting, work scoring on), beside the same run without them: for each (riders, first
+version ridden) in ``--cases``, the seconds from the first send until every node holds
+version ``--until`` and the versions certified per minute, honest acceptance, and the riders'
+receipts, tokens, trust and seats from the verified chain (what ``status --leaderboard``
+reads). The clean run (0 riders) fetches the same updates and sends nothing.
 
-    .venv/bin/python bench/freeride.py --real --cases 0@1,4@1,0@4,2@4 --window 150
+    .venv/bin/python bench/freeride.py --real --cases 0@1,4@1,0@3,2@3 --until 10
 """
 
 from __future__ import annotations
@@ -274,10 +275,10 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
     return out
 
 
-def real_case(riders: int, start: int, window: float) -> dict[str, object]:
+def real_case(riders: int, start: int, until: int) -> dict[str, object]:
     """One real-process run (see the module docstring): ``riders`` replay riders (0: the clean
-    run) from certified version ``start``, measured for ``window`` seconds from their first
-    send (with none, from the moment they would have sent)."""
+    run) from certified version ``start`` until every node holds ``until``, timed from their
+    first send (with none, from the moment they would have sent)."""
     import tempfile
 
     from p2pdiloco.core.ledger import build_ledger, verified_chain
@@ -297,10 +298,7 @@ def real_case(riders: int, start: int, window: float) -> dict[str, object]:
         keys = [Identity.generate() for _ in range(3)]
         run_id = net.publish_run(keys, work=WorkScoring().model_dump())
         nodes = [net.start_node(f"node{i}", k, until_version=10**6) for i, k in enumerate(keys)]
-        rep = ride(
-            net, run_id, nodes, count=riders, start=start, window=window, timeout=window + 900
-        )
-        reached = max(int(n.status().get("version", 0)) for n in nodes)
+        rep = ride(net, run_id, nodes, count=riders, start=start, until=until, timeout=1800)
         net.close()
         raws = [p.read_bytes() for p in sorted((nodes[0].dir / "state" / "certs").glob("*.json"))]
         certs, _ = verified_chain(run_id, net.manifest, raws)
@@ -313,8 +311,9 @@ def real_case(riders: int, start: int, window: float) -> dict[str, object]:
     return {
         "riders": riders,
         "first_base": rep.first_base,
-        "window_s": round(rep.seconds, 1),
-        "versions_in_window": reached - rep.first_base,
+        "until": rep.until,
+        "seconds": round(rep.seconds, 1),
+        "versions_per_min": round(60 * (rep.until - rep.first_base) / rep.seconds, 2),
         "honest_accepted": sum(e.accepted for e in mine),
         "honest_rejected": sum(e.rejected for e in mine),
         "honest_reasons": {r: n for e in mine for r, n in e.reasons.items()},
@@ -329,11 +328,11 @@ def real_case(riders: int, start: int, window: float) -> dict[str, object]:
     }
 
 
-def real(cases: list[tuple[int, int]], window: float, out: Path) -> int:
+def real(cases: list[tuple[int, int]], until: int, out: Path) -> int:
     rows = []
     for riders, start in cases:
         t0 = time.perf_counter()
-        row = real_case(riders, start, window)
+        row = real_case(riders, start, until)
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f}s)", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,12 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--real", action="store_true", help="real processes (see the docstring)")
-    ap.add_argument("--cases", default="0@1,4@1,0@4,2@4", help="riders@first version, ...")
-    ap.add_argument("--window", type=float, default=150.0, help="seconds measured (--real)")
+    ap.add_argument("--cases", default="0@1,4@1,0@3,2@3", help="riders@first version, ...")
+    ap.add_argument("--until", type=int, default=10, help="version every node reaches (--real)")
     args = ap.parse_args(argv)
     if args.real:
         cases = [(int(a), int(b)) for a, b in (c.split("@") for c in args.cases.split(","))]
-        return real(cases, args.window, args.out)
+        return real(cases, args.until, args.out)
     torch.set_num_threads(1)
     s = Setup(rounds=args.rounds, honest=args.honest, riders=args.riders)
     rows: list[Outcome] = []

@@ -55,7 +55,7 @@ class RideReport:
     replies: list[dict[str, Any]] = field(default_factory=list)
     sent_for: dict[int, str] = field(default_factory=dict)  # base version → payload digest sent
     first_base: int = 0  # the first base version the riders sent for
-    until: int = 0  # the version every node held when they stopped
+    until: int = 0  # the version every node held when they stopped (at least)
     seconds: float = 0.0  # from the first send to the end
     # base version → seconds from the riders' first sight of its certificate to the update
     # in hand, and from there to every reply (how late they are against the round's close)
@@ -153,6 +153,7 @@ def ride(
     report = RideReport([r.peer_id for r in riders])
     deadline = time.monotonic() + timeout
     pause = threading.Event()
+    threads: list[threading.Thread] = []
     with DHTPlane(Identity.generate(), initial_peers=[net.boot_addr], host="127.0.0.1") as dht:
         bridge = P2PBridge(dht.dht)
         try:
@@ -168,7 +169,10 @@ def ride(
                 target=_announce, args=(dht, run_id, riders, newest, pause), daemon=True
             )
             announcer.start()
+            threads.append(announcer)
             t0 = 0.0
+            if window is not None:  # a measure of time, not of versions
+                until = 2**62
             while min(_versions(nodes)) < until or not report.sent_for:
                 if window is not None and report.sent_for and time.monotonic() - t0 >= window:
                     break
@@ -177,7 +181,7 @@ def ride(
                 got = bridge.run(replayer.newest(), 60)
                 base = newest[0] = got[0].body.version if got else 0
                 if got and base >= max(1, start) and base not in report.sent_for:
-                    fetched = time.monotonic()
+                    seen = time.monotonic()
                     payload = bridge.run(replayer.payload(*got), 120)
                     if payload is not None:
                         if not report.sent_for:
@@ -189,14 +193,18 @@ def ride(
                         packed = time.monotonic()
                         sends = _sends(bridge, riders, run_id, m, base, payload, targets)
                         report.replies += bridge.run(gather_replies(sends), 120)
-                        report.lags[base] = (packed - fetched, time.monotonic() - packed)
+                        report.lags[base] = (packed - seen, time.monotonic() - packed)
                 for n in nodes:
                     if n.proc.poll() is not None:
                         raise UserError(f"{n.name} exited during the ride:\n{n.log_tail()}")
                 pause.wait(0.2)  # polls the nodes for their newest certificate
             report.seconds = time.monotonic() - t0
+            if window is not None:
+                report.until = min(_versions(nodes))
         finally:
-            pause.set()  # ends the heartbeats
+            pause.set()  # ends the heartbeats: none may be storing when the DHT shuts down
+            for t in threads:
+                t.join(60)
             bridge.close()
     return report
 
