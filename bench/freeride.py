@@ -17,10 +17,20 @@ claiming an honest delta's steps and tokens (H, H × batch × seq_len). Each ver
 come from it (``core.trust.trusted_of_roster``, ``core.roster.committee_of_roster``). Per
 kind it prints the free riders' receipts, tokens, whether any is trusted, their committee seats,
 the versions certified and the final eval loss, beside the same run without free riders, with
-work scoring on (the new default) and off (before ADR 0062).
+work scoring on (`run create --score-work`) and off (the default; before ADR 0062).
 
     .venv/bin/python bench/freeride.py                     # every kind, scoring on and off
     .venv/bin/python bench/freeride.py --kinds replay --scoring on --rounds 4 --json
+
+``--real``: the replay riders against real processes on loopback instead
+(``p2pdiloco.harness.freeride``: a bootstrap and three honest ``join`` processes, the tests'
+small setting, work scoring on), beside the same run without them: for each (riders, first
+version ridden) in ``--cases``, the seconds from the first send until every node holds
+version ``--until`` and the versions certified per minute, honest acceptance, and the riders'
+receipts, tokens, trust and seats from the verified chain (what ``status --leaderboard``
+reads). The clean run (0 riders) fetches the same updates and sends nothing.
+
+    .venv/bin/python bench/freeride.py --real --cases 0@1,4@1,0@3,2@3 --until 10
 """
 
 from __future__ import annotations
@@ -265,6 +275,71 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
     return out
 
 
+def real_case(riders: int, start: int, until: int) -> dict[str, object]:
+    """One real-process run (see the module docstring): ``riders`` replay riders (0: the clean
+    run) from certified version ``start`` until every node holds ``until``, timed from their
+    first send (with none, from the moment they would have sent)."""
+    import tempfile
+
+    from p2pdiloco.core.ledger import build_ledger, verified_chain
+    from p2pdiloco.core.trust import trusted_peers
+    from p2pdiloco.harness.demo import LocalNetwork
+    from p2pdiloco.harness.demo_config import DemoConfig
+    from p2pdiloco.harness.freeride import ride
+
+    cfg = DemoConfig(
+        inner_steps=4, grace=8.0, agree_timeout=3.0, batch_size=2, seq_len=32, compute_share=0.25
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="freeride-real-") as d,
+        LocalNetwork(Path(d), cfg) as net,
+    ):
+        net.start_bootstrap()
+        keys = [Identity.generate() for _ in range(3)]
+        run_id = net.publish_run(keys, work=WorkScoring().model_dump())
+        nodes = [net.start_node(f"node{i}", k, until_version=10**6) for i, k in enumerate(keys)]
+        rep = ride(net, run_id, nodes, count=riders, start=start, until=until, timeout=1800)
+        net.close()
+        raws = [p.read_bytes() for p in sorted((nodes[0].dir / "state" / "certs").glob("*.json"))]
+        certs, _ = verified_chain(run_id, net.manifest, raws)
+        board = {e.peer_id: e for e in build_ledger(run_id, net.manifest, raws).entries}
+    honest = {k.peer_id for k in keys}
+    fresh = set(rep.riders)
+    mine = [board[p] for p in honest if p in board]
+    theirs = [board[p] for p in fresh if p in board]
+    trusted = trusted_peers(net.manifest, certs[-1]) if certs else None
+    return {
+        "riders": riders,
+        "first_base": rep.first_base,
+        "until": rep.until,
+        "seconds": round(rep.seconds, 1),
+        "versions_per_min": round(60 * (rep.until - rep.first_base) / rep.seconds, 2),
+        "honest_accepted": sum(e.accepted for e in mine),
+        "honest_rejected": sum(e.rejected for e in mine),
+        "honest_reasons": {r: n for e in mine for r, n in e.reasons.items()},
+        "rider_sends_pooled": rep.accepted,
+        "rider_sends": len(rep.replies),
+        "rider_refusals_certified": sum(e.rejected for e in theirs),
+        "rider_receipts": sum(e.accepted for e in theirs),
+        "rider_tokens": sum(e.tokens for e in theirs),
+        "rider_trusted": len(fresh & trusted) if trusted is not None else len(fresh),
+        "rider_seats": sum(len(fresh & set(c.body.committee)) for c in certs),
+        "certified": len(certs),
+    }
+
+
+def real(cases: list[tuple[int, int]], until: int, out: Path) -> int:
+    rows = []
+    for riders, start in cases:
+        t0 = time.perf_counter()
+        row = real_case(riders, start, until)
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "freeride-real.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -274,7 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--riders", type=int, default=Setup.riders)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--real", action="store_true", help="real processes (see the docstring)")
+    ap.add_argument("--cases", default="0@1,4@1,0@3,2@3", help="riders@first version, ...")
+    ap.add_argument("--until", type=int, default=10, help="version every node reaches (--real)")
     args = ap.parse_args(argv)
+    if args.real:
+        cases = [(int(a), int(b)) for a, b in (c.split("@") for c in args.cases.split(","))]
+        return real(cases, args.until, args.out)
     torch.set_num_threads(1)
     s = Setup(rounds=args.rounds, honest=args.honest, riders=args.riders)
     rows: list[Outcome] = []

@@ -50,7 +50,7 @@ class FloodReport:
         return sum(r.get("status") == "accepted" for r in self.replies)
 
 
-async def _submit(
+async def submit(
     bridge: P2PBridge, target: str, addrs: list[str], frames: list[bytes]
 ) -> dict[str, Any]:
     try:
@@ -60,7 +60,7 @@ async def _submit(
     return reply
 
 
-async def _all(sends: list[Coroutine[Any, Any, dict[str, Any]]]) -> list[dict[str, Any]]:
+async def gather_replies(sends: list[Coroutine[Any, Any, dict[str, Any]]]) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*sends))
 
 
@@ -138,10 +138,10 @@ def flood(
                         )
                         raw = seal_submission(ident, run_id, header)
                         sends += [
-                            _submit(bridge, target, addrs, [raw, payload])
+                            submit(bridge, target, addrs, [raw, payload])
                             for target, addrs in targets.items()
                         ]
-                    report.replies += bridge.run(_all(sends), 120)
+                    report.replies += bridge.run(gather_replies(sends), 120)
                 sent_for.add(base)
                 for n in nodes:
                     if n.proc.poll() is not None:

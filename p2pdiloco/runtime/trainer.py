@@ -333,7 +333,13 @@ class Trainer:
         c.first_at = start if c.first_at is None else c.first_at
         self._chunk_start = start
         self._chunk_overtime = self.machine.phase is LearnerPhase.OVERTIME
-        st = self.learner.train(steps, self.state.version)
+        # With work scoring the rows are those assigned for the version the next delta will be
+        # based on (ADR 0062): with a delta in flight on v, the next one goes out on v + 1 once
+        # v + 1 is certified, usually at once (its steps trained through the round). Rows of
+        # v there made every such delta show no advantage on its own data (real networks
+        # refused about half the honest deltas).
+        ahead = 1 if self._sent is not None else 0
+        st = self.learner.train(steps, self.state.version + ahead)
         c.last_at = time.monotonic()
         busy = c.last_at - start
         c.train_seconds += busy
