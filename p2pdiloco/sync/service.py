@@ -123,7 +123,10 @@ class SyncService:
         self._tasks: set[asyncio.Task[Any]] = set()
         call = transport.call
         self.fellows = Fellows(  # who answers and who is gone, told to the round (ADR 0041)
-            lambda p, o, f: call(p, o, frames=f), lambda: self.round, self._others
+            lambda p, o, f: call(p, o, frames=f),
+            lambda: self.round,
+            self._others,
+            behind=lambda peer: self.views.catch_up(peer),  # a fellow in an earlier view
         )
         views = lambda: self.node.views  # noqa: E731
         self.views = ViewDriver(identity, run_id, views, self.fellows.send, self._spawn)
