@@ -126,7 +126,7 @@ class SyncService:
             lambda p, o, f: call(p, o, frames=f),
             lambda: self.round,
             self._others,
-            behind=lambda peer: self.views.catch_up(peer),  # a fellow in an earlier view
+            behind=self._catch_up,  # a fellow in an earlier view
         )
         views = lambda: self.node.views  # noqa: E731
         self.views = ViewDriver(identity, run_id, views, self.fellows.send, self._spawn)
@@ -229,6 +229,10 @@ class SyncService:
             trusted,
             self.intake.max_inputs,
         )
+
+    def _catch_up(self, peer: str) -> None:
+        """``peer`` has no open round for this node's message: it may sit in an earlier view."""
+        self.views.catch_up(peer)
 
     def _enter_view(self) -> None:
         """The node moved to a later view of the same version (its votes proved the timeout)."""
