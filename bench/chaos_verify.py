@@ -5,10 +5,12 @@ hand-made chains and state directories. The definitions the bench reports:
 
 - **stall past grace**: a gap between two consecutive certified versions (certification time =
   the earliest ``version N certified by`` or ``applied version N`` line in any node's log) longer
-  than ``grace + agree_timeout + view_timeout`` of the signed manifest: the round of v+1 opens
-  when v is certified and closes at most ``grace`` later; a dead or silent leader costs
-  ``agree_timeout`` before the next one proposes; a view whose committee cannot reach its quorum
-  is handed to the next after ``view_timeout``. The schedule keeps at most one node (plus the
+  than the pacemaker allows one departure (``stall_allowance``): view 0 of v+1 opens when v is
+  certified, and its round (training, ``grace``, a silent leader's ``agree_timeout``) ends
+  within its ``view_timeout``; a view whose committee cannot reach its quorum is handed to the
+  next after its timeout, and that view, which no longer seats the silent member, certifies
+  within its own, backed-off timeout (twice view 0's, at most ``view_timeout_max``:
+  ``core.views.view_start(rules, 2)``). The schedule keeps at most one node (plus the
   bootstrap) down at a time, fewer than any committee tolerates, so a live committee must have
   certified within that allowance. The gap from the last certificate to the end of the chaos
   is counted too (a stall that never ended is still a stall).
@@ -38,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from p2pdiloco.core.views import view_start
 from p2pdiloco.protocol.certificates import Certificate, content_digest, parse_certificate
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.signing import InvalidRecord
@@ -155,9 +158,12 @@ def most_out_at_once(
     return most
 
 
-def stall_allowance(manifest: RunManifest) -> float:
-    rules = manifest.rules
-    return rules.grace + rules.agree_timeout + rules.view_timeout_s
+def stall_allowance(manifest: RunManifest, failed_views: int = 1) -> float:
+    """Seconds between two certificates when ``failed_views`` views of the round time out and
+    the next certifies: the pacemaker's timeouts of views 0 to ``failed_views``, each twice the
+    one before and at most ``view_timeout_max`` (ADR 0055). A round's grace and a silent
+    leader's agree_timeout fall inside its view's timeout (the manifest requires it)."""
+    return view_start(manifest.rules, failed_views + 1)
 
 
 # -- a state directory against its certificates ----------------------------------------------------

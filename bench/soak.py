@@ -17,9 +17,9 @@ verified against its certificates.
 It reports, with the definitions of ``bench/chaos_verify.py`` unless said here:
 
 - **versions certified** during the soak, and the **longest gap** between two certificates;
-- **stalls beyond the view bound**: gaps longer than ``grace + agree_timeout`` plus one view
-  that fails and the next at twice its timeout (the pacemaker's back-off, issue 39 item 2): one
-  departure may cost one view, never more;
+- **stalls beyond the view bound**: gaps longer than one view that fails and the next at the
+  pacemaker's backed-off timeout (twice view 0's, at most ``view_timeout_max``: ADR 0055, issue
+  39 item 2): one departure may cost one view, never more;
 - **lost versions**: a certified version no node holds verified at the end, a fork, a node whose
   final chain is shorter than what it applied, or a node whose state went backwards (a status
   file, in one life or across a rejoin, at a version below one it had reported);
@@ -59,6 +59,7 @@ from bench.chaos_verify import (
     gaps,
     lost_versions,
     report_dict,
+    stall_allowance,
     verify_state_dir,
 )
 from p2pdiloco.harness.demo import LocalNetwork
@@ -109,10 +110,9 @@ def make_plan(
 
 
 def view_bound(manifest: RunManifest) -> float:
-    """Seconds a certificate may take while one member is gone: the round's close (grace), a
-    silent leader (agree_timeout), one failed view and the next at twice its timeout."""
-    rules = manifest.rules
-    return rules.grace + rules.agree_timeout + 3 * rules.view_timeout_s
+    """Seconds a certificate may take while one member is gone: one failed view and the next,
+    at the pacemaker's backed-off timeout (``chaos_verify.stall_allowance``)."""
+    return stall_allowance(manifest, failed_views=1)
 
 
 def went_backwards(versions: Mapping[str, Sequence[tuple[float, int]]]) -> list[dict[str, Any]]:
@@ -352,6 +352,7 @@ def analyse(
             "grace": rules.grace,
             "agree_timeout": rules.agree_timeout,
             "view_timeout": rules.view_timeout_s,
+            "view_timeout_max": rules.view_timeout_max_s,
         },
         "run_id": run_id,
         "soak_seconds": round(t_end - t0, 1),

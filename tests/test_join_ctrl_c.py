@@ -14,8 +14,10 @@ behind (hivemind's DHT process and its p2pd included); and leave a state directo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +92,17 @@ def ctrl_c(what: str, proc: Any, text: Any) -> Stopped:
     tree = _tree(proc.pid)
     start = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
-    code = proc.wait(STOP_BOUND)
+    try:
+        code = proc.wait(STOP_BOUND)
+    except subprocess.TimeoutExpired:
+        # Where it hangs: every thread's stack, which `kill -USR1` has the command print
+        # (signals.stop_event), read back from its output.
+        os.kill(proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(AssertionError):  # no dump: the output as it is
+            wait_for("the stack dump", lambda: "most recent call first" in text(), 10)
+        raise AssertionError(
+            f"{what}: still running {STOP_BOUND:.0f} s after Ctrl-C\n{text()[-8000:]}"
+        ) from None
     seconds = time.monotonic() - start
     wait_for(
         f"no process left by {what}: {[p.pid for p in _living(tree)]}",

@@ -13,7 +13,15 @@ import pytest
 
 from p2pdiloco.core import committee
 from p2pdiloco.core.roster import committee_for, verify_successor
-from p2pdiloco.core.views import ViewState, backoff, view_at, view_start, view_timeout
+from p2pdiloco.core.views import (
+    ViewState,
+    backoff,
+    catch_up,
+    hear_vote,
+    view_at,
+    view_start,
+    view_timeout,
+)
 from p2pdiloco.protocol.certificates import content_digest
 from p2pdiloco.protocol.records import RunManifest, SyncRules, run_id_of
 from p2pdiloco.protocol.signing import InvalidRecord
@@ -26,6 +34,7 @@ from p2pdiloco.protocol.view_change import (
     tc_lock,
     timeout_lock,
 )
+from p2pdiloco.sync.view_driver import open_vote, vote_message
 from tests.test_roster import BY_PEER, PEERS, RUN, manifest, receipt, successor
 from tests.test_view_change import H1, big_run, tc_of, view_cert
 
@@ -249,6 +258,39 @@ def test_an_honest_node_that_missed_views_catches_up_on_one_tc_and_keeps_the_loc
     with pytest.raises(InvalidRecord, match="timeout certificate of view 29"):
         view_cert(m, prev, 30, [tc_of(3, 2, {p: None for p in PEERS[:4]})])
     assert len(behind.votes) <= 8 and len(behind._committees) <= 10  # bounded
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["free", "locked"])
+def test_a_fellow_that_missed_the_votes_of_a_view_is_caught_up_by_one_message(
+    signed: bool,
+) -> None:
+    """The soak's stall: a member restarting while view 0's votes were sent stays in view 0
+    while the others are in view 1, each refusing the other's messages. The first refusal
+    makes a member of view 1 send it the TC that ended view 0 (``catch_up``), in a vote
+    message the wire takes, and it enters view 1 with the same lock."""
+    m, prev = big_run()
+    v0 = committee_for(RUN, m, prev, 0)
+    first = view_cert(m, prev, 0, [])
+    c = content_digest(first.body) if signed else None
+    ahead = ViewState(RUN, m, prev, v0.members[0], opened_at=0.0)
+    behind = ViewState(RUN, m, prev, v0.members[3], opened_at=0.0)
+    assert catch_up(ahead) is None  # view 0: nothing to catch up on
+    for p in v0.members[:2]:  # two votes are a TC; ``behind`` was away and heard neither
+        ahead.add(sign_vote(BY_PEER[p], RUN, 2, 0, c), 1.0, first.body if signed else None)
+    assert ahead.view == 1 and behind.view == 0
+    assert ahead.lock == c
+    what = catch_up(ahead)
+    assert what is not None and what.tc.view == 0 and what.vote in what.tc.votes
+    raw = vote_message(what.vote, [what.tc], what.body, what.lock)
+    msg = open_vote(raw, RUN)  # a fellow's vote carrying the TC of its own view: taken
+    assert hear_vote(behind, msg.vote, msg.tcs, msg.body, msg.lock, 2.0) is True
+    assert behind.view == 1 and behind.lock == ahead.lock and behind.tc == ahead.tc
+    if signed:  # the lock's input set is known, so its round opens on it
+        assert behind.locked_inputs() == ahead.locked_inputs() is not None
+    # Heard again, or by a node already there, it changes nothing.
+    assert hear_vote(behind, msg.vote, msg.tcs, msg.body, msg.lock, 3.0) is False
+    assert hear_vote(ahead, msg.vote, msg.tcs, msg.body, msg.lock, 3.0) is False
+    assert behind.view == ahead.view == 1
 
 
 def test_votes_far_ahead_are_not_kept() -> None:

@@ -46,6 +46,25 @@ def test_an_unreachable_leader_is_reported_without_waiting_for_its_grace() -> No
     assert r3.input_set == ("d00",) and not r3.leader_silent(100.0)
 
 
+def test_a_member_without_submissions_reports_a_silent_leader_too() -> None:
+    """A member no learner sent to (it sits in a later view than the learners expect) never
+    closes its attempt; once the leader's grace deadline and agree_timeout are past with no
+    proposal, the leader is silent for it as for the others (the runtime test saw two such
+    members wait out a view timeout of 7,200 s). A proposal, or a submission, changes that."""
+    p = params(agree_timeout=10.0)  # grace 60 s
+    empty = SyncerRound(p, "s1")
+    assert empty.phase is Phase.COLLECTING and not empty.accepted
+    assert not empty.leader_silent(69.0) and empty.leader_silent(70.0)
+    empty.on_unreachable("s0", 2.0)  # the leader found unreachable: no wait for its grace
+    assert not empty.leader_silent(11.0) and not empty.leader_silent(69.0)  # its own deadline
+    holding = SyncerRound(p, "s2")
+    holding.on_submission(sub(0), 1.0)
+    assert holding.phase is Phase.COLLECTING and not holding.leader_silent(59.0)
+    told = SyncerRound(p, "s3")
+    told.on_proposal("s0", ("d00",), 1.5)
+    assert not told.leader_silent(100.0)
+
+
 def test_a_quorum_out_of_reach_is_reported_without_waiting_for_the_view_timeout() -> None:
     """With more than k − q fellows unreachable (and not signed), the members left cannot
     certify: ``quorum_unreachable`` ``agree_timeout`` after the failure that made them so many

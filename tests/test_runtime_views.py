@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -53,7 +53,7 @@ def signed_per_view(net: MemoryNetwork) -> dict[tuple[str, int, int], set[str]]:
 
 
 @pytest.mark.parametrize(
-    ("dead", "rules", "wait"),
+    ("dead", "rules", "bound"),
     [
         # The leader and the next member: the leader is silent, or the view times out.
         (slice(0, 2), RULES, 6 * VIEW_TIMEOUT + 30),
@@ -64,9 +64,9 @@ def signed_per_view(net: MemoryNetwork) -> dict[tuple[str, int, int], set[str]]:
     ids=["leader-and-next", "quorum-out-of-reach"],
 )
 def test_two_dead_syncers_of_four_hand_the_version_to_the_next_view(
-    tmp_path: Path, dead: slice, rules: dict[str, float], wait: float
+    tmp_path: Path, dead: slice, rules: dict[str, float], bound: float
 ) -> None:
-    two_dead_of_four(tmp_path, dead, rules, wait)
+    two_dead_of_four(tmp_path, dead, rules, bound)
 
 
 def test_quorum_out_of_reach_with_two_busy_processes_beside_it(
@@ -82,13 +82,51 @@ def test_quorum_out_of_reach_with_two_busy_processes_beside_it(
     assert all(p.poll() is None for p in busy_neighbours)  # they spun throughout
 
 
+def describe(net: MemoryNetwork) -> str:
+    """What each live node is waiting for (a failed wait says it): its version, view, seat,
+    lock and round, and which learners the certified roster lacks."""
+    assert net.manifest is not None
+    lines = []
+    for n in net.live():
+        svc = n.runtime.service
+        node = svc.node if svc is not None else None
+        views = node.views if node is not None else None
+        rnd = node.round if node is not None else None
+        seat = "member" if views is not None and views.member() else "off"
+        lock = views.lock[:8] if views is not None and views.lock else None
+        state = "no round"
+        if rnd is not None:
+            gone = sorted(p[-6:] for p in rnd.reach.gone)
+            state = (
+                f"round {rnd.phase.value}, attempt {rnd.attempt}, abandoned {rnd.abandoned}, "
+                f"{len(rnd.accepted)} inputs, signatures from {len(rnd.signatures)}, "
+                f"unreachable {gone}"
+            )
+        view = views.view if views is not None else None
+        lines.append(
+            f"  {n.name} ({n.peer_id[-6:]}): v{n.version} view {view} {seat}, lock {lock}, {state}"
+        )
+    cert = net.live()[0].runtime.chain.cert
+    roster = {e.peer_id for e in roster_of(net.manifest, cert)}
+    missing = [f"{n.name} ({n.peer_id[-6:]})" for n in net.nodes if n.peer_id not in roster]
+    return "\n".join([*lines, f"  not in the certified roster: {missing}"])
+
+
+async def wait(net: MemoryNetwork, pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """``net.wait_for``, whose failure also says what each node was waiting for."""
+    try:
+        await net.wait_for(pred, timeout, what)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{describe(net)}") from e
+
+
 def two_dead_of_four(
-    tmp_path: Path, dead: slice, rules: dict[str, float], wait: float, setup: float = 120
+    tmp_path: Path, dead: slice, rules: dict[str, float], bound: float, setup: float = 120
 ) -> None:
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=6, committee_size=4, rules=rules) as net:
             assert net.manifest is not None
-            await net.wait_for(lambda: net.min_version() >= 2, 120, "version 2 everywhere")
+            await wait(net, lambda: net.min_version() >= 2, 120, "version 2 everywhere")
             # Later views can seat only peers the certified roster knows (a delta merged).
             # With just k of them, two dead among those k leave no live quorum to hand the
             # version to, by design (2 of 4 is more than k/3): wait until all six are known.
@@ -98,9 +136,9 @@ def two_dead_of_four(
                 cert = net.live()[0].runtime.chain.cert
                 return everyone <= {e.peer_id for e in roster_of(net.manifest, cert)}
 
-            await net.wait_for(all_in_roster, setup, "every learner in the certified roster")
+            await wait(net, all_in_roster, setup, "every learner in the certified roster")
             base = max(n.version for n in net.live())
-            await net.wait_for(lambda: net.min_version() >= base, 60, "all on one version")
+            await wait(net, lambda: net.min_version() >= base, 60, "all on one version")
             info = committee_for(net.run_id, net.manifest, net.live()[0].runtime.chain.cert)
             assert len(roster_of(net.manifest, net.live()[0].runtime.chain.cert)) >= 6
             victims = [n for n in net.live() if n.peer_id in info.members[dead]]
@@ -111,7 +149,7 @@ def two_dead_of_four(
             tokens_before = {n.name: n.trainer.view.tokens_trained for n in survivors if n.trainer}
             # View 0 cannot reach its quorum of 3: view 1 (or, if the draw seats both dead
             # members again, a later view) certifies it.
-            await net.wait_for(lambda: net.min_version() >= base + 1, wait, "next version")
+            await wait(net, lambda: net.min_version() >= base + 1, bound, "next version")
             hashes = check_chains(net)  # every certificate verifies from genesis, views included
             cert = parse_certificate(holder.certs[base + 1], run_id=net.run_id)
             # a later view's certificate carries the TC of the view before it (ADR 0055)
@@ -122,7 +160,7 @@ def two_dead_of_four(
             tokens_after = {n.name: n.trainer.view.tokens_trained for n in survivors if n.trainer}
             assert all(tokens_after[k] > tokens_before[k] for k in tokens_before)
             # And the run goes on in the normal way afterwards.
-            await net.wait_for(lambda: net.min_version() >= base + 2, 90, "one more version")
+            await wait(net, lambda: net.min_version() >= base + 2, 90, "one more version")
             check_chains(net)
 
     run(main())

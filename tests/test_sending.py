@@ -70,6 +70,18 @@ def test_unreachable_and_refusals_are_not_waited_on() -> None:
     assert not ok and fellow.calls == 1 and slept == []
 
 
+def test_a_fellow_without_an_open_round_is_reported_behind_once_per_send() -> None:
+    """The sender then catches it up (the TC of its view, ``core.views.catch_up``); another
+    refusal, or a fellow that is down, is not "behind"."""
+    told: list[str] = []
+    fellow = Fellow(None, *[Reason.NO_OPEN_ROUND] * 5)
+    ok, _ = _send(fellow, later_while=lambda: True, behind=told.append)
+    assert ok and fellow.calls == 7 and told == ["peer"]
+    told.clear()
+    ok, _ = _send(Fellow(None, Reason.NOT_ON_COMMITTEE), behind=told.append)
+    assert not ok and told == []
+
+
 def test_fetches_go_first_to_the_member_a_learner_uploaded_to_then_the_proposer() -> None:
     """``fetch_order`` (ADR 0037): a member lacking an agreed input asks the fellow its learner
     uploaded it to (the first of ``intake_order`` for a learner off the committee, but for the

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos_verify import BOOTSTRAP
+from bench.chaos_verify import BOOTSTRAP, stall_allowance
 from bench.soak import RESTART, SIGINT, SIGKILL, make_plan, view_bound, went_backwards
+from p2pdiloco.core.views import view_start
 from tests.test_ledger import MANIFEST
 
 
@@ -38,6 +39,16 @@ def test_a_state_going_backwards_is_found_in_a_life_and_across_a_rejoin() -> Non
     assert went_backwards(versions) == [{"node": "v1", "t": 9.0, "from": 4, "to": 3}]
 
 
-def test_the_view_bound_allows_one_failed_view_and_the_next_backed_off() -> None:
+def test_the_view_bound_is_one_failed_view_and_the_next_at_the_pacemakers_timeout() -> None:
+    """The bound is the pacemaker's (core.views): view 0's timeout and view 1's, twice it but
+    at most ``view_timeout_max``; chaos_verify's stall allowance is the same sum."""
     rules = MANIFEST.rules
-    assert view_bound(MANIFEST) == rules.grace + rules.agree_timeout + 3 * rules.view_timeout_s
+    t = rules.view_timeout_s
+    assert view_bound(MANIFEST) == view_start(rules, 2) == t + min(2 * t, rules.view_timeout_max_s)
+    assert stall_allowance(MANIFEST) == view_bound(MANIFEST)
+    assert stall_allowance(MANIFEST, failed_views=3) == view_start(rules, 4)
+    capped = MANIFEST.model_copy(
+        update={"rules": rules.model_copy(update={"view_timeout": 30.0, "view_timeout_max": 45.0})}
+    )
+    assert view_bound(capped) == 30.0 + 45.0  # view 1 waits the bound, not twice view 0
+    assert stall_allowance(capped, failed_views=3) == 30.0 + 3 * 45.0

@@ -417,13 +417,18 @@ class SyncerRound:
 
     def leader_silent(self, now: float) -> bool:
         """True once no input set was proposed or adopted here ``agree_timeout`` after this
-        attempt closed here and after the leader's own grace deadline (the leader may close
-        later than this syncer, at the latest ``grace`` after the attempt opened), or after the
-        driver found the leader unreachable (``on_unreachable``, ADR 0038): the driver votes to
-        leave the view early."""
-        if self.phase is not Phase.AGREEING or self.input_set is not None:
+        attempt closed here (or would have: its close deadline, for a member that holds no
+        submission and so never closes) and after the leader's own grace deadline (the leader
+        may close later than this syncer, at the latest ``grace`` after the attempt opened), or
+        after the driver found the leader unreachable (``on_unreachable``, ADR 0038): the
+        driver votes to leave the view early. A member of a later view that no learner sent to
+        (they send to the view they expect) had no way out before its view timeout, however
+        long (tests/test_runtime_views.py saw two members of four wait out 7,200 s)."""
+        if self.phase not in (Phase.COLLECTING, Phase.AGREEING) or self.input_set is not None:
             return False
-        closed = self.closed_at if self.closed_at is not None else now
+        if self.phase is Phase.COLLECTING and self.accepted:
+            return False  # it closes at its deadline, then waits as below
+        closed = self.closed_at if self.closed_at is not None else self.close_deadline
         gone = self.reach.gone.get(self.leader(now))  # since its first failed dial
         waits = self.attempt_opened_at + self.params.grace if gone is None else gone
         return now >= max(closed, waits) + self.params.agree_timeout

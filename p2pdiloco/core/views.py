@@ -27,6 +27,14 @@ no votes computes its view from the time since the base certificate alone (``vie
 inverse of the sum of the timeouts), as every other node does from the same facts. Views have
 no last one: they go on while members time out.
 
+**Catching a fellow up** (``catch_up``): a member that was away (restarting) when the votes of
+view j − 1 were sent never gets them: they are not sent again. It sits in view j − 1 while the
+others are in view j, each refusing the other's proposals and signatures, until its own timeout
+of view j − 1 (the soak saw 120 s, then a lock split across the two views and 490 s without a
+certificate). So a member whose message of view j a fellow refuses for want of an open round
+sends that fellow the TC that ended view j − 1, in a vote message (one of the TC's own votes),
+and the fellow adopts it as any carried TC (``hear_vote``).
+
 The view driver's decisions are here too, for the runtime (``sync/view_driver.py``, which signs
 and sends) and the simulator (whose votes reach every node at once, so one ``ViewState`` pooled
 over the network stands for each member's): ``leave_view`` says when a member votes, over what
@@ -307,6 +315,39 @@ class ViewState:
         self.signers = {c: s for c, s in self.signers.items() if c in kept}
         self.bodies = {c: b for c, b in self.bodies.items() if c in kept}
         return True
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What brings a fellow that is behind into this node's view: a vote message made of
+    ``vote`` (one of ``tc``'s votes, its signed ``body`` when it signed something) carrying
+    ``tc``, the TC that ended the view before this node's, with the ``lock`` body."""
+
+    vote: ViewVote
+    tc: TimeoutCert
+    body: CertificateBody | None
+    lock: CertificateBody | None
+
+
+def catch_up(st: ViewState) -> CatchUp | None:
+    """For a fellow found in an earlier view of this version (it refused this node's proposal
+    or signature for want of an open round): the TC of the view before this node's, in a vote
+    message whose vote is one of the TC's own (one that signed nothing, else one that signed
+    the lock, whose body this node holds). None in view 0, or when no such vote's body is
+    known. Safe to send to anyone: the TC proves itself, and a node already past it, or on
+    another version, ignores it."""
+    tc = st.tc
+    if tc is None:
+        return None
+    lock = st.bodies.get(st.lock) if st.lock is not None else None
+    for vote in tc.votes:
+        if vote.signed is None:
+            return CatchUp(vote, tc, None, lock)
+    for vote in tc.votes:
+        body = st.bodies.get(vote.signed) if vote.signed is not None else None
+        if body is not None:
+            return CatchUp(vote, tc, body, lock)
+    return None
 
 
 def leave_view(

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,17 @@ def _start_failure(e: Exception, initial_peers: Sequence[str]) -> str:
     return f"cannot start the DHT node (bootstrap servers tried: {tried}): {why}"
 
 
+def parent_gone(parent: int, wait: float = 1.0) -> bool:
+    """In a child: True once ``parent`` is no longer its parent, within ``wait`` seconds (a
+    parent killed outright closes its pipes before the child is handed to another parent)."""
+    deadline = time.monotonic() + wait
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)  # the kernel's reparenting, a few milliseconds at most
+    return True
+
+
 class _GuardedDHT(hivemind.DHT):
     """hivemind's DHT process, and its p2pd, die with the process that started them (ADR 0011),
     and never hear the terminal's Ctrl-C: stopping them is the node's part of its clean stop.
@@ -178,7 +190,16 @@ class _GuardedDHT(hivemind.DHT):
         # one that ignores SIGTTOU may write.
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)
         lifeline.watch_parent(self._lifeline_parent)
-        super().run()
+        try:
+            super().run()
+        except (ConnectionError, EOFError):
+            if not parent_gone(self._lifeline_parent):
+                raise
+            # The node died (SIGKILL) mid-call and its end of the pipe broke: nobody is left to
+            # report to, and a traceback here reads as this process failing. End as the
+            # lifeline would have a moment later.
+            lifeline.kill_all(lifeline.descendants([os.getpid()]))
+            os._exit(1)
 
 
 class DHTPlane:

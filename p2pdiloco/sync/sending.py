@@ -44,12 +44,16 @@ async def send_to(
     later_while: Callable[[], bool] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     reached: Callable[[str, bool], None] | None = None,
+    behind: Callable[[str], None] | None = None,
 ) -> bool:
     """Send ``frame`` as ``op`` to ``peer`` until it is taken: True, or False once refused for
     good, out of tries, or no longer wanted (``later_while`` false). ``reached(peer, ok)`` hears
     after every try whether the peer answered (taken or refused: True) or could not be reached
-    (False), which the round counts toward ``quorum_unreachable`` (ADR 0041)."""
+    (False), which the round counts toward ``quorum_unreachable`` (ADR 0041). ``behind(peer)``
+    hears, once, that the peer has no open round for this message (it may sit in an earlier
+    view: the sender catches it up, ``core.views.catch_up``)."""
     tries = later = 0
+    told = False
     while True:
         try:
             await call(peer, op, [frame])
@@ -59,6 +63,9 @@ async def send_to(
         except RpcError as e:
             if reached is not None:
                 reached(peer, e.refused)  # an answer, or a dial that failed
+            if behind is not None and not told and e.refused and e.code is Reason.NO_OPEN_ROUND:
+                told = True
+                behind(peer)
             if e.refused and e.code not in RETRYABLE:
                 log.info("%s to %s refused: %s", op, peer[-8:], e)
                 return False
@@ -113,13 +120,15 @@ class Fellows:
         call: Call,
         current: Callable[[], SyncerRound | None],
         others: Callable[[], list[str]],
+        behind: Callable[[str], None] | None = None,
     ) -> None:
         self.call, self.current, self.others = call, current, others
+        self.behind = behind  # a fellow without an open round for a message (send_to)
 
     async def send(self, peer: str, op: str, frame: bytes, **how: Any) -> None:
         rnd = self.current()
         reached = partial(heard_from, self.current, rnd.params.version) if rnd else None
-        await send_to(self.call, peer, op, frame, reached=reached, **how)
+        await send_to(self.call, peer, op, frame, reached=reached, behind=self.behind, **how)
 
     async def to_all(self, op: str, frame: bytes, skip: Collection[str] = (), **how: Any) -> None:
         """``frame`` to every fellow not in ``skip``, at once."""

@@ -123,7 +123,10 @@ class SyncService:
         self._tasks: set[asyncio.Task[Any]] = set()
         call = transport.call
         self.fellows = Fellows(  # who answers and who is gone, told to the round (ADR 0041)
-            lambda p, o, f: call(p, o, frames=f), lambda: self.round, self._others
+            lambda p, o, f: call(p, o, frames=f),
+            lambda: self.round,
+            self._others,
+            behind=self._catch_up,  # a fellow in an earlier view
         )
         views = lambda: self.node.views  # noqa: E731
         self.views = ViewDriver(identity, run_id, views, self.fellows.send, self._spawn)
@@ -226,6 +229,10 @@ class SyncService:
             trusted,
             self.intake.max_inputs,
         )
+
+    def _catch_up(self, peer: str) -> None:
+        """``peer`` has no open round for this node's message: it may sit in an earlier view."""
+        self.views.catch_up(peer)
 
     def _enter_view(self) -> None:
         """The node moved to a later view of the same version (its votes proved the timeout)."""

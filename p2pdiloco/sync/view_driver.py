@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from p2pdiloco.core.views import ViewState, VoteIntent, hear_vote
+from p2pdiloco.core.views import ViewState, VoteIntent, catch_up, hear_vote
 from p2pdiloco.protocol.certificates import CertificateBody, content_digest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
@@ -117,6 +117,7 @@ class ViewDriver:
         self._views = views  # the syncer node's (its one owner)
         self.send = send
         self.spawn = spawn
+        self._caught_up: set[tuple[int, int, str]] = set()  # (version, view, fellow) sent
 
     @property
     def state(self) -> ViewState | None:
@@ -146,6 +147,30 @@ class ViewDriver:
         for peer in intent.recipients:
             self.spawn(self.send(peer, "vote", raw))
         return st.cast(vote, now, body)
+
+    def catch_up(self, peer: str) -> bool:
+        """``peer`` refused this node's proposal or signature for want of an open round: send
+        it the TC that ended the view before this node's (``core.views.catch_up``), once per
+        view; True if sent."""
+        st = self.state
+        what = catch_up(st) if st is not None else None
+        if st is None or what is None:
+            return False
+        key = (st.version, st.view, peer)
+        if key in self._caught_up:
+            return False
+        self._caught_up = {k for k in self._caught_up if k[:2] == key[:2]} | {key}
+        log.info(
+            "%s has no open round for view %d of version %d: sending it the timeout "
+            "certificate of view %d",
+            peer[-8:],
+            st.view,
+            st.version,
+            what.tc.view,
+        )
+        raw = vote_message(what.vote, [what.tc], what.body, what.lock)
+        self.spawn(self.send(peer, "vote", raw))
+        return True
 
     def on_vote(self, raw: bytes, now: float) -> bool:
         """A fellow node's vote message (BadMessage if invalid); True if this node moved on."""
