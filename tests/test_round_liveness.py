@@ -63,6 +63,8 @@ def test_a_member_without_submissions_reports_a_silent_leader_too() -> None:
     told = SyncerRound(p, "s3")
     told.on_proposal("s0", ("d00",), 1.5)
     assert not told.leader_silent(100.0)
+    itself = SyncerRound(p, "s0")  # the leader, holding nothing, proposes nothing
+    assert not itself.leader_silent(100.0)  # its fellows find it silent; it does not
 
 
 def test_a_quorum_out_of_reach_is_reported_without_waiting_for_the_view_timeout() -> None:

@@ -426,8 +426,10 @@ class SyncerRound:
         long (tests/test_runtime_views.py saw two members of four wait out 7,200 s)."""
         if self.phase not in (Phase.COLLECTING, Phase.AGREEING) or self.input_set is not None:
             return False
-        if self.phase is Phase.COLLECTING and self.accepted:
-            return False  # it closes at its deadline, then waits as below
+        if self.phase is Phase.COLLECTING and (self.accepted or self.leader(now) == self.me):
+            # It closes at its deadline, then waits as below; a leader never finds itself
+            # silent (holding nothing, it proposes nothing, and its fellows find it silent).
+            return False
         closed = self.closed_at if self.closed_at is not None else self.close_deadline
         gone = self.reach.gone.get(self.leader(now))  # since its first failed dial
         waits = self.attempt_opened_at + self.params.grace if gone is None else gone
