@@ -31,6 +31,12 @@ receipts, tokens, trust and seats from the verified chain (what ``status --leade
 reads). The clean run (0 riders) fetches the same updates and sends nothing.
 
     .venv/bin/python bench/freeride.py --real --cases 0@1,4@1,0@3,2@3 --until 10
+
+``--side-by-side N``: the cases run at the same time, each in its own process (so a busy
+machine slows them alike), N times over; it prints each case's versions per minute against
+the clean case (0 riders) of the same repeat and start, and the ratio pooled over the repeats.
+
+    .venv/bin/python bench/freeride.py --real --cases 0@3,2@3 --until 10 --side-by-side 3
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -222,7 +229,7 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
         inputs = [MergeInput(p, p, deltas[p], weights[p], is_trusted[p]) for p in chosen]
         work = None
         if scorer is not None and m.rules.work is not None:
-            score = scorer.bind(theta, v)
+            score = scorer.bind(theta, v, history[-1] if history else None)
 
             def noted(peer: str, delta: Mapping[str, torch.Tensor], score=score) -> float:
                 a = score(peer, delta)
@@ -340,6 +347,61 @@ def real(cases: list[tuple[int, int]], until: int, out: Path) -> int:
     return 0
 
 
+def side_by_side(cases: list[tuple[int, int]], until: int, repeats: int, out: Path) -> int:
+    """``cases`` run at once, each in its own ``--real`` process, ``repeats`` times; the
+    versions per minute of each ridden case against the clean case of the same start."""
+    import subprocess
+    import tempfile
+
+    rows: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="freeride-sbs-") as d:
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--real",
+                        "--cases",
+                        f"{r}@{s}",
+                        "--until",
+                        str(until),
+                        "--out",
+                        f"{d}/{r}at{s}",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+                for r, s in cases
+            ]
+            codes = [p.wait() for p in procs]
+            if any(codes):
+                raise SystemExit(f"a case failed (exit codes {codes})")
+            got = [
+                json.loads(Path(f"{d}/{r}at{s}/freeride-real.json").read_text())[0]
+                for r, s in cases
+            ]
+        for g, (_, start) in zip(got, cases, strict=True):
+            g["start"], g["repeat"] = start, rep
+        clean = {g["start"]: g for g in got if g["riders"] == 0}
+        for g in got:
+            base = clean.get(g["start"])
+            if base is not None and g["riders"]:
+                g["pace_vs_clean"] = round(g["versions_per_min"] / base["versions_per_min"], 3)
+            rows.append(g)
+            print(json.dumps(g), flush=True)
+    for r, s in cases:
+        if not r:
+            continue
+        mine = [g for g in rows if g["riders"] == r and g["start"] == s]
+        ratio = sum(g["versions_per_min"] for g in mine) / sum(
+            g["versions_per_min"] for g in rows if g["riders"] == 0 and g["start"] == s
+        )
+        print(f"{r} riders from v{s}: pooled pace {ratio:.3f} of the clean run over {repeats}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "freeride-side-by-side.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -352,9 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", action="store_true", help="real processes (see the docstring)")
     ap.add_argument("--cases", default="0@1,4@1,0@3,2@3", help="riders@first version, ...")
     ap.add_argument("--until", type=int, default=10, help="version every node reaches (--real)")
+    ap.add_argument("--side-by-side", type=int, default=0, help="--real: cases at once, N times")
     args = ap.parse_args(argv)
     if args.real:
         cases = [(int(a), int(b)) for a, b in (c.split("@") for c in args.cases.split(","))]
+        if args.side_by_side:
+            return side_by_side(cases, args.until, args.side_by_side, args.out)
         return real(cases, args.until, args.out)
     torch.set_num_threads(1)
     s = Setup(rounds=args.rounds, honest=args.honest, riders=args.riders)
