@@ -195,6 +195,20 @@ def test_the_learner_quorum_is_a_share_of_the_trusted_learners() -> None:
     assert r.phase is Phase.AGREEING
 
 
+def test_a_round_closes_at_once_when_its_probation_room_is_full() -> None:
+    """Every trusted learner in and as many fresh inputs as the set may hold next to them
+    (room 1 next to 3 trusted at share 0.25): nothing a later fresh one sends could enter the
+    input set, so the round does not linger for the 4 fresh ones still announced as live."""
+    p = params(active_learners=8, trusted_learners=3, linger=30.0)
+    r = SyncerRound(p, "s1")
+    r.on_submission(sub(3), 0.5)  # fresh: fills the room once three are trusted
+    for i in range(2):
+        r.on_submission(sub(i), 1.0)
+    assert r.phase is Phase.COLLECTING  # 2 of 3 trusted in: the quorum, then a linger
+    r.on_submission(sub(2), 2.0)
+    assert r.phase is Phase.AGREEING and r.closed_at == 2.0
+
+
 def test_fresh_identities_sit_only_after_every_eligible_one() -> None:
     m = manifest(committee_size=4)  # quorum 3: view j starts at 2j of the ranking
     vets = [entry(p, 0, 5, 1000, 8) for p in PEERS[:8]]

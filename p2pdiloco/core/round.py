@@ -568,9 +568,12 @@ class SyncerRound:
         enough = n >= p.min_learners
         if enough and self.enough_at is None:
             self.enough_at = now
-        # At once when every trusted learner is in and as many inputs as live learners (a
-        # probationary one still training is waited for, by the linger at most).
-        everyone = n >= p.trusted_live and len(self.accepted) >= p.active_learners
+        # At once when every trusted learner is in and as many inputs as live learners, or as
+        # many probationary ones as an input set may hold next to them (a probationary one
+        # still training is waited for, by the linger at most, only while there is room: free
+        # riders announced as learners would otherwise cost every round a linger, issue 44).
+        room_full = self.probationary >= probation_room(n, p.probation_share)
+        everyone = n >= p.trusted_live and (len(self.accepted) >= p.active_learners or room_full)
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
         deadline = now >= self.close_deadline
         if self.phase is not Phase.COLLECTING or n == 0 or not (everyone or lingered or deadline):
