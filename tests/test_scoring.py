@@ -113,6 +113,19 @@ def test_no_advantage_and_a_replay_earn_no_receipt() -> None:
     assert sorted(SEEN) == ["honest", "lazy", "new"]  # the replay costs no scoring
 
 
+def test_a_replay_the_norm_screen_refused_is_named_a_replay() -> None:
+    """A replay of the last update far larger than the honest deltas is refused by the norm
+    screen first; the certificate still names what it is (tests/test_freeride_network.py saw
+    "norm … > 3.0 × median" for a rider's replay under load)."""
+    last = vec(9)
+    inputs = [inp(p, vec(k)) for k, p in enumerate(["a", "b", "c"], start=1)]
+    inputs.append(inp("replay", {"w": 10 * last["w"]}, trusted=False))
+    result = merge(inputs, check(dict.fromkeys("abc", 0.1), last))
+    assert result.rejected == {"replay": "replays the last certified update"}
+    plain = merge(inputs, None)  # without work scoring: the norm screen's reason, as before
+    assert "norm" in plain.rejected["replay"]
+
+
 def test_past_max_scored_probationary_deltas_are_refused_trusted_ones_merged() -> None:
     along = [{"w": vec(1)["w"] + vec(2)["w"] + vec(k)["w"]} for k in (3, 4)]  # not away
     inputs = [inp("t1", vec(1)), inp("t2", vec(2)), inp("p1", along[0], False)]

@@ -115,6 +115,8 @@ def merge_round(
     deltas = RowSet([[inputs[i].delta[n] for n in names] for i in rows])
     trusted = [inputs[i].trusted for i in rows]
     kept, reasons = _screen(deltas, trusted, rules.screen_norm_factor)
+    if work is not None:  # a replay is named so, whichever screen refused it first
+        reasons.update(_replays(deltas, sorted(reasons), names, work))
     rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
     if work is not None:
         kept, unworked = _check_work(inputs, rows, deltas, kept, trusted, names, work)
@@ -188,6 +190,19 @@ def _screen(
     return kept, {**verdict.rejected, **away}
 
 
+def _last_update(names: list[str], work: WorkCheck) -> list[torch.Tensor] | None:
+    """The last certified update's tensors in ``names`` order; None when not held whole."""
+    if work.last_update is None or any(n not in work.last_update for n in names):
+        return None
+    return [work.last_update[n] for n in names]
+
+
+def _replays(deltas: RowSet, rows: list[int], names: list[str], work: WorkCheck) -> dict[int, str]:
+    """Of ``rows``, those that replay the last certified update: row → reason."""
+    last = _last_update(names, work)
+    return copies(deltas, rows, last, work.rules.max_cosine)[0] if last is not None else {}
+
+
 def _check_work(
     inputs: Sequence[MergeInput],
     rows: list[int],
@@ -204,12 +219,7 @@ def _check_work(
     copies only the best such row stays; a probationary row left unscored is refused. Returns
     the rows kept (in row order) and row → reason for the others."""
     r = work.rules
-    last = (
-        [work.last_update[n] for n in names]
-        if work.last_update is not None and all(n in work.last_update for n in names)
-        else None
-    )
-    refused, groups = copies(deltas, kept, last, r.max_cosine)
+    refused, groups = copies(deltas, kept, _last_update(names, work), r.max_cosine)
     rest = [j for j in kept if j not in refused]
     peers = [inputs[rows[j]].peer_id for j in rest]
     first = {at for at, j in enumerate(rest) if j in groups}
