@@ -32,7 +32,8 @@ UNTIL = 6
 def test_a_node_three_times_slower_than_the_others_contributes_to_most_rounds_by_its_tokens(
     tmp_path: Path,
 ) -> None:
-    with LocalNetwork(tmp_path, replace(SMALL, compute_share=0.5)) as net:  # see the docstring
+    small = replace(SMALL, compute_share=0.5)  # see the docstring
+    with LocalNetwork(tmp_path, small, kill_on_exit=True) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(4)]  # k = 4: all genesis, all trusted
         run_id = net.publish_run(

@@ -50,8 +50,13 @@ def test_two_free_riders_arriving_in_a_mature_run_never_sit_earn_nothing(
                 return certs[-1].body.version
             return None
 
-        start = wait_for("trust earned by every honest node", mature, 300)
-        report = ride(net, run_id, nodes, count=2, start=start, rounds=ROUNDS, timeout=420)
+        starts: list[int] = []
+
+        def arrive() -> int:  # the riders get ready meanwhile, and announce from here on
+            starts.append(wait_for("trust earned by every honest node", mature, 300))
+            return starts[0]
+
+        report = ride(net, run_id, nodes, count=2, start=arrive, rounds=ROUNDS, timeout=420)
         net.wait_versions(report.until, nodes, 120)
-    assert report.first_base >= start
+    assert report.first_base >= starts[0]
     check_outcome(nodes[0], run_id, net.manifest, keys, report)

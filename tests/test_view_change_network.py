@@ -109,7 +109,7 @@ def _verified_hashes(net: LocalNetwork, node: NodeProc, run_id: str) -> dict[int
 
 
 def test_a_node_back_after_a_view_timeout_does_not_freeze_a_two_node_run(tmp_path: Path) -> None:
-    with LocalNetwork(tmp_path, SMALL) as net:
+    with LocalNetwork(tmp_path, SMALL, kill_on_exit=True) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(2)]
         run_id = net.publish_run(keys, **TIMING)  # k = q = 2: none may miss
@@ -143,7 +143,7 @@ def test_an_elected_late_joiner_that_stops_does_not_stop_the_run(tmp_path: Path)
     it. Before the view change, "sign to … failed (attempt 4)" and the run was stuck for good.
     Now the run certifies on (a later view when the joiner's signature was missing), every
     chain verifies from genesis, and no two nodes hold different states for one version."""
-    with LocalNetwork(tmp_path, SMALL) as net:
+    with LocalNetwork(tmp_path, SMALL, kill_on_exit=True) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(3)]  # k = q = 3: no member may be missing
         # Short views: with q = k every view holding the stopped member fails, and the ranking

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +136,7 @@ def ride(
     nodes: list[NodeProc],
     *,
     count: int = 4,
-    start: int = 1,
+    start: int | Callable[[], int] = 1,
     until: int = 8,
     rounds: int | None = None,
     window: float | None = None,
@@ -146,7 +146,13 @@ def ride(
     node holds ``until`` (or, with ``rounds``, that many versions past the first one ridden;
     with ``window``, for that many seconds from the first send: a pace measurement).
     The riders announce themselves as learners; for every newest certified version a node
-    serves, each rider sends every node the replayed update once."""
+    serves, each rider sends every node the replayed update once.
+
+    A callable ``start`` is called once the riders are ready (their DHT node, the nodes'
+    addresses, the shapes of the update) and before they announce themselves; the version it
+    returns is ``start``, and ``timeout`` counts from its return. Riders arriving in a running
+    network (the mature-run attack) then arrive without their own start-up in the way: it
+    took 16 s, three versions, with torch and transformers still to import."""
     m = net.manifest
     assert m is not None and net.boot_addr, "start the bootstrap and publish the run first"
     riders = [Identity.generate() for _ in range(count)]
@@ -164,6 +170,9 @@ def ride(
                 pause.wait(0.5)
             targets = {p: list(view.peers[p].heartbeat.addrs) for p in sorted(want)}
             replayer = _Replayer(bridge, run_id, m, targets)
+            first = start() if callable(start) else start
+            if callable(start):
+                deadline = time.monotonic() + timeout
             newest = [0]  # the version the riders announce
             announcer = threading.Thread(
                 target=_announce, args=(dht, run_id, riders, newest, pause), daemon=True
@@ -180,7 +189,7 @@ def ride(
                     raise UserError(f"the nodes did not reach version {until} with riders")
                 got = bridge.run(replayer.newest(), 60)
                 base = newest[0] = got[0].body.version if got else 0
-                if got and base >= max(1, start) and base not in report.sent_for:
+                if got and base >= max(1, first) and base not in report.sent_for:
                     seen = time.monotonic()
                     payload = bridge.run(replayer.payload(*got), 120)
                     if payload is not None:
