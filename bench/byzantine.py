@@ -105,7 +105,7 @@ def run_cell(
             aggregation=name,
             aggregation_params=params,
             clone_factor=clone,
-            work=WorkScoring(reference=a.work_reference) if a.work else None,
+            work=WorkScoring() if a.work else None,
         ),
         adversaries=attackers,
         attack=attack or "sign-flip",
@@ -306,12 +306,6 @@ def main() -> int:
     )
     ap.add_argument(
         "--work", action="store_true", help="score work in every cell (rules.work, ADR 0062)"
-    )
-    ap.add_argument(
-        "--work-reference",
-        default="last_update",
-        choices=["last_update", "none"],
-        help="with --work: what a delta's drop is measured against (WorkScoring.reference)",
     )
     ap.add_argument("--data", default="embedded")
     ap.add_argument("--seed", type=int, default=0)

@@ -456,9 +456,13 @@ def _run_diloco(
             coalition = [deltas[i] for i in sorted(attackers)]  # their own, before poisoning
             for i, attacker in attackers.items():
                 deltas[i] = attacker.transform(deltas[i], honest, sub_round, coalition)
-            last = last_update if all(n in last_update for n in names) else None
             work = (
-                WorkCheck(cfg.rules.work, scorer.bind(theta, sub_round, last), last, seed=sub_round)
+                WorkCheck(
+                    cfg.rules.work,
+                    scorer.bind(theta, sub_round),
+                    last_update if all(n in last_update for n in names) else None,
+                    seed=sub_round,
+                )
                 if scorer is not None and cfg.rules.work is not None
                 else None
             )

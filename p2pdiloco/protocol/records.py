@@ -184,18 +184,6 @@ class WorkScoring(_Strict):
     # Deltas scored per round at most: probationary ones first, then trusted ones in a seeded
     # order; a probationary delta left unscored is refused, a trusted one merged as before.
     max_scored: int = Field(default=16, ge=1, le=4096)
-    # What the delta's drop is measured against on the same rows (``sync.scoring``, ADR 0062):
-    # "last_update": the last certified update scaled to the delta's norm (paired rows: a row's
-    # own ease of improvement cancels); "none": the parameters before, as at protocol 11.
-    reference: Literal["last_update", "none"] = "last_update"
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # The default is left out, so a manifest's bytes name only what it changed.
-        data: dict[str, Any] = handler(self)
-        if self.reference == "last_update":
-            data.pop("reference", None)
-        return data
 
 
 class SyncRules(_Strict):

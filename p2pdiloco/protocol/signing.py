@@ -50,9 +50,7 @@ from p2pdiloco.protocol.identity import (
 # the certified eval loss (ADR 0059: `held_out`, `eval_loss`), work scoring (ADR 0062:
 # `rules.work`) and sparse certified updates (ADR 0064: `update_form`, `update_k`,
 # `params_hash`). Manifests that name none of the new fields keep their bytes and run id.
-# 12: work scoring measures a delta against the last certified update on the same rows
-# (ADR 0062, `rules.work.reference`): a round's verdicts differ from protocol 11's.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 11
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -121,31 +121,6 @@ def scoring_order(
     return sorted(range(len(peers)), key=key)
 
 
-def paired_advantage(ref_own: float, own: float, ref_other: float, other: float) -> float:
-    """The advantage of a delta over the reference update on the same rows: how much more it
-    lowers the loss of its own rows than the reference does, less the same on other rows.
-    Losses at θ − reference (``ref_*``) and θ − Δ. A row's own ease of improvement (short,
-    repetitive text drops under any good update) moves both terms alike and cancels, which
-    the drop against θ leaves in as noise; a delta that holds no work of its sender improves
-    its rows no more than public history does (~0)."""
-    return (ref_own - own) - (ref_other - other)
-
-
-def scaled_like(
-    reference: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor] | None:
-    """``reference`` over ``delta``'s tensors, scaled to ``delta``'s L2 norm (float64 sums in
-    name order); None when it lacks one of them or either norm is 0."""
-    names = sorted(delta)
-    if any(n not in reference for n in names):
-        return None
-    want = math.sqrt(sum(float(delta[n].double().pow(2).sum()) for n in names))
-    have = math.sqrt(sum(float(reference[n].double().pow(2).sum()) for n in names))
-    if want == 0 or have == 0:
-        return None
-    return {n: (reference[n].double() * (want / have)).float() for n in names}
-
-
 class WorkScorer:
     """Scores deltas with a model of the run on its corpus' train rows ``train_NS``.
 
@@ -182,32 +157,19 @@ class WorkScorer:
             self._model = self._model()
         return self._model
 
-    def bind(
-        self,
-        base: Mapping[str, torch.Tensor],
-        version: int,
-        reference: Mapping[str, torch.Tensor] | None = None,
-    ) -> ScoreFn:
+    def bind(self, base: Mapping[str, torch.Tensor], version: int) -> ScoreFn:
         """A scorer of deltas on ``base``, the certified parameters of ``version``: batches
-        are seeded by (run seed, version, peer), so every syncer scores on the same rows.
-        ``reference``: the last certified update, when the rules measure against it and this
-        syncer holds it (:func:`paired_advantage`); None: against the parameters before."""
-        use = reference if self.rules.reference == "last_update" else None
+        are seeded by (run seed, version, peer), so every syncer scores on the same rows."""
 
         def score(peer: str, delta: Mapping[str, torch.Tensor]) -> float:
             own, other = self.batches(peer, version)
-            ref = scaled_like(use, delta) if use is not None else None
             self._load(base, None)
-            own_before = evaluate(self.model, own)
-            # Against the reference (paired rows), else against the parameters before.
-            self._load(base, ref)
-            at_ref = own_before if ref is None else evaluate(self.model, own)
-            other_ref = evaluate(self.model, other)
+            before = evaluate(self.model, own), evaluate(self.model, other)
             self._load(base, delta)
-            own_after, other_after = evaluate(self.model, own), evaluate(self.model, other)
+            after = evaluate(self.model, own), evaluate(self.model, other)
             self.scored += 1
-            own_drop = own_before - own_after
-            return min(own_drop, paired_advantage(at_ref, own_after, other_ref, other_after))
+            own_drop, other_drop = before[0] - after[0], before[1] - after[1]
+            return min(own_drop, own_drop - other_drop)
 
         return score
 

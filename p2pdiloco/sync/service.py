@@ -532,7 +532,7 @@ class SyncService:
                 last = decode_update(base.update, rules_codec(self.rules), shapes)
             except UpdateError:  # a fragment's update: that screen is skipped
                 last = None
-        score = self.scorer.bind(base.params, base.version, last)
+        score = self.scorer.bind(base.params, base.version)
         return WorkCheck(self.rules.work, score, last, seed=base.version)
 
     def _evaluate(self, state: CertifiedState) -> float | None:
