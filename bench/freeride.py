@@ -229,7 +229,7 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
         inputs = [MergeInput(p, p, deltas[p], weights[p], is_trusted[p]) for p in chosen]
         work = None
         if scorer is not None and m.rules.work is not None:
-            score = scorer.bind(theta, v, history[-1] if history else None)
+            score = scorer.bind(theta, v)
 
             def noted(peer: str, delta: Mapping[str, torch.Tensor], score=score) -> float:
                 a = score(peer, delta)

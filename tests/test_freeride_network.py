@@ -78,8 +78,15 @@ def test_four_free_riders_from_version_0_never_sit_earn_nothing_and_the_run_cert
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(3)]
         run_id = net.publish_run(keys, work=WORK)
-        nodes = [net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)]
-        report = ride(net, run_id, nodes, count=4, start=1, rounds=ROUNDS, timeout=420)
+        nodes: list[NodeProc] = []
+
+        def start_nodes() -> list[NodeProc]:  # once the riders' DHT node is up
+            nodes.extend(
+                net.start_node(f"node{i}", k, until_version=100) for i, k in enumerate(keys)
+            )
+            return nodes
+
+        report = ride(net, run_id, start_nodes, count=4, start=1, rounds=ROUNDS, timeout=420)
         net.wait_versions(report.until, nodes, 120)
     assert report.first_base <= 2  # they rode the young run
     check_outcome(nodes[0], run_id, net.manifest, keys, report)

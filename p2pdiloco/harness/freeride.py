@@ -133,7 +133,7 @@ class _Replayer:
 def ride(
     net: LocalNetwork,
     run_id: str,
-    nodes: list[NodeProc],
+    nodes: list[NodeProc] | Callable[[], list[NodeProc]],
     *,
     count: int = 4,
     start: int | Callable[[], int] = 1,
@@ -152,7 +152,9 @@ def ride(
     addresses, the shapes of the update) and before they announce themselves; the version it
     returns is ``start``, and ``timeout`` counts from its return. Riders arriving in a running
     network (the mature-run attack) then arrive without their own start-up in the way: it
-    took 16 s, three versions, with torch and transformers still to import."""
+    took 16 s, three versions, with torch and transformers still to import. A callable
+    ``nodes`` starts the honest nodes once the riders' DHT node is up, so riders of a young
+    run are there from its first version whatever that start-up costs on a busy machine."""
     m = net.manifest
     assert m is not None and net.boot_addr, "start the bootstrap and publish the run first"
     riders = [Identity.generate() for _ in range(count)]
@@ -163,6 +165,8 @@ def ride(
     with DHTPlane(Identity.generate(), initial_peers=[net.boot_addr], host="127.0.0.1") as dht:
         bridge = P2PBridge(dht.dht)
         try:
+            if callable(nodes):
+                nodes = nodes()
             want = {n.identity.peer_id for n in nodes}
             while not want <= set((view := read_peers(dht, run_id)).peers):
                 if time.monotonic() > deadline:

@@ -50,7 +50,9 @@ from p2pdiloco.protocol.identity import (
 # the certified eval loss (ADR 0059: `held_out`, `eval_loss`), work scoring (ADR 0062:
 # `rules.work`) and sparse certified updates (ADR 0064: `update_form`, `update_k`,
 # `params_hash`). Manifests that name none of the new fields keep their bytes and run id.
-PROTOCOL_VERSION = 11
+# 12: with work scoring, a replay of the last certified update is named a replay whichever
+# screen refused it first (ADR 0062): a round's rejection reasons differ from protocol 11's.
+PROTOCOL_VERSION = 12
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1
