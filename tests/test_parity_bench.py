@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.parity import Cells, cell_key, report
 from bench.parity import main as parity_main
 from p2pdiloco.harness.simulate import SimulateConfig, prepare, run_simulation, train_method
 from p2pdiloco.train.data import eval_batches
@@ -138,3 +139,30 @@ def test_the_bench_resumes_from_its_json_and_prints_the_table(
     assert not [line for line in capsys.readouterr().out.splitlines() if "select" in line]
     assert parity_main(["--report", str(out)]) == 0
     assert capsys.readouterr().out.splitlines() == [*table[:3], "", *table[3:]]
+
+
+def test_the_sparse_table_gives_upload_bytes_without_the_dense_download() -> None:
+    # simulate's wire_bytes is download + upload; the download is dense fp32 for every codec
+    def cell(codec: str, rule: str, wire: int, select: float, report_loss: float) -> dict:
+        return {
+            "method": "diloco",
+            "learners": 4,
+            "inner_lr": 8e-4,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+            "codec": codec,
+            "rule": rule,
+            "tokens": 409600,
+            "select_loss": select,
+            "report_loss": report_loss,
+            "wire_bytes": wire,
+        }
+
+    cells = Cells(None)
+    key = cell_key("diloco", 4, 8e-4, (0.7, 0.5), "")
+    cells.data["cells"][key] = cell("none", "mean", 2000, 3.0, 2.5)
+    cells.data["cells"][key + "/topk2:sender_mean"] = cell("topk2", "sender_mean", 1007, 3.15, 2.55)
+    cells.data["cells"][key + "/none:sender_mean"] = cell("none", "sender_mean", 2000, 3.0, 2.5)
+    rows = {line.split(" | ")[1]: line for line in report(cells) if line.startswith("| 4 |")}
+    assert rows["topk2"].endswith("| **1.020** (met) | 1.050 | 0.0070 |")
+    assert rows["none"].endswith("| **1.000** (met) | 1.000 | 1.0000 |")
