@@ -153,8 +153,9 @@ def ride(
     returns is ``start``, and ``timeout`` counts from its return. Riders arriving in a running
     network (the mature-run attack) then arrive without their own start-up in the way: it
     took 16 s, three versions, with torch and transformers still to import. A callable
-    ``nodes`` starts the honest nodes once the riders' DHT node is up, so riders of a young
-    run are there from its first version whatever that start-up costs on a busy machine."""
+    ``nodes`` starts the honest nodes once the riders' DHT node is up, so the riders' own
+    start-up does not eat a young run's first versions; they still wait for the nodes'
+    heartbeats and the first update (under two busy loops the run matured first: v4)."""
     m = net.manifest
     assert m is not None and net.boot_addr, "start the bootstrap and publish the run first"
     riders = [Identity.generate() for _ in range(count)]
