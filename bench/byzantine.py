@@ -137,6 +137,16 @@ def run_cell(
         "attacker_accepted": (
             sum(res.accepted_deltas[i] for i in bad) / (len(bad) * merges) if bad else None
         ),
+        # merged with credit: with work scoring a trusted delta that shows no advantage on its
+        # own data is merged uncredited (ADR 0065); without scoring the same as accepted
+        "honest_credited": sum(res.accepted_deltas[i] - res.uncredited_deltas[i] for i in honest)
+        / (len(honest) * merges),
+        "attacker_credited": (
+            sum(res.accepted_deltas[i] - res.uncredited_deltas[i] for i in bad)
+            / (len(bad) * merges)
+            if bad
+            else None
+        ),
         "honest_folded": sum(res.folded_deltas[i] for i in honest) / (len(honest) * merges),
         "attacker_folded": (
             sum(res.folded_deltas[i] for i in bad) / (len(bad) * merges) if bad else None
@@ -171,15 +181,16 @@ def judge(row: dict[str, Any], clean_loss: float, honest_only_loss: float) -> No
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'rule':24} {'attack':10} {'frac':>4} {'loss':>7} {'÷ clean':>8} {'÷ honest':>8} "
-        f"{'honest in':>9} {'attack in':>9}  target"
+        f"{'honest in':>9} {'credited':>8} {'attack in':>9} {'credited':>8}  target"
     ]
     for r in rows:
         took = "-" if r["attacker_accepted"] is None else f"{r['attacker_accepted']:.0%}"
+        paid = "-" if r.get("attacker_credited") is None else f"{r['attacker_credited']:.0%}"
         lines.append(
             f"{r['rule']:24} {r['attack']:10} {r['fraction']:>4} {r['loss']:7.4f} "
             f"{r['loss_ratio']:8.3f} {r['loss_ratio_honest_only']:8.3f} "
-            f"{r['honest_accepted']:9.0%} {took:>9}  "
-            + ("met" if r["met"] else f"MISSED: {r['reason']}")
+            f"{r['honest_accepted']:9.0%} {r.get('honest_credited', r['honest_accepted']):8.0%} "
+            f"{took:>9} {paid:>8}  " + ("met" if r["met"] else f"MISSED: {r['reason']}")
         )
     return "\n".join(lines)
 

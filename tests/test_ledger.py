@@ -153,3 +153,21 @@ def test_leaderboard_cli_from_a_state_directory(tmp_path: Path) -> None:
         env={**__import__("os").environ, "COLUMNS": "120"},
     )
     assert text.returncode == 0 and "ignored:" in text.stdout and "400" in text.stdout
+
+
+def test_a_delta_merged_without_credit_is_no_receipt() -> None:
+    """ADR 0065: a trusted delta that showed no work is merged with a 0-token receipt. It is
+    certified (its learner does not send the work again) but credits nothing: no roster
+    progress, no receipt of its peer, no tokens on the ledger, counted as uncredited."""
+    lazy = LEARNERS[0]
+    first = successor(None, [receipt(p, 100, 1) for p in LEARNERS])
+    second = successor(first, [receipt(lazy, 0, 2), receipt(LEARNERS[1], 100, 2)])
+    assert [a.tokens for a in second.body.accepted if a.peer_id == lazy] == [0]
+    assert second.receipts(lazy) == [] and len(second.receipts(LEARNERS[1])) == 1
+    assert second.roster is not None
+    roster = {e.peer_id: e for e in second.roster}
+    assert (roster[lazy].accepted, roster[lazy].last_version) == (1, 1)  # no progress at v2
+    assert (roster[LEARNERS[1]].accepted, roster[LEARNERS[1]].last_version) == (2, 2)
+    ledger = build_ledger(RUN_ID, MANIFEST, [first.raw, second.raw])
+    entry = {e.peer_id: e for e in ledger.entries}[lazy]
+    assert (entry.accepted, entry.tokens, entry.uncredited) == (1, 100, 1)

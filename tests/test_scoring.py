@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.protocol.records import RunManifest, SyncRules, WorkScoring, run_id_of
 from p2pdiloco.protocol.signing import open_envelope
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, merge_round
-from p2pdiloco.sync.scoring import WorkCheck, copies, scoring_order
+from p2pdiloco.sync.scoring import WorkCheck, copies, references, scoring_order
 from p2pdiloco.train.data import assigned_rows, sample_rows
 from p2pdiloco.train.outer import OuterConfig
 
@@ -40,7 +42,7 @@ def check(
     """A work check whose scorer reads each peer's advantage from ``scores``."""
     SEEN.clear()
 
-    def score(peer: str, delta: Mapping[str, torch.Tensor]) -> float:
+    def score(peer: str, delta: Mapping[str, torch.Tensor], refs: object = ()) -> float:
         SEEN.append(peer)
         return scores[peer]
 
@@ -99,18 +101,25 @@ def test_scoring_order_copies_then_probationary_then_trusted() -> None:
 
 
 def test_no_advantage_and_a_replay_earn_no_receipt() -> None:
+    """A probationary delta without advantage is refused; a trusted one is merged without credit
+    (ADR 0065: its work belongs in the model even when the noise of a few rows hides it), and
+    a replay is refused unscored."""
     last = vec(9)
+    along = {"w": vec(1)["w"] + vec(2)["w"] + vec(5)["w"]}  # not away from the trusted mean
     inputs = [
         inp("honest", vec(1)),
-        inp("lazy", vec(2)),  # scored, no advantage
+        inp("lazy", vec(2)),  # trusted, scored, no advantage
         inp("new", vec(4), trusted=False),
+        inp("new-lazy", along, trusted=False),  # probationary, scored, no advantage
         inp("replay", {"w": 0.5 * last["w"]}, trusted=False),
     ]
-    result = merge(inputs, check({"honest": 0.2, "lazy": -0.01, "new": 0.3}, last))
-    assert result.accepted == ["honest", "new"]
-    assert "no advantage" in result.rejected["lazy"]
+    scores = {"honest": 0.2, "lazy": -0.01, "new": 0.3, "new-lazy": 0.0}
+    result = merge(inputs, check(scores, last))
+    assert result.accepted == ["honest", "lazy", "new"]
+    assert result.uncredited == ["lazy"] and "lazy" not in result.rejected
+    assert "no advantage" in result.rejected["new-lazy"]
     assert "replays" in result.rejected["replay"]
-    assert sorted(SEEN) == ["honest", "lazy", "new"]  # the replay costs no scoring
+    assert sorted(SEEN) == ["honest", "lazy", "new", "new-lazy"]  # the replay costs no scoring
 
 
 def test_a_replay_the_norm_screen_refused_is_named_a_replay() -> None:
@@ -170,10 +179,61 @@ def test_a_round_of_free_riders_only_certifies_nothing() -> None:
     assert set(e.value.rejected) == {"r1", "r2"}
 
 
-def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
+def test_run_create_scores_work_unless_told_not_to(tmp_path: Path) -> None:
+    """ADR 0065: a run made with today's defaults scores work; --no-score-work signs the rules
+    of before (no "work" in its bytes)."""
     from tests.test_run_plan import create
 
-    _, plain = create(tmp_path)
-    assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
-    _, scored = create(tmp_path, "--score-work")
+    _, scored = create(tmp_path)
     assert scored.rules.work == WorkScoring()
+    _, plain = create(tmp_path, "--no-score-work")
+    assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
+
+
+def test_references_are_other_trusted_inputs_in_a_seeded_order() -> None:
+    peers = ["a", "b", "c", "d", "e"]
+    trusted = [True, True, False, True, True]
+    refs = references(peers, trusted, 0, seed=3)
+    assert len(refs) == 2 and 0 not in refs and 2 not in refs
+    assert refs == references(peers, trusted, 0, seed=3)  # every syncer picks the same
+    assert references(peers, [True, False, False, False, False], 0, seed=3) == []
+
+
+def test_own_training_scores_above_its_peers_on_its_rows_and_noise_below(
+    one_torch_thread: None,
+) -> None:
+    """The real scorer on gemma-tiny (ADR 0065): three learners train 5 steps of 4 rows each on
+    their own rows of a random-token corpus; each one's delta, compared on its own rows with the
+    two others', shows an advantage; a copy of a peer's delta and noise of the same norm show
+    none."""
+    from p2pdiloco.sync.scoring import WorkScorer
+    from p2pdiloco.train.inner import InnerConfig, make_inner_optimizer, train_steps
+    from p2pdiloco.train.models import build_model, param_state
+    from p2pdiloco.train.outer import pseudo_gradient
+
+    model = build_model("gemma-tiny", seed=0)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    corpus_NS = torch.randint(0, vocab, (200, 33), generator=g)
+    own = {p: torch.arange(20 * i, 20 * i + 20) for i, p in enumerate("abc")}
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return own[peer], torch.arange(60, 200)
+
+    base = {n: t.detach().clone() for n, t in param_state(model).items()}
+    deltas = {}
+    for p in "abc":
+        local = copy.deepcopy(model)
+        opt, sched = make_inner_optimizer(local, InnerConfig(lr=3e-3, warmup_steps=1))
+        train_steps(local, opt, sched, corpus_NS[own[p]].view(5, 4, 33))
+        deltas[p] = pseudo_gradient(base, param_state(local), list(base))
+    scorer = WorkScorer(model, corpus_NS, WorkScoring(), run_seed=0, rows_of=rows_of)
+    score = scorer.bind(base, 0)
+    for p, (q, r) in {"a": "bc", "b": "ac", "c": "ab"}.items():
+        assert score(p, deltas[p], [deltas[q], deltas[r]]) > 0, p
+    assert score("a", deltas["b"], [deltas["c"]]) <= 0  # b's work on a's rows: no advantage
+    norm = math.sqrt(sum(float((t**2).sum()) for t in deltas["a"].values()))
+    noise = {n: torch.randn(t.shape, generator=g) for n, t in deltas["a"].items()}
+    scale = norm / math.sqrt(sum(float((t**2).sum()) for t in noise.values()))
+    assert score("a", {n: t * scale for n, t in noise.items()}, [deltas["b"]]) <= 0
+    assert scorer.scored == 5

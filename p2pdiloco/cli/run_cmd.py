@@ -119,9 +119,10 @@ def create(
         bool,
         typer.Option(
             help="Count a delta only if it shows work on the learner's own assigned rows "
-            "(ADR 0062: refuses free riders; every syncer scores on the corpus)."
+            "(ADR 0062, 0065: free riders earn nothing; every syncer scores on the corpus). "
+            "--no-score-work makes a run that pays any delta that passes screening."
         ),
-    ] = False,
+    ] = True,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _r.screen_norm_factor or 0.0,

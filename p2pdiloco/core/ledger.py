@@ -27,6 +27,7 @@ class LedgerEntry:
     accepted: int = 0  # deltas merged (receipts)
     tokens: int = 0  # tokens of merged deltas
     rejected: int = 0  # deltas screened out, as certified
+    uncredited: int = 0  # deltas merged without credit: no work shown (ADR 0065)
     last_version: int = 0  # newest version with a receipt
     reasons: dict[str, int] = field(default_factory=dict)  # of ``rejected``: code → count
 
@@ -70,6 +71,9 @@ def build_ledger(run_id: str, manifest: RunManifest, certificates: Iterable[byte
     for cert in chain:
         for a in cert.body.accepted:
             entry = entries.setdefault(a.peer_id, LedgerEntry(a.peer_id))
+            if not a.credited:
+                entry.uncredited += 1
+                continue
             entry.accepted += 1
             entry.tokens += a.tokens
             entry.last_version = cert.body.version

@@ -74,7 +74,7 @@ def next_roster(
     """The roster to certify with ``new_version``, given the previous one and its receipts.
 
     Each receipt adds one accepted delta and its tokens to its peer and sets ``last_version`` to
-    ``new_version``; a peer new to the roster joins at ``new_version - 1`` (the base it trained
+    ``new_version`` (a merged delta credited nothing, ``Accepted.credited``, is no receipt); a peer new to the roster joins at ``new_version - 1`` (the base it trained
     from). Entries idle for more than ``window`` versions (measured from the later of
     ``last_version`` and ``joined_version``) are dropped; beyond MAX_ROSTER, the most recently
     active, then heaviest, then lowest peer ids stay. Sorted by peer id. Pure: every syncer
@@ -93,6 +93,8 @@ def next_roster(
     # certificate cost a syncer, and the simulator, a quarter of a second).
     counts: dict[str, tuple[int, int, int]] = {}
     for a in accepted:
+        if not a.credited:
+            continue
         got = counts.get(a.peer_id)
         if got is None:
             e = entries.get(a.peer_id)

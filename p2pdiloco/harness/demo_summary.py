@@ -92,7 +92,7 @@ def summarize(
     accepted, rejected, tokens = Counter[str](), Counter[str](), Counter[str]()
     for c in chain:
         for a in c.body.accepted:
-            accepted[a.peer_id] += 1
+            accepted[a.peer_id] += a.credited
             tokens[a.peer_id] += a.tokens
         for r in c.body.rejected:
             rejected[r.peer_id] += 1

@@ -100,6 +100,8 @@ class SimulationResult:
     rejected_deltas: list[int] = field(default_factory=list)  # per learner (screening)
     # per learner: accepted deltas merged as another's copy (clone folding, ADR 0036)
     folded_deltas: list[int] = field(default_factory=list)
+    # per learner: accepted deltas merged without credit, no work shown (ADR 0065)
+    uncredited_deltas: list[int] = field(default_factory=list)
 
     @property
     def loss_ratio(self) -> float | None:
@@ -187,7 +189,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
     n_params = sum(p.numel() for p in param_state(initial).values())
 
     attackers = build_attackers(cfg)  # before any training: a bad rule or attack fails fast
-    counts = _Verdicts(*([0] * cfg.learners for _ in range(3)))
+    counts = _Verdicts(*([0] * cfg.learners for _ in range(4)))
     diloco = _run_diloco(cfg, inner, corpus, evals, copy.deepcopy(initial), tick, attackers, counts)
     baseline = (
         _run_data_parallel(cfg, inner, corpus, evals, initial, tick) if cfg.baseline else None
@@ -222,6 +224,7 @@ def run_simulation(cfg: SimulateConfig, progress: ProgressFn | None = None) -> S
         accepted_deltas=counts.accepted,
         rejected_deltas=counts.rejected,
         folded_deltas=counts.folded,
+        uncredited_deltas=counts.uncredited,
     )
 
 
@@ -246,7 +249,7 @@ def train_method(
     inner = replace(cfg.inner, total_steps=cfg.rounds * cfg.inner_steps)
     if method == "data-parallel":
         return _run_data_parallel(cfg, inner, corpus, evals, model, lambda _d, _u: None)
-    counts = _Verdicts(*([0] * cfg.learners for _ in range(3)))
+    counts = _Verdicts(*([0] * cfg.learners for _ in range(4)))
     return _run_diloco(
         cfg, inner, corpus, evals, model, lambda _d, _u: None, build_attackers(cfg), counts
     )
@@ -257,6 +260,7 @@ class _Verdicts:
     accepted: list[int]  # per learner: deltas merged
     rejected: list[int]  # per learner: deltas screened out
     folded: list[int]  # per learner: accepted deltas merged as another's copy
+    uncredited: list[int]  # per learner: accepted deltas merged without credit (ADR 0065)
 
 
 def build_attackers(cfg: SimulateConfig) -> dict[int, Attacker]:
@@ -480,13 +484,14 @@ def _run_diloco(
                     last_update=last_update if work is not None else None,
                 )
                 verdict_accepted, verdict_rejected = result.accepted, result.rejected
-                folded = result.folded
+                folded, uncredited = result.folded, result.uncredited
             except MergeError as e:
-                verdict_accepted, verdict_rejected, folded = [], e.rejected, {}
+                verdict_accepted, verdict_rejected, folded, uncredited = [], e.rejected, {}, []
             for i in range(cfg.learners):
                 counts.accepted[i] += learner_id(i) in verdict_accepted
                 counts.rejected[i] += learner_id(i) in verdict_rejected
                 counts.folded[i] += learner_id(i) in folded
+                counts.uncredited[i] += learner_id(i) in uncredited
             for model, _, _ in learners:
                 local = param_state(model)
                 with torch.no_grad():

@@ -178,6 +178,8 @@ class NetworkWatch:
             for grown in chain.offer(cert):
                 curve.add(grown.body)
                 for a in grown.body.accepted:
+                    if not a.credited:  # merged, no work shown: no receipt (ADR 0065)
+                        continue
                     entry = board.setdefault(a.peer_id, {"accepted": 0, "tokens": 0})
                     entry["accepted"] += 1
                     entry["tokens"] += a.tokens

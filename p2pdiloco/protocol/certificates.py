@@ -64,12 +64,21 @@ class _Strict(BaseModel):
 
 
 class Accepted(_Strict):
-    """One merged submission: the receipt of a learner's contribution."""
+    """One merged submission: the receipt of a learner's contribution.
+
+    With work scoring (ADR 0062, 0065) a trusted learner's delta that showed no advantage on its
+    own data is still merged but credits nothing: ``tokens`` is 0, and such an entry is no
+    receipt (not ``credited``): no roster progress, no trust, no leaderboard credit. Its
+    learner knows it was merged and does not send its work again."""
 
     peer_id: PeerIdStr
     digest: Hex64
     steps: int = Field(ge=1, le=10**9)
-    tokens: int = Field(ge=1, le=10**15)
+    tokens: int = Field(ge=0, le=10**15)
+
+    @property
+    def credited(self) -> bool:
+        return self.tokens > 0
 
 
 class Rejected(_Strict):
@@ -210,7 +219,8 @@ class Certificate:
     roster: tuple[RosterEntry, ...] | None = field(default=None, compare=False, repr=False)
 
     def receipts(self, peer_id: str) -> list[Accepted]:
-        return [a for a in self.body.accepted if a.peer_id == peer_id]
+        """``peer_id``'s receipts: its merged deltas that were credited."""
+        return [a for a in self.body.accepted if a.peer_id == peer_id and a.credited]
 
 
 def assemble(

@@ -52,7 +52,9 @@ from p2pdiloco.protocol.identity import (
 # `params_hash`). Manifests that name none of the new fields keep their bytes and run id.
 # 12: with work scoring, a replay of the last certified update is named a replay whichever
 # screen refused it first (ADR 0062): a round's rejection reasons differ from protocol 11's.
-PROTOCOL_VERSION = 12
+# 13: with work scoring, a trusted delta that shows no advantage on its own data is merged
+# without credit (ADR 0065): a receipt may carry 0 tokens, and such a one is no receipt.
+PROTOCOL_VERSION = 13
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -24,7 +24,7 @@ from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.compress.base import Codec, Encoded
 from p2pdiloco.protocol.records import SyncRules
 from p2pdiloco.sync.clones import fold_clones
-from p2pdiloco.sync.scoring import WorkCheck, copies, scoring_order
+from p2pdiloco.sync.scoring import WorkCheck, copies, references, scoring_order
 from p2pdiloco.train.outer import OuterConfig, outer_update_, params_step_
 
 
@@ -59,6 +59,9 @@ class MergeResult:
     update: dict[str, Encoded] = field(default_factory=dict)
     # The error-feedback residual of the update per merged name, when one was given.
     residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Accepted digests merged without credit (ADR 0065): trusted inputs whose work scoring
+    # showed no advantage on their own data. Their receipts credit 0 tokens.
+    uncredited: list[str] = field(default_factory=list)
 
 
 class MergeError(ValueError):
@@ -118,8 +121,9 @@ def merge_round(
     if work is not None:  # a replay is named so, whichever screen refused it first
         reasons.update(_replays(deltas, sorted(reasons), names, work))
     rejected.update({inputs[rows[j]].digest: reason for j, reason in reasons.items()})
+    unshown: list[int] = []  # trusted rows merged without credit
     if work is not None:
-        kept, unworked = _check_work(inputs, rows, deltas, kept, trusted, names, work)
+        kept, unworked, unshown = _check_work(inputs, rows, deltas, kept, trusted, names, work)
         rejected.update({inputs[rows[j]].digest: reason for j, reason in unworked.items()})
     if not kept:
         raise MergeError("screening rejected every delta of the round", rejected)
@@ -147,6 +151,7 @@ def merge_round(
         },
         update={n: update[n] for n in names if n in update},
         residual=feedback or {},
+        uncredited=[inputs[rows[j]].digest for j in unshown if j not in into],
     )
 
 
@@ -211,20 +216,28 @@ def _check_work(
     trusted: list[bool],
     names: list[str],
     work: WorkCheck,
-) -> tuple[list[int], dict[int, str]]:
+) -> tuple[list[int], dict[int, str], list[int]]:
     """Work scoring (``sync.scoring``, ADR 0062): of ``kept``, the rows that replay the last
     certified update are refused; then the copies of one another, the probationary rows and
-    the trusted ones are scored in that order, up to ``max_scored`` (copies always), and a row
-    is refused unless its advantage on its sender's own data exceeds ``margin``; of a group of
-    copies only the best such row stays; a probationary row left unscored is refused. Returns
-    the rows kept (in row order) and row → reason for the others."""
+    the trusted ones are scored in that order, up to ``max_scored`` (copies always). A
+    probationary row, or a copy, is refused unless its advantage on its sender's own data
+    exceeds ``margin``; a trusted row that is no copy and shows no such advantage is merged
+    without credit (ADR 0065: at a few hundred own rows an honest delta's advantage is lost in
+    the noise now and then, and its work still belongs in the model), unless no row of the
+    round shows work: then every one is refused. Of a group of copies only
+    the best such row stays; a probationary row left unscored is refused. Returns the rows kept
+    (in row order), row → reason for the refused ones, and the kept rows merged uncredited."""
     r = work.rules
     refused, groups = copies(deltas, kept, _last_update(names, work), r.max_cosine)
     rest = [j for j in kept if j not in refused]
     peers = [inputs[rows[j]].peer_id for j in rest]
     first = {at for at, j in enumerate(rest) if j in groups}
     order = scoring_order(peers, [trusted[j] for j in rest], work.seed, first)
+    # References: trusted rows that copy no other input (a copy would compare a delta with
+    # itself, or lend one sender's work to another).
+    ref_ok = [trusted[j] and j not in groups for j in rest]
     best: dict[int, tuple[float, int]] = {}  # group → (best advantage, its row)
+    unshown: list[int] = []
     for k, at in enumerate(order):
         j = rest[at]
         if k >= r.max_scored and at not in first:
@@ -232,8 +245,13 @@ def _check_work(
                 refused[j] = "not scored this round (probationary, over max_scored)"
             continue
         delta = {n: inputs[rows[j]].delta[n] for n in names}
-        advantage = work.score(peers[at], delta)
-        if not advantage > r.margin:
+        refs = references(peers, ref_ok, at, work.seed)
+        advantage = work.score(
+            peers[at], delta, [{n: inputs[rows[rest[i]]].delta[n] for n in names} for i in refs]
+        )
+        if not advantage > r.margin and trusted[j] and j not in groups:
+            unshown.append(j)
+        elif not advantage > r.margin:
             # No figure in the text: it enters the certificate body, and a loss is not
             # bit-exact across machines the way the fixed-tree sums of the norm screen are.
             refused[j] = "no advantage on its own data"
@@ -245,7 +263,12 @@ def _check_work(
             if g in best:
                 refused[best[g][1]] = f"copies input {inputs[rows[j]].digest[:12]}"
             best[g] = (advantage, j)
-    return [j for j in kept if j not in refused], refused
+    if not [j for j in kept if j not in refused and j not in unshown]:
+        # Nothing showed work: the round certifies nothing (a round of free riders only, or
+        # one at genesis where everyone counts as trusted).
+        refused.update(dict.fromkeys(unshown, "no advantage on its own data"))
+        unshown = []
+    return [j for j in kept if j not in refused], refused, sorted(unshown)
 
 
 def _fold(

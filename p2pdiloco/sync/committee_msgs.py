@@ -8,7 +8,7 @@ size and shape checks before anything is kept, and refused with a ``Reason`` cod
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from p2pdiloco.core.roster import CommitteeInfo, roster_after
@@ -122,10 +122,12 @@ def certificate_body(
     *,
     eval_loss: float | None = None,
     params_hash: str | None = None,
+    uncredited: Collection[str] = (),
 ) -> CertificateBody:
     """The body every honest syncer builds from the same merge: sorted, bounded, with roster;
-    each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it; with
-    the eval loss this syncer measured on the merged state, in a run that certifies one."""
+    each receipt credits the clipped claim (``plausible_claim``), as the merge weighed it, but
+    the ``uncredited`` ones (merged, no work shown: ``MergeResult.uncredited``) credit 0 tokens;
+    with the eval loss this syncer measured on the merged state, in a run that certifies one."""
     senders = {d: (h.peer_id, h.steps, h.tokens) for d, h in headers.items()}
     return body_of(
         run_id,
@@ -141,6 +143,7 @@ def certificate_body(
         update_hash,
         eval_loss=eval_loss,
         params_hash=params_hash,
+        uncredited=uncredited,
     )
 
 
@@ -159,6 +162,7 @@ def body_of(
     *,
     eval_loss: float | None = None,
     params_hash: str | None = None,
+    uncredited: Collection[str] = (),
 ) -> CertificateBody:
     """:func:`certificate_body` on its inputs: per digest (peer id, steps, tokens) as signed.
     The simulator (``p2pdiloco.sim``) builds its certificates with it."""
@@ -167,7 +171,12 @@ def body_of(
         for d in accepted_digests
     }  # what the round weighed: the signed claim, clipped to one delta's steps
     accepted = [
-        Accepted(peer_id=senders[d][0], digest=d, steps=claims[d][0], tokens=claims[d][1])
+        Accepted(
+            peer_id=senders[d][0],
+            digest=d,
+            steps=claims[d][0],
+            tokens=0 if d in uncredited else claims[d][1],
+        )
         for d in sorted(accepted_digests)
     ]
     refused = [

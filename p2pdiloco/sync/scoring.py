@@ -3,16 +3,22 @@
 With ``SyncRules.work`` set, a learner training from certified version v reads the rows
 assigned to it for v, a pure function of the run seed, its identity and v
 (``train.data.assigned_rows``). The committee scores a delta Δ on base v as Templar's Gauntlet
-does: on a few seeded batches of those rows and as many of rows it was not assigned, the loss at
-the certified parameters θ and at θ − Δ (where the learner ended up):
+does, on a few seeded batches of those rows: the loss at the certified parameters θ, at θ − Δ
+(where the learner ended up) and at θ − Δ_r for ``REFERENCES`` other trusted deltas of the
+round (ADR 0065), which none of them trained on these rows:
 
-    advantage = min(own loss drop, own loss drop − other loss drop)
+    advantage = min(own loss drop, own loss drop − the references' mean drop on the same rows)
 
-Honest training lowers the loss on the rows trained, and more than on rows never seen. A delta
-that holds no work of its sender (the public certified update replayed or scaled, another
-learner's delta, noise) lowers both alike or neither (noise raises both): its advantage is ~0
-or below, and unless it exceeds ``margin`` it is refused (``MergeResult.rejected``): no
-receipt, no token credit, so no trust and no seat.
+Honest training lowers the loss on the rows trained, and more than a peer's training of as many
+steps on other rows does. Comparing on the same rows cancels how easy those rows are to
+improve, which set apart rows never seen (ADR 0062's first statistic) cannot: at 20 own rows a
+replay of the last update passed that one 33 % of the time and noise 32 %, this one 7 % and 4 %,
+with honest deltas passing as often (ADR 0065). Without a reference (no other trusted delta in
+the round) the other side is as many rows not assigned to the sender, scored at θ − Δ alike.
+A delta that holds no work of its sender (the public certified update replayed or scaled,
+another learner's delta, noise) shows an advantage of ~0 or below, and unless it exceeds
+``margin`` it earns no receipt, no token credit, so no trust and no seat
+(``sync.aggregator``: refused if probationary, merged uncredited if trusted).
 
 Two screens run first, cheap and exact on the decoded deltas (float64 sums by the fixed tree of
 ``aggregate.exact``, so every syncer draws the same line): a delta whose cosine similarity to
@@ -21,9 +27,10 @@ one another are a group of copies, every one of them is scored, and only the one
 advantage above the margin may count. A copy of an honest delta thus earns nothing (it shows no
 advantage on its sender's rows), and the original keeps its receipt whatever the input order.
 
-Scoring costs 4 × ``batches`` forward passes of ``rows`` rows per delta; ``max_scored`` bounds
-it per round: probationary deltas first, then trusted ones in an order seeded by the version.
-A probationary delta left unscored is refused; a trusted one is merged as before.
+Scoring costs (2 + ``REFERENCES``) × ``batches`` forward passes of at most ``rows`` rows per
+delta (4 × without references); ``max_scored`` bounds it per round: probationary deltas first,
+then trusted ones in an order seeded by the version. A probationary delta left unscored is
+refused; a trusted one is merged as before.
 
 Shapes: M inputs, D parameters (a RowSet's virtual rows); B rows per batch, S = seq_len + 1.
 """
@@ -44,8 +51,13 @@ from p2pdiloco.train.inner import evaluate
 from p2pdiloco.train.learner import data_seed
 from p2pdiloco.train.models import build_for_loading, param_state
 
-# (peer id, its delta by tensor name) → advantage in nats; the merge's view of a scorer.
-ScoreFn = Callable[[str, Mapping[str, torch.Tensor]], float]
+# Other trusted deltas a delta is compared with on its own rows (ADR 0065): 2 cost what the
+# rows not assigned cost before, and refused noise and replays as well as all 7 of a round of 8.
+REFERENCES = 2
+
+# (peer id, its delta by tensor name, reference deltas) → advantage in nats; the merge's view
+# of a scorer.
+ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Mapping[str, torch.Tensor]]], float]
 # (peer id, certified version) → (rows assigned to it for that version, every other row).
 RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -107,6 +119,19 @@ def _cosine(aa: float, bb: float, dd: float) -> float:
     return (aa + bb - dd) / (2 * math.sqrt(aa * bb))
 
 
+def references(
+    peers: Sequence[str], trusted: Sequence[bool], at: int, seed: int, count: int = REFERENCES
+) -> list[int]:
+    """Positions of ``peers`` that the delta at ``at`` is compared with (ADR 0065): ``count``
+    trusted ones other than itself, in an order seeded by (``seed``, its peer, theirs), so
+    every syncer picks the same and no sender chooses its own."""
+
+    def key(i: int) -> bytes:
+        return hashlib.sha256(f"{seed}/{peers[at]}/{peers[i]}".encode()).digest()
+
+    return sorted((i for i in range(len(peers)) if trusted[i] and i != at), key=key)[:count]
+
+
 def scoring_order(
     peers: Sequence[str], trusted: Sequence[bool], seed: int, first: Collection[int] = ()
 ) -> list[int]:
@@ -159,22 +184,38 @@ class WorkScorer:
 
     def bind(self, base: Mapping[str, torch.Tensor], version: int) -> ScoreFn:
         """A scorer of deltas on ``base``, the certified parameters of ``version``: batches
-        are seeded by (run seed, version, peer), so every syncer scores on the same rows."""
+        are seeded by (run seed, version, peer), so every syncer scores on the same rows.
+        With ``references``, the other side is their mean loss drop on the same own rows;
+        without, the delta's own drop on as many rows not assigned to the sender."""
 
-        def score(peer: str, delta: Mapping[str, torch.Tensor]) -> float:
+        def score(
+            peer: str,
+            delta: Mapping[str, torch.Tensor],
+            references: Sequence[Mapping[str, torch.Tensor]] = (),
+        ) -> float:
             own, other = self.batches(peer, version)
             self._load(base, None)
-            before = evaluate(self.model, own), evaluate(self.model, other)
+            before = evaluate(self.model, own)
             self._load(base, delta)
-            after = evaluate(self.model, own), evaluate(self.model, other)
+            own_drop = before - evaluate(self.model, own)
+            if references:
+                drops = []
+                for ref in references:
+                    self._load(base, ref)
+                    drops.append(before - evaluate(self.model, own))
+                other_drop = math.fsum(drops) / len(drops)
+            else:
+                after_other = evaluate(self.model, other)
+                self._load(base, None)
+                other_drop = evaluate(self.model, other) - after_other
             self.scored += 1
-            own_drop, other_drop = before[0] - after[0], before[1] - after[1]
             return min(own_drop, own_drop - other_drop)
 
         return score
 
     def batches(self, peer: str, version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The seeded [B, S] batches of ``peer``'s own rows and of rows not assigned to it."""
+        """The seeded [B, S] batches of ``peer``'s own rows (all of them when fewer than
+        ``batches`` × ``rows``) and of as many rows not assigned to it."""
         r = self.rules
         own_N, other_N = self.rows_of(peer, version)
         count = r.batches * r.rows

@@ -490,6 +490,7 @@ class SyncService:
             update_hash=state.update_hash,
             eval_loss=eval_loss,
             params_hash=certified_params_hash(state, self.rules),
+            uncredited=result.uncredited,
         )
         lock = self.node.views.lock if self.node.views is not None else None
         if lock is not None and content_digest(body) != lock:
