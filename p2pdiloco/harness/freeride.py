@@ -153,9 +153,10 @@ def ride(
     returns is ``start``, and ``timeout`` counts from its return. Riders arriving in a running
     network (the mature-run attack) then arrive without their own start-up in the way: it
     took 16 s, three versions, with torch and transformers still to import. A callable
-    ``nodes`` starts the honest nodes once the riders' DHT node is up, so the riders' own
-    start-up does not eat a young run's first versions; they still wait for the nodes'
-    heartbeats and the first update (under two busy loops the run matured first: v4)."""
+    ``nodes`` starts the honest nodes once the riders' DHT node is up and the update's shapes
+    are known (a model built: 8-10 s on a loaded machine), so the riders' own start-up does not
+    eat a young run's first versions; they still wait for the nodes' heartbeats and the first
+    update (before the model was built first, two busy loops let the run mature first: v4)."""
     m = net.manifest
     assert m is not None and net.boot_addr, "start the bootstrap and publish the run first"
     riders = [Identity.generate() for _ in range(count)]
@@ -166,6 +167,8 @@ def ride(
     with DHTPlane(Identity.generate(), initial_peers=[net.boot_addr], host="127.0.0.1") as dht:
         bridge = P2PBridge(dht.dht)
         try:
+            targets: Targets = {}  # filled from the nodes' heartbeats below
+            replayer = _Replayer(bridge, run_id, m, targets)  # builds a model: before the nodes
             if callable(nodes):
                 nodes = nodes()
             want = {n.identity.peer_id for n in nodes}
@@ -173,8 +176,7 @@ def ride(
                 if time.monotonic() > deadline:
                     raise UserError("the riders never saw every node's heartbeat")
                 pause.wait(0.5)
-            targets = {p: list(view.peers[p].heartbeat.addrs) for p in sorted(want)}
-            replayer = _Replayer(bridge, run_id, m, targets)
+            targets.update({p: list(view.peers[p].heartbeat.addrs) for p in sorted(want)})
             first = start() if callable(start) else start
             if callable(start):
                 deadline = time.monotonic() + timeout
