@@ -170,7 +170,9 @@ class WorkScoring(_Strict):
     """Work scoring (``sync.scoring``, ADR 0062): a learner training from certified version v
     reads rows assigned to it for v, a pure function of the run seed, its identity and v
     (``train.data.assigned_rows``), and the committee counts its delta only if it lowers the
-    loss on a few seeded batches of those rows by more than on as many of other rows."""
+    loss on a few seeded batches of those rows by more than two other trusted deltas of the
+    round do on the same rows (ADR 0065; as many other rows when it has none). A trusted delta
+    that does not is merged without credit, a probationary one refused."""
 
     # Seeded batches scored on each side (rows assigned, rows not assigned), and rows per batch.
     batches: int = Field(default=8, ge=1, le=64)
