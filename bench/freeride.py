@@ -98,6 +98,7 @@ class Outcome:
     rider_seats: int  # committee seats the free riders held over the run
     honest_receipts: int
     honest_refused: int  # honest deltas refused (work scoring must keep this at 0)
+    honest_uncredited: int  # honest deltas merged without credit (trusted, no work shown)
     score_seconds: float  # wall time the work check took, all versions
     scored: int  # deltas scored, all versions
     honest_advantage: list[float] = field(default_factory=list)
@@ -188,7 +189,7 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
     history: list[dict[str, torch.Tensor]] = []
     gen = torch.Generator().manual_seed(s.seed)
     tokens = s.inner_steps * s.batch_size * s.seq_len
-    out = Outcome(kind or "none", scoring, 0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0)
+    out = Outcome(kind or "none", scoring, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)
     advantages: dict[str, float] = {}
     for v in range(s.rounds):
         trusted = trusted_of_roster(m, roster, v)
@@ -259,12 +260,13 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
         history.append({n: codec.decode(e) for n, e in result.update.items()})
         theta, momentum = result.params, result.momentum
         out.honest_refused += sum(p in result.rejected for p in honest_ids)
+        out.honest_uncredited += sum(p in result.uncredited for p in honest_ids)
         receipts = [
             Accepted(
                 peer_id=p,
                 digest=hashlib.sha256(f"{p}/{v}".encode()).hexdigest(),
                 steps=s.inner_steps,
-                tokens=tokens,
+                tokens=0 if p in result.uncredited else tokens,  # no work shown: no credit
             )
             for p in result.accepted
         ]
@@ -328,6 +330,7 @@ def real_case(riders: int, start: int, until: int) -> dict[str, object]:
         "versions_per_min": round(60 * (rep.until - rep.first_base) / rep.seconds, 2),
         "honest_accepted": sum(e.accepted for e in mine),
         "honest_rejected": sum(e.rejected for e in mine),
+        "honest_uncredited": sum(e.uncredited for e in mine),
         "honest_reasons": {r: n for e in mine for r, n in e.reasons.items()},
         "rider_sends_pooled": rep.accepted,
         "rider_sends": len(rep.replies),
@@ -439,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"loss={o.eval_loss:.4f} rider receipts={o.rider_receipts} "
                 f"tokens={o.rider_tokens} trusted={o.rider_trusted} seats={o.rider_seats} "
                 f"honest receipts={o.honest_receipts} refused={o.honest_refused} "
+                f"uncredited={o.honest_uncredited} "
                 f"scored={o.scored} in {o.score_seconds:.1f}s ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
