@@ -86,6 +86,54 @@ def _own_group(pid: int) -> bool:
         return False
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's state and its pending and blocked signals (hex masks, SIGINT = 0x2), and
+    the process's shared pending set, from /proc: whether the Ctrl-C is still pending, and in
+    which thread it could be taken."""
+    lines = []
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with contextlib.suppress(OSError):
+                status = dict(
+                    line.split(":\t", 1)
+                    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                    if ":\t" in line
+                )
+                wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+                lines.append(
+                    f"  task {tid} {status.get('Name', '?').strip()}: "
+                    f"{status.get('State', '?').strip()} in {wchan or '?'}, "
+                    f"SigPnd {status.get('SigPnd', '?').strip()}, "
+                    f"SigBlk {status.get('SigBlk', '?').strip()}, "
+                    f"ShdPnd {status.get('ShdPnd', '?').strip()}"
+                )
+    return "\n".join(lines)
+
+
+def _where(pid: int, text: Any) -> str:
+    """Where a command that does not stop hangs: its threads' signal state (/proc), its
+    processes, and every thread's stack, which `kill -USR1` has it print (signals.stop_event)
+    to its output. The dump is read back once it stops growing: the main thread comes last
+    (faulthandler lists the newest thread first), and a busy machine may write it slowly."""
+    state = _signal_state(pid)
+    children = []
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children.append(f"{p.pid} {p.name()} ({p.status()})")
+    os.kill(pid, signal.SIGUSR1)
+    seen = [-1]
+
+    def settled() -> bool:
+        out = text()
+        done = "most recent call first" in out and len(out) == seen[0]
+        seen[0] = len(out)
+        return done
+
+    with contextlib.suppress(AssertionError):  # no dump: the output as it is
+        wait_for("the whole stack dump", settled, 20, interval=1.0)
+    return f"threads:\n{state}\nprocesses below it: {children}\n{text()[-12000:]}"
+
+
 def ctrl_c(what: str, proc: Any, text: Any) -> Stopped:
     """SIGINT to ``proc``'s process group; its exit, how long it took, and its output once
     every process it had is gone (AssertionError naming what is left)."""
@@ -95,13 +143,8 @@ def ctrl_c(what: str, proc: Any, text: Any) -> Stopped:
     try:
         code = proc.wait(STOP_BOUND)
     except subprocess.TimeoutExpired:
-        # Where it hangs: every thread's stack, which `kill -USR1` has the command print
-        # (signals.stop_event), read back from its output.
-        os.kill(proc.pid, signal.SIGUSR1)
-        with contextlib.suppress(AssertionError):  # no dump: the output as it is
-            wait_for("the stack dump", lambda: "most recent call first" in text(), 10)
         raise AssertionError(
-            f"{what}: still running {STOP_BOUND:.0f} s after Ctrl-C\n{text()[-8000:]}"
+            f"{what}: still running {STOP_BOUND:.0f} s after Ctrl-C\n{_where(proc.pid, text)}"
         ) from None
     seconds = time.monotonic() - start
     wait_for(

@@ -93,20 +93,39 @@ def test_copies_not_begun_when_the_round_closes_are_dropped() -> None:
 
 
 def test_an_unreachable_fellow_does_not_make_the_uplink_look_slow() -> None:
+    """The copy to B (10 ms) and the dials to a dead fellow, the first begun beside it (each
+    failing after 50 ms, no byte sent), share the uplink's busy time: only the copy's 10 ms
+    may count. Time is the relayer's clock, which the fake link moves, not the machine's: a
+    loaded machine that runs the event loop late measures the same."""
+    now = [0.0]
+    copied = asyncio.Event()
+
     class Dead(Link):
         dial = 0.05  # seconds a dial to a dead peer takes to fail
 
-        async def call(self, peer: str, op: str, **kw: Any) -> tuple[dict[str, Any], list[bytes]]:
+        async def call(
+            self, peer: str, op: str, *, frames: Sequence[bytes] = (), **kw: Any
+        ) -> tuple[dict[str, Any], list[bytes]]:
+            start = now[0]
             if peer == "dead":
-                await asyncio.sleep(self.dial)  # a dial that times out: no byte leaves
+                await copied.wait()  # the dial outlasts the copy begun beside it
+                now[0] = start + self.dial  # a dial that times out: no byte leaves
                 raise RpcError("cannot open a stream to dead: unreachable")
-            return await super().call(peer, op, **kw)
+            await asyncio.sleep(0)  # both are under way before either ends
+            now[0] = start + sum(len(f) for f in frames) / self.rate
+            copied.set()
+            self.done.append(f"{peer}/{frames[0].decode()}")
+            return {"status": "accepted"}, []
 
     async def go() -> None:
-        relayer = Relayer(Dead(rate=1e6))  # type: ignore[arg-type]
+        link = Dead(rate=1e6)
+        relayer = Relayer(link, clock=lambda: now[0])  # type: ignore[arg-type]
         assert await relayer.relay(["B", "dead"], b"d0", PAYLOAD, lambda: True) == 1
+        # the dead fellow was dialled ATTEMPTS times: 0.2 s of dials, none of it counted
+        assert link.done == ["B/d0"] and now[0] == pytest.approx(relay.ATTEMPTS * Dead.dial)
         rate = relayer.rate()
         assert rate is not None and rate > 0.5e6  # the 10 ms copy to B, not the 50 ms dial
+        assert rate == pytest.approx(link.rate)  # exactly: B's bytes over B's copy time
 
     asyncio.run(go())
 

@@ -65,6 +65,54 @@ def test_a_second_ctrl_c_exits_130_at_once_during_a_slow_clean_stop() -> None:
     assert "second Ctrl-C: exiting now" in out.stderr
 
 
+DHT_START = r"""
+import os, signal
+from hivemind.utils.mpfuture import MPFuture
+from p2pdiloco.net.dht import _GuardedDHT
+from p2pdiloco.signals import stop_event
+
+def blocks_sigint(status):
+    return bool(int(open(status).read().split("SigBlk:")[1].split()[0], 16) & (1 << 1))
+
+os.setsid()  # a terminal's foreground group, this process its leader
+stop = stop_event()
+dht = _GuardedDHT(start=False)  # its first MPFuture: the reader thread and torch's shm manager
+me = os.getpid()
+(manager,) = [int(c) for t in os.listdir(f"/proc/{me}/task")
+              for c in open(f"/proc/{me}/task/{t}/children").read().split()]
+print("manager", open(f"/proc/{manager}/comm").read().strip(),
+      blocks_sigint(f"/proc/{manager}/status"), flush=True)
+reader = MPFuture._pipe_waiter_thread.native_id
+print("reader", blocks_sigint(f"/proc/{me}/task/{reader}/status"), flush=True)
+print("main", blocks_sigint(f"/proc/{me}/task/{me}/status"), flush=True)
+os.killpg(me, signal.SIGINT)  # Ctrl-C: the main thread takes it, the manager lives on
+print("stop set", stop.wait(5), flush=True)
+os.kill(manager, 0)
+print("manager alive", flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_dht_starts_torchs_shm_manager_and_hiveminds_reader_deaf_to_ctrl_c() -> None:
+    """hivemind's first MPFuture in a process (made by the DHT's constructor) starts its reader
+    thread and, for the future's shared byte, torch's shm manager, a child in the terminal's
+    group until it calls setsid. A Ctrl-C that killed the manager there left the command
+    spinning in torch's start_manager, the GIL held, the handler never run (a test saw
+    "still running 60 s after Ctrl-C"). Both start with SIGINT blocked and keep it: a Ctrl-C
+    reaches the main thread and the manager lives."""
+    out = subprocess.run(
+        [sys.executable, "-c", DHT_START], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "manager torch_shm_manag True",
+        "reader True",
+        "main False",
+        "stop set True",
+        "manager alive",
+    ], out.stderr
+
+
 LOCAL_NETWORK = r"""
 import sys, threading
 from pathlib import Path

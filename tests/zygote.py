@@ -35,7 +35,7 @@ _AsyncContextWrapper.EXECUTOR_LOCK = _mp.Lock()
 
 # Runs in the zygote: import once, then fork one child per request line on stdin.
 SERVER = r"""
-import atexit, json, os, runpy, sys, threading
+import atexit, json, os, runpy, signal, sys, threading
 import p2pdiloco.cli.app, p2pdiloco.cli.join_cmd, p2pdiloco.cli.bootstrap_cmd
 import p2pdiloco.runtime.launch, p2pdiloco.train.models
 import tests.gossip_zygote; tests.gossip_zygote.install()  # gossip children forked too
@@ -49,20 +49,26 @@ def say(msg):
         out.write(json.dumps(msg) + "\n")
 
 def child(req):
+    # As a command typed at a terminal has it: a Ctrl-C raises KeyboardInterrupt until the
+    # command installs its own handler. A runner started in the background (`make test &`, a
+    # CI step) hands the zygote SIGINT ignored, which Python keeps: a Ctrl-C that came before
+    # the handler was then dropped, and the command ran on. Set before the child has its own
+    # group, so no Ctrl-C sent to that group finds it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
-    exec(FRESH_LOCKS, {})
-    fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT, 0o644)  # made empty by spawn()
-    efd = fd if req["err"] is None else os.open(req["err"], os.O_WRONLY | os.O_CREAT, 0o644)
-    nul = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(nul, 0); os.dup2(fd, 1); os.dup2(efd, 2)
-    os.chdir(req["cwd"])
-    os.environ.clear(); os.environ.update(req["env"])
-    # The zygote's dispositions are those of a fresh interpreter (SIGINT raises
-    # KeyboardInterrupt, SIGPIPE ignored so a closed socket raises BrokenPipeError, the rest
-    # default): the child keeps them, as `python -m p2pdiloco` would have them.
-    sys.argv = ["p2pdiloco", *req["args"]]
     code = 0
-    try:
+    try:  # a Ctrl-C from here on ends this child (130), never runs the zygote's loop in it
+        exec(FRESH_LOCKS, {})
+        fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT, 0o644)  # made empty by spawn()
+        efd = fd if req["err"] is None else os.open(req["err"], os.O_WRONLY | os.O_CREAT, 0o644)
+        nul = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nul, 0); os.dup2(fd, 1); os.dup2(efd, 2)
+        os.chdir(req["cwd"])
+        os.environ.clear(); os.environ.update(req["env"])
+        # The other dispositions are those of a fresh interpreter (SIGPIPE ignored so a closed
+        # socket raises BrokenPipeError, the rest default): the child keeps them, as
+        # `python -m p2pdiloco` would have them.
+        sys.argv = ["p2pdiloco", *req["args"]]
         runpy.run_module("p2pdiloco", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

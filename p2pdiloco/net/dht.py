@@ -176,7 +176,14 @@ class _GuardedDHT(hivemind.DHT):
 
     def __init__(self, **kwargs: Any) -> None:
         self._lifeline_parent = os.getpid()  # before super() starts the process
-        super().__init__(**kwargs)
+        # hivemind makes its first MPFuture here: that starts its reader thread and, for the
+        # future's shared byte, torch's shm manager (hivemind sets the file_system strategy), a
+        # child in this process group until it calls setsid. A Ctrl-C that killed the manager
+        # there left this thread spinning in torch's start_manager, the GIL held, the handler
+        # never run. Both start with SIGINT blocked and keep it (the reader thread then never
+        # takes a Ctrl-C meant for this one); one that comes meanwhile is raised here after.
+        with interrupts_held():
+            super().__init__(**kwargs)
 
     def start(self) -> None:
         with interrupts_held():  # until the child ignores SIGINT (``run``)

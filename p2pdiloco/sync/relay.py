@@ -53,9 +53,11 @@ class Relayer:
         transport: Transport,
         slots: int = SLOTS,
         current: Callable[[], SyncerRound | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.transport = transport
         self.current = current  # the member's round: told when a fellow cannot be reached
+        self._clock = clock  # the uplink's busy time is measured on it: a test's link moves it
         self._slots = asyncio.Semaphore(slots)
         self.queued_bytes = 0  # copies waiting or in flight
         self._sent = 0.0  # decayed bytes delivered, and seconds the uplink was busy with them
@@ -91,7 +93,7 @@ class Relayer:
             got = intake.screen_header(op, peer, first)
             if got is None:
                 return None
-            if got[1] == peer and (why := self.busy(current(), time.monotonic())):
+            if got[1] == peer and (why := self.busy(current(), self._clock())):
                 raise RpcRefused(Reason.BUSY, why)
             return got[0]
 
@@ -152,16 +154,16 @@ class Relayer:
         leader? its quorum? (ADRs 0038, 0041)."""
         rnd = self.current() if self.current is not None else None
         if rnd is not None:
-            rnd.on_reached(peer) if answered else rnd.on_unreachable(peer, time.monotonic())
+            rnd.on_reached(peer) if answered else rnd.on_unreachable(peer, self._clock())
 
     def _begin(self) -> None:
         if self._active == 0:
-            self._since = time.monotonic()
+            self._since = self._clock()
         self._active += 1
 
     def _end(self, nbytes: int) -> None:
         self._active -= 1
-        now = time.monotonic()
+        now = self._clock()
         busy = now - self._since
         self._since = now
         if nbytes == 0:
