@@ -171,3 +171,25 @@ def test_a_delta_merged_without_credit_is_no_receipt() -> None:
     ledger = build_ledger(RUN_ID, MANIFEST, [first.raw, second.raw])
     entry = {e.peer_id: e for e in ledger.entries}[lazy]
     assert (entry.accepted, entry.tokens, entry.uncredited) == (1, 100, 1)
+
+
+def test_a_node_counts_its_delta_merged_without_credit_apart() -> None:
+    """The volunteer's own tally (dashboard, status.json): a delta merged without credit is
+    merged (its learner sends that work no more) but neither accepted nor rejected."""
+    from p2pdiloco.dashboard.live import DashboardSnapshot, plain_line
+    from p2pdiloco.runtime.status import Tally
+
+    lazy = LEARNERS[0]
+    first = successor(None, [receipt(p, 100, 1) for p in LEARNERS])
+    second = successor(first, [receipt(lazy, 0, 2), receipt(LEARNERS[1], 100, 2)])
+    tally = Tally()
+    merged, rejected = tally.record_chain([first, second], lazy)
+    assert receipt(lazy, 0, 2).digest in merged and not rejected
+    assert (tally.accepted, tally.uncredited, tally.rejected, tally.tokens_accepted) == (
+        1,
+        1,
+        0,
+        100,
+    )
+    snap = DashboardSnapshot(peer_id=lazy, accepted=1, uncredited=1)
+    assert "deltas 1 accepted 1 uncredited" in plain_line(snap)

@@ -115,7 +115,8 @@ class DashboardSnapshot:
     up_rate: float = 0.0  # bytes/s, recent
     down_rate: float = 0.0  # bytes/s, recent
     # your contribution
-    accepted: int = 0  # deltas of ours that made it into a certified version
+    accepted: int = 0  # deltas of ours that made it into a certified version, credited
+    uncredited: int = 0  # deltas of ours merged without credit: no work shown (ADR 0065)
     rejected: int = 0  # deltas of ours screened out, as certified (status --leaderboard's)
     rejected_reasons: dict[str, int] = field(default_factory=dict)  # reason code → count
     late: int = 0  # deltas of ours that came too late to be merged (not rejected)
@@ -387,6 +388,8 @@ def _contribution_panel(snap: DashboardSnapshot, pad: int = 0) -> Panel:
     deltas.append(f"{snap.accepted} accepted", style="green")
     deltas.append(", ")
     deltas.append(f"{snap.rejected} rejected", style="red" if snap.rejected else "")
+    if snap.uncredited:  # merged, but the committee saw no work on our rows in them
+        deltas.append(f", {snap.uncredited} merged without credit", style="yellow")
     grid.add_row("Deltas", deltas)  # as certified: the counts of ``status --leaderboard``
     grid.add_row("Rejected", Text(reasons_text(snap.rejected_reasons) or "none"))
     late = f"{snap.late} ({reasons_text(snap.late_reasons)})" if snap.late else "0"
@@ -453,7 +456,9 @@ def plain_line(snap: DashboardSnapshot) -> str:
         f"loss {local:.3f}" if local is not None else "loss -",
         f"peers {snap.peers_direct} direct {snap.peers_relayed} relayed",
         next_sync_text(snap),
-        f"deltas {snap.accepted} accepted {_counted(snap.rejected, 'rejected', snap.rejected_reasons)}"
+        f"deltas {snap.accepted} accepted"
+        + (f" {snap.uncredited} uncredited" if snap.uncredited else "")
+        + f" {_counted(snap.rejected, 'rejected', snap.rejected_reasons)}"
         f" {_counted(snap.late, 'late', snap.late_reasons)}",
     ]
     if snap.stalled:

@@ -78,7 +78,8 @@ def status_view(state: dict[str, Any], width: int = 80) -> RenderableType:
 
 def leaderboard_view(board: dict[str, Any], width: int = 80) -> RenderableType:
     """Peers ranked by verified accepted tokens, and what was ignored (with why). Narrow widths
-    drop the last version, then the rejected and accepted counts."""
+    drop the uncredited count, the last version, then the rejected and accepted counts. A
+    delta merged without credit (ADR 0065) counts as uncredited, neither accepted nor rejected."""
     title = Text(
         f"Contributions to run {board['run_name']} ({board['run_id'][:12]}): "
         f"{board['versions']} verified versions",
@@ -89,6 +90,7 @@ def leaderboard_view(board: dict[str, Any], width: int = 80) -> RenderableType:
         Column("peer"),
         Column("accepted", "right", drop=1),
         Column("rejected", "right", drop=2),
+        Column("uncredited", "right", drop=4),
         Column("tokens", "right"),
         Column("share", "right"),
         Column("last version", "right", drop=3),
@@ -99,6 +101,7 @@ def leaderboard_view(board: dict[str, Any], width: int = 80) -> RenderableType:
             short_peer_id(p["peer_id"]),
             str(p["accepted"]),
             str(p["rejected"]),
+            str(p.get("uncredited", 0)),
             f"{p['tokens']:,}",
             f"{100 * p['share']:.1f}%",
             str(p["last_version"]),

@@ -103,6 +103,7 @@ class NodeView:
         elif rv.committee:
             snap.committee_duty = f"none for version {rv.committee_version}"
         snap.accepted, snap.rejected = rv.accepted, rv.rejected  # as certified (the leaderboard)
+        snap.uncredited = rv.uncredited
         snap.rejected_reasons = dict(rv.rejected_reasons)
         snap.tokens_contributed = rv.tokens_accepted
         snap.share, snap.rank, snap.ranked_peers = rv.share, rv.rank, rv.ranked_peers

@@ -32,6 +32,7 @@ class Tally:
     phase: str = "starting"
     sent: int = 0  # submissions handed to the committee
     accepted: int = 0  # our deltas merged (receipts in certificates)
+    uncredited: int = 0  # our deltas merged without credit: no work shown (ADR 0065)
     rejected: int = 0  # our deltas screened out, as certificates record (the leaderboard's)
     rejected_reasons: dict[str, int] = field(default_factory=dict)  # reason code → count
     tokens_accepted: int = 0
@@ -108,6 +109,7 @@ class Tally:
             for a in c.receipts(me):
                 self.accepted += 1
                 self.tokens_accepted += a.tokens
+            self.uncredited += sum(a.peer_id == me and not a.credited for a in c.body.accepted)
             for r in c.body.rejected:
                 if r.peer_id == me:
                     self.rejected += 1
@@ -146,6 +148,7 @@ class Tally:
             on_committee=me in committee,
             sent=self.sent,
             accepted=self.accepted,
+            uncredited=self.uncredited,
             rejected=self.rejected,
             rejected_reasons=tuple(sorted(self.rejected_reasons.items())),
             tokens_accepted=self.tokens_accepted,
@@ -175,6 +178,7 @@ class RuntimeView:
     on_committee: bool = False
     sent: int = 0
     accepted: int = 0
+    uncredited: int = 0  # of ours, merged without credit (ADR 0065)
     rejected: int = 0  # of ours, screened out as certificates record
     rejected_reasons: tuple[tuple[str, int], ...] = ()  # (reason code, count)
     tokens_accepted: int = 0
@@ -213,6 +217,7 @@ class RuntimeView:
                 "on_committee": self.on_committee,
                 "sent": self.sent,
                 "accepted": self.accepted,
+                "uncredited": self.uncredited,  # merged, no work shown: no credit
                 "rejected": self.rejected,  # as certified: what the leaderboard counts
                 "late": sum(n for _, n in t.late) if t is not None else 0,
                 "lost": t.lost if t is not None else 0,  # every delta of ours not merged
