@@ -1,0 +1,187 @@
+"""How well a work score tells honest work from free riding, at the Byzantine cell's stretch.
+
+Runs ``bench/byzantine.py``'s clean median cell with work scoring (8 learners, H = 5, batch 4,
+seq 32, lr 3e-3: 20 own rows a delta) and, at every merge, records the per-row losses at the
+certified parameters θ and at θ − Δ for every learner's delta, on every learner's own rows and
+on 256 other rows, plus the same for deltas a free rider could send: the last certified update
+(scaled to the median honest norm: a replay) and noise of that norm. A copy of learner j's
+delta sent by learner i is learner j's delta scored on i's rows. Then for each credit rule it
+prints the share of each kind that would be credited (advantage > 0):
+
+    ADR 0062   min(own drop, own drop − the drop on rows not assigned to the sender)
+    paired k   min(own drop, own drop − the mean drop of k other deltas on the same own rows)
+
+(ADR 0065). The references are drawn at random per delta (seeded), ``--draws`` times.
+
+    .venv/bin/python bench/scoring_power.py --seeds 0,1,2 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import byzantine  # noqa: E402  (the cell's settings)
+
+import p2pdiloco.harness.simulate as simulate  # noqa: E402
+from p2pdiloco.sync import scoring  # noqa: E402
+
+
+@torch.no_grad()
+def row_losses(model: torch.nn.Module, rows_NS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of each row [N]."""
+    out = []
+    for chunk in torch.split(rows_NS, 32):
+        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()
+        out.append(F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none").mean(1))
+    return torch.cat(out)
+
+
+def record(seed: int, rounds: int) -> list[dict[str, Any]]:
+    """One cell's merges: per merge, the losses of every candidate on every row set."""
+    records: list[dict[str, Any]] = []
+    scorers: list[scoring.WorkScorer] = []
+    init = scoring.WorkScorer.__init__
+
+    def keep(self: scoring.WorkScorer, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        scorers.append(self)
+
+    merge = simulate.merge_fragment
+
+    def observed(theta: Any, momentum: Any, deltas: Any, tokens: Any, names: Any, **kw: Any) -> Any:
+        work, last = kw.get("work"), kw.get("last_update")
+        if scorers and work is not None:
+            s, v, m = scorers[-1], work.seed, len(deltas)
+            own = [s.rows_of(simulate.learner_id(i), v)[0] for i in range(m)]
+            g = torch.Generator().manual_seed(1000 + v)
+            other = torch.randperm(int(s.train_NS.shape[0]), generator=g)[:256]
+            rows = s.train_NS[torch.cat([*own, other])]
+
+            def norm(d: Any) -> torch.Tensor:
+                return torch.sqrt(sum((d[n].double() ** 2).sum() for n in names))
+
+            size = torch.stack([norm(d) for d in deltas]).median()
+            cands = {f"d{i}": deltas[i] for i in range(m)}
+            if last and all(n in last for n in names):
+                cands["replay"] = {n: (last[n] * (size / norm(last))).float() for n in names}
+            noise = {n: torch.randn(deltas[0][n].shape, generator=g) for n in names}
+            cands["noise"] = {n: (noise[n] * (size / norm(noise))).float() for n in names}
+            rec: dict[str, Any] = {"m": m, "sizes": [len(o) for o in own]}
+            s._load(theta, None)
+            rec["base"] = row_losses(s.model, rows)
+            for k, d in cands.items():
+                s._load(theta, d)
+                rec[k] = row_losses(s.model, rows)
+            records.append(rec)
+        return merge(theta, momentum, deltas, tokens, names, **kw)
+
+    scoring.WorkScorer.__init__ = keep  # type: ignore[method-assign]
+    simulate.merge_fragment = observed  # type: ignore[assignment]
+    try:
+        a = argparse.Namespace(
+            learners=8,
+            inner_steps=5,
+            rounds=rounds,
+            data="embedded",
+            seed=seed,
+            eval_batches=4,
+            compression="none",
+            work=True,
+            batch_size=4,
+            seq_len=32,
+            lr=3e-3,
+        )
+        byzantine.run_cell(a, ("median", {}), None, 0, 0.25)
+    finally:
+        scoring.WorkScorer.__init__ = init  # type: ignore[method-assign]
+        simulate.merge_fragment = merge
+    return records
+
+
+def split(rec: dict[str, Any], key: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    x, out, at = rec[key], [], 0
+    for size in rec["sizes"]:
+        out.append(x[at : at + size])
+        at += size
+    return out, x[at:]
+
+
+def advantage(rec: dict[str, Any], i: int, key: str, refs: list[int] | None) -> float:
+    """The advantage of candidate ``key`` sent by learner ``i``: against rows not assigned
+    (``refs`` None, ADR 0062) or against the deltas ``refs`` on i's own rows (ADR 0065)."""
+    base_own, base_other = split(rec, "base")
+    own_after, other_after = split(rec, key)
+    own = float((base_own[i] - own_after[i]).mean())
+    if refs is None:
+        other = float((base_other - other_after).mean())
+    else:
+        other = sum(float((base_own[i] - split(rec, f"d{j}")[0][i]).mean()) for j in refs) / len(
+            refs
+        )
+    return min(own, own - other)
+
+
+def rates(records: list[dict[str, Any]], k: int | None, draws: int) -> dict[str, float]:
+    rng = random.Random(0)
+    passed: dict[str, list[bool]] = {}
+    for _ in range(draws if k is not None else 1):
+        for rec in records:
+            m = rec["m"]
+            for i in range(m):
+                for kind, key in [("honest", f"d{i}")] + [
+                    (kind, kind) for kind in ("replay", "noise") if kind in rec
+                ]:
+                    pool = [j for j in range(m) if j != i]
+                    refs = rng.sample(pool, min(k, len(pool))) if k is not None else None
+                    passed.setdefault(kind, []).append(advantage(rec, i, key, refs) > 0)
+                for j in range(m):  # learner j's delta sent by i as its own
+                    if j != i:
+                        pool = [r for r in range(m) if r not in (i, j)]
+                        refs = rng.sample(pool, min(k, len(pool))) if k is not None else None
+                        passed.setdefault("copy", []).append(advantage(rec, i, f"d{j}", refs) > 0)
+    return {kind: sum(v) / len(v) for kind, v in passed.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--refs", default="1,2,3,4,7", help="reference counts of the paired rule")
+    ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    records = [r for s in args.seeds.split(",") for r in record(int(s), args.rounds)]
+    honest = sum(r["m"] for r in records)
+    rows: dict[str, dict[str, float]] = {"ADR 0062 (other rows)": rates(records, None, 1)}
+    for k in (int(x) for x in args.refs.split(",")):
+        rows[f"paired, {k} reference(s)"] = rates(records, k, args.draws)
+    if args.json:
+        json.dump({"honest_deltas": honest, "rates": rows}, sys.stdout, indent=1)
+        return 0
+    print(f"{honest} honest deltas, seeds {args.seeds}, {time.perf_counter() - t0:.0f} s")
+    print(f"{'rule':26} {'honest':>7} {'copy':>7} {'noise':>7} {'replay':>7}")
+    for name, r in rows.items():
+        print(
+            f"{name:26} "
+            + " ".join(
+                f"{r.get(k, float('nan')):7.3f}" for k in ("honest", "copy", "noise", "replay")
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
