@@ -62,7 +62,7 @@ from p2pdiloco.protocol.certificates import Accepted
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest, WorkScoring
 from p2pdiloco.sync.aggregator import MergeError, MergeInput, merge_round
-from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
+from p2pdiloco.sync.scoring import Reference, WorkCheck, WorkScorer
 from p2pdiloco.sync.update import update_codec
 from p2pdiloco.train.configs import InnerConfig, OuterConfig
 from p2pdiloco.train.data import assigned_rows, build_corpus, eval_batches
@@ -235,7 +235,7 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
             def noted(
                 peer: str,
                 delta: Mapping[str, torch.Tensor],
-                refs: Sequence[Mapping[str, torch.Tensor]] = (),
+                refs: Sequence[Reference] = (),
                 score=score,
             ) -> float:
                 a = score(peer, delta, refs)

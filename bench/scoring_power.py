@@ -10,6 +10,7 @@ prints the share of each kind that would be credited (advantage > 0):
 
     ADR 0062   min(own drop, own drop − the drop on rows not assigned to the sender)
     paired k   min(own drop, own drop − the mean drop of k other deltas on the same own rows)
+    matched k  the same, each reference scaled to the scored delta's norm (ADR 0065)
 
 (ADR 0065). The references are drawn at random per delta (seeded), ``--draws`` times.
 
@@ -83,6 +84,19 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
             for k, d in cands.items():
                 s._load(theta, d)
                 rec[k] = row_losses(s.model, rows)
+            # References scaled to the scored delta's norm (ADR 0065): learner j's delta at
+            # learner i's norm on i's rows, and at the median norm (a rider's) on every own row.
+            norms = [norm(d) for d in deltas]
+            rec["matched"] = {}
+            for i in range(m):
+                for j in range(m):
+                    if j != i:
+                        s._load(theta, deltas[j], float(norms[i] / norms[j]))
+                        rec["matched"][(i, j)] = row_losses(s.model, s.train_NS[own[i]])
+            rec["at_median"] = {}
+            for j in range(m):
+                s._load(theta, deltas[j], float(size / norms[j]))
+                rec["at_median"][j] = row_losses(s.model, s.train_NS[torch.cat(own)])
             records.append(rec)
         return merge(theta, momentum, deltas, tokens, names, **kw)
 
@@ -117,22 +131,36 @@ def split(rec: dict[str, Any], key: str) -> tuple[list[torch.Tensor], torch.Tens
     return out, x[at:]
 
 
-def advantage(rec: dict[str, Any], i: int, key: str, refs: list[int] | None) -> float:
+def advantage(
+    rec: dict[str, Any], i: int, key: str, refs: list[int] | None, matched: bool = False
+) -> float:
     """The advantage of candidate ``key`` sent by learner ``i``: against rows not assigned
-    (``refs`` None, ADR 0062) or against the deltas ``refs`` on i's own rows (ADR 0065)."""
+    (``refs`` None, ADR 0062) or against the deltas ``refs`` on i's own rows (ADR 0065),
+    ``matched``: each scaled to the candidate's norm (i's own delta's, or the median's for a
+    rider's replay or noise)."""
     base_own, base_other = split(rec, "base")
     own_after, other_after = split(rec, key)
     own = float((base_own[i] - own_after[i]).mean())
     if refs is None:
-        other = float((base_other - other_after).mean())
-    else:
-        other = sum(float((base_own[i] - split(rec, f"d{j}")[0][i]).mean()) for j in refs) / len(
-            refs
-        )
+        return min(own, own - float((base_other - other_after).mean()))
+
+    def after(j: int) -> torch.Tensor:
+        if not matched:
+            return split(rec, f"d{j}")[0][i]
+        if key == f"d{i}":
+            return rec["matched"][(i, j)]
+        at = sum(rec["sizes"][:i])
+        return rec["at_median"][j][at : at + rec["sizes"][i]]
+
+    other = sum(float((base_own[i] - after(j)).mean()) for j in refs) / len(refs)
     return min(own, own - other)
 
 
-def rates(records: list[dict[str, Any]], k: int | None, draws: int) -> dict[str, float]:
+def rates(
+    records: list[dict[str, Any]], k: int | None, draws: int, matched: bool = False
+) -> dict[str, float]:
+    """Credit rates per kind; with ``matched``, copies are left out (their references would
+    be scaled to the copied delta's norm, not recorded)."""
     rng = random.Random(0)
     passed: dict[str, list[bool]] = {}
     for _ in range(draws if k is not None else 1):
@@ -144,8 +172,8 @@ def rates(records: list[dict[str, Any]], k: int | None, draws: int) -> dict[str,
                 ]:
                     pool = [j for j in range(m) if j != i]
                     refs = rng.sample(pool, min(k, len(pool))) if k is not None else None
-                    passed.setdefault(kind, []).append(advantage(rec, i, key, refs) > 0)
-                for j in range(m):  # learner j's delta sent by i as its own
+                    passed.setdefault(kind, []).append(advantage(rec, i, key, refs, matched) > 0)
+                for j in range(m if not matched else 0):  # learner j's delta sent by i
                     if j != i:
                         pool = [r for r in range(m) if r not in (i, j)]
                         refs = rng.sample(pool, min(k, len(pool))) if k is not None else None
@@ -168,6 +196,8 @@ def main() -> int:
     rows: dict[str, dict[str, float]] = {"ADR 0062 (other rows)": rates(records, None, 1)}
     for k in (int(x) for x in args.refs.split(",")):
         rows[f"paired, {k} reference(s)"] = rates(records, k, args.draws)
+    for k in (int(x) for x in args.refs.split(",")):
+        rows[f"norm-matched, {k}"] = rates(records, k, args.draws, matched=True)
     if args.json:
         json.dump({"honest_deltas": honest, "rates": rows}, sys.stdout, indent=1)
         return 0

@@ -230,10 +230,14 @@ def test_own_training_scores_above_its_peers_on_its_rows_and_noise_below(
     scorer = WorkScorer(model, corpus_NS, WorkScoring(), run_seed=0, rows_of=rows_of)
     score = scorer.bind(base, 0)
     for p, (q, r) in {"a": "bc", "b": "ac", "c": "ab"}.items():
-        assert score(p, deltas[p], [deltas[q], deltas[r]]) > 0, p
-    assert score("a", deltas["b"], [deltas["c"]]) <= 0  # b's work on a's rows: no advantage
+        assert score(p, deltas[p], [(deltas[q], 1.0), (deltas[r], 1.0)]) > 0, p
+    assert score("a", deltas["b"], [(deltas["c"], 1.0)]) <= 0  # b's work on a's rows: none
+    # A learner that trained a quarter of the steps is compared with its references scaled to
+    # its own norm, not with their larger steps.
+    small = {n: 0.25 * t for n, t in deltas["a"].items()}
+    assert score("a", small, [(deltas["b"], 0.25), (deltas["c"], 0.25)]) > 0
     norm = math.sqrt(sum(float((t**2).sum()) for t in deltas["a"].values()))
     noise = {n: torch.randn(t.shape, generator=g) for n, t in deltas["a"].items()}
     scale = norm / math.sqrt(sum(float((t**2).sum()) for t in noise.values()))
-    assert score("a", {n: t * scale for n, t in noise.items()}, [deltas["b"]]) <= 0
-    assert scorer.scored == 5
+    assert score("a", {n: t * scale for n, t in noise.items()}, [(deltas["b"], 1.0)]) <= 0
+    assert scorer.scored == 6

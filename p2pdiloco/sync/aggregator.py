@@ -11,6 +11,7 @@ Shapes: M inputs, D parameters (the tensors named in ``params``, flattened in so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -236,6 +237,7 @@ def _check_work(
     # References: trusted rows that copy no other input (a copy would compare a delta with
     # itself, or lend one sender's work to another).
     ref_ok = [trusted[j] and j not in groups for j in rest]
+    norms = dict(zip(rest, deltas.sq_norms(rest), strict=True))  # fixed-tree float64 sums
     best: dict[int, tuple[float, int]] = {}  # group → (best advantage, its row)
     unshown: list[int] = []
     for k, at in enumerate(order):
@@ -245,10 +247,11 @@ def _check_work(
                 refused[j] = "not scored this round (probationary, over max_scored)"
             continue
         delta = {n: inputs[rows[j]].delta[n] for n in names}
-        refs = references(peers, ref_ok, at, work.seed)
-        advantage = work.score(
-            peers[at], delta, [{n: inputs[rows[rest[i]]].delta[n] for n in names} for i in refs]
-        )
+        refs = [
+            ({n: inputs[rows[rest[i]]].delta[n] for n in names}, _scale_to(norms, rest[i], j))
+            for i in references(peers, ref_ok, at, work.seed)
+        ]
+        advantage = work.score(peers[at], delta, refs)
         if not advantage > r.margin and trusted[j] and j not in groups:
             unshown.append(j)
         elif not advantage > r.margin:
@@ -269,6 +272,12 @@ def _check_work(
         refused.update(dict.fromkeys(unshown, "no advantage on its own data"))
         unshown = []
     return [j for j in kept if j not in refused], refused, sorted(unshown)
+
+
+def _scale_to(sq_norms: Mapping[int, float], ref: int, row: int) -> float:
+    """The factor that scales row ``ref`` to row ``row``'s norm (1 for a zero row)."""
+    a, b = sq_norms[row], sq_norms[ref]
+    return math.sqrt(a / b) if a > 0 and b > 0 else 1.0
 
 
 def _fold(

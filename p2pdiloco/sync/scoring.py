@@ -4,8 +4,9 @@ With ``SyncRules.work`` set, a learner training from certified version v reads t
 assigned to it for v, a pure function of the run seed, its identity and v
 (``train.data.assigned_rows``). The committee scores a delta Δ on base v as Templar's Gauntlet
 does, on a few seeded batches of those rows: the loss at the certified parameters θ, at θ − Δ
-(where the learner ended up) and at θ − Δ_r for ``REFERENCES`` other trusted deltas of the
-round (ADR 0065), which none of them trained on these rows:
+(where the learner ended up) and at θ − Δ_r·|Δ|/|Δ_r| for ``REFERENCES`` other trusted deltas
+of the round (ADR 0065), none of which trained on these rows, each scaled to Δ's norm so that a
+learner that trained fewer steps than its references is not held to their larger step:
 
     advantage = min(own loss drop, own loss drop − the references' mean drop on the same rows)
 
@@ -55,9 +56,11 @@ from p2pdiloco.train.models import build_for_loading, param_state
 # rows not assigned cost before, and refused noise and replays as well as all 7 of a round of 8.
 REFERENCES = 2
 
-# (peer id, its delta by tensor name, reference deltas) → advantage in nats; the merge's view
-# of a scorer.
-ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Mapping[str, torch.Tensor]]], float]
+# A reference delta and the factor that scales it to the scored delta's norm.
+Reference = tuple[Mapping[str, torch.Tensor], float]
+# (peer id, its delta by tensor name, references) → advantage in nats; the merge's view of a
+# scorer.
+ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Reference]], float]
 # (peer id, certified version) → (rows assigned to it for that version, every other row).
 RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -185,13 +188,12 @@ class WorkScorer:
     def bind(self, base: Mapping[str, torch.Tensor], version: int) -> ScoreFn:
         """A scorer of deltas on ``base``, the certified parameters of ``version``: batches
         are seeded by (run seed, version, peer), so every syncer scores on the same rows.
-        With ``references``, the other side is their mean loss drop on the same own rows;
-        without, the delta's own drop on as many rows not assigned to the sender."""
+        With ``references`` (each scaled by its factor), the other side is their mean loss drop
+        on the same own rows; without, the delta's own drop on as many rows not assigned to the
+        sender."""
 
         def score(
-            peer: str,
-            delta: Mapping[str, torch.Tensor],
-            references: Sequence[Mapping[str, torch.Tensor]] = (),
+            peer: str, delta: Mapping[str, torch.Tensor], references: Sequence[Reference] = ()
         ) -> float:
             own, other = self.batches(peer, version)
             self._load(base, None)
@@ -200,8 +202,8 @@ class WorkScorer:
             own_drop = before - evaluate(self.model, own)
             if references:
                 drops = []
-                for ref in references:
-                    self._load(base, ref)
+                for ref, scale in references:
+                    self._load(base, ref, scale)
                     drops.append(before - evaluate(self.model, own))
                 other_drop = math.fsum(drops) / len(drops)
             else:
@@ -229,12 +231,16 @@ class WorkScorer:
 
     @torch.no_grad()
     def _load(
-        self, base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor] | None
+        self,
+        base: Mapping[str, torch.Tensor],
+        delta: Mapping[str, torch.Tensor] | None,
+        scale: float = 1.0,
     ) -> None:
         for n, p in param_state(self.model).items():
             t = base[n].to(p.device, torch.float32)
             if delta is not None and n in delta:
-                t = t - delta[n].to(p.device, torch.float32)
+                d = delta[n].to(p.device, torch.float32)
+                t = t - (d if scale == 1.0 else d * scale)
             p.copy_(t.to(p.dtype))
 
 
