@@ -316,6 +316,7 @@ def test_json_documents_keep_the_keys_of_docs_cli_md() -> None:
         "accepted",
         "tokens",
         "rejected",
+        "uncredited",
         "reasons",
         "last_version",
         "share",
