@@ -17,7 +17,7 @@ claiming an honest delta's steps and tokens (H, H × batch × seq_len). Each ver
 come from it (``core.trust.trusted_of_roster``, ``core.roster.committee_of_roster``). Per
 kind it prints the free riders' receipts, tokens, whether any is trusted, their committee seats,
 the versions certified and the final eval loss, beside the same run without free riders, with
-work scoring on (`run create`'s default since ADR 0065) and off (`--no-score-work`; before ADR 0062).
+work scoring on (`run create --score-work`) and off (the default; before ADR 0062).
 
     .venv/bin/python bench/freeride.py                     # every kind, scoring on and off
     .venv/bin/python bench/freeride.py --kinds replay --scoring on --rounds 4 --json

@@ -179,15 +179,15 @@ def test_a_round_of_free_riders_only_certifies_nothing() -> None:
     assert set(e.value.rejected) == {"r1", "r2"}
 
 
-def test_run_create_scores_work_unless_told_not_to(tmp_path: Path) -> None:
-    """ADR 0065: a run made with today's defaults scores work; --no-score-work signs the rules
-    of before (no "work" in its bytes)."""
+def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
+    """Off by default (ADR 0065, Limits): a run made without --score-work signs the rules of
+    before (no "work" in its bytes)."""
     from tests.test_run_plan import create
 
-    _, scored = create(tmp_path)
-    assert scored.rules.work == WorkScoring()
-    _, plain = create(tmp_path, "--no-score-work")
+    _, plain = create(tmp_path)
     assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
+    _, scored = create(tmp_path, "--score-work")
+    assert scored.rules.work == WorkScoring()
 
 
 def test_references_are_other_trusted_inputs_in_a_seeded_order() -> None:

@@ -120,9 +120,10 @@ def create(
         typer.Option(
             help="Count a delta only if it shows work on the learner's own assigned rows "
             "(ADR 0062, 0065: free riders earn nothing; every syncer scores on the corpus). "
-            "--no-score-work makes a run that pays any delta that passes screening."
+            "Off by default: a young run of one genesis member cannot admit a second learner "
+            "yet (ADR 0065, Limits)."
         ),
-    ] = True,
+    ] = False,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _r.screen_norm_factor or 0.0,
