@@ -12,6 +12,7 @@ from p2pdiloco.compress.wire import unpack_deltas
 from p2pdiloco.net.manifests import create_manifest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.records import RunManifest, WorkScoring
+from p2pdiloco.protocol.submissions import DATA_LAG
 from p2pdiloco.train.attacks import AttackConfig
 from p2pdiloco.train.data import PackedCorpus, assigned_rows, build_corpus
 from p2pdiloco.train.inner import lr_factor
@@ -350,3 +351,37 @@ def test_with_work_scoring_a_learner_reads_the_rows_assigned_for_its_version(
             )[0].reshape(h, b)[0]
         ],
     )  # a new version starts at its own first rows
+
+
+def test_with_work_scoring_a_stretch_keeps_its_rows_through_rebases_and_names_them(
+    manifest: RunManifest, corpus: PackedCorpus, base: Params
+) -> None:
+    """ADR 0066: rounds that close while a learner trains rebase it mid-stretch; its delta then
+    goes out on a newer base, and was scored on that base's rows, which it had barely trained
+    (the second volunteer of the README walk was refused every delta). A stretch now keeps the
+    rows it started on, until they are DATA_LAG versions old, and its delta names them."""
+    scored = manifest.model_copy(
+        update={"rules": manifest.rules.model_copy(update={"work": WorkScoring()})}
+    )
+    learner = _learner(scored, corpus, base)
+    h, b = scored.inner_steps, scored.inner.batch_size
+
+    def rows(version: int) -> torch.Tensor:
+        own, _ = assigned_rows(
+            corpus.num_train_rows,
+            seed=data_seed(0, "peer-a"),
+            version=version,
+            steps=h,
+            batch_size=b,
+        )
+        return corpus.train_NS[own.reshape(h, b)]
+
+    learner.train(1, 5)
+    assert learner.data_at == (5, 1)
+    learner.steps_since_send = 1  # (train counts it; kept explicit for the reader)
+    assert torch.equal(learner._assigned(1, 6), rows(5)[[1]])  # rebased to 6: rows of 5 go on
+    assert learner.outgoing(6, base, tokens=1, loss=1.0).data_version == 5
+    assert torch.equal(learner._assigned(1, 6), rows(6)[[0]])  # a new stretch: rows of 6
+    learner.steps_since_send = 1
+    assert torch.equal(learner._assigned(1, 6 + DATA_LAG), rows(6 + DATA_LAG)[[0]])  # too old
+    assert learner.outgoing(6 + DATA_LAG, base, tokens=1, loss=1.0).data_version == 6 + DATA_LAG

@@ -37,16 +37,23 @@ SEEN: list[str] = []  # the peers the last check() scored, in order
 
 
 def check(
-    scores: Mapping[str, float], last: Mapping[str, torch.Tensor] | None = None, **rules: object
+    scores: Mapping[str, float],
+    last: Mapping[str, torch.Tensor] | None = None,
+    earned: bool = False,
+    **rules: object,
 ) -> WorkCheck:
-    """A work check whose scorer reads each peer's advantage from ``scores``."""
+    """A work check whose scorer reads each peer's advantage from ``scores`` (``earned``:
+    trust in the round is earned, not open to everyone)."""
     SEEN.clear()
 
-    def score(peer: str, delta: Mapping[str, torch.Tensor], refs: object = ()) -> float:
+    def score(
+        peer: str, delta: Mapping[str, torch.Tensor], refs: object = (), rows: object = None
+    ) -> float:
         SEEN.append(peer)
         return scores[peer]
 
-    return WorkCheck(WorkScoring(**rules), score, last, seed=1)  # type: ignore[arg-type]
+    rules_ = WorkScoring(**rules)  # type: ignore[arg-type]
+    return WorkCheck(rules_, score, last, seed=1, trust_earned=earned)
 
 
 def merge(inputs: list[MergeInput], work: WorkCheck | None, **rules: object):
@@ -173,10 +180,28 @@ def test_copies_folded_by_clone_factor_earn_no_receipt_with_scoring() -> None:
 
 
 def test_a_round_of_free_riders_only_certifies_nothing() -> None:
+    """While trust is open to everyone (a young run before its first receipt), a round in
+    which nothing shows work certifies nothing."""
     inputs = [inp("r1", vec(1)), inp("r2", vec(2))]
     with pytest.raises(MergeError) as e:
         merge(inputs, check({"r1": 0.0, "r2": -0.1}))
     assert set(e.value.rejected) == {"r1", "r2"}
+
+
+def test_a_lone_trusted_delta_without_shown_work_is_merged_uncredited_once_trust_is_earned() -> (
+    None
+):
+    """ADR 0066: with trust earned (the genesis committee and identities with scored work), a
+    round whose only trusted delta shows no work still certifies it, without credit; a
+    probationary rider beside it is refused. Before, such a round failed on every attempt and
+    the run stalled (stop 49's README walk)."""
+    along = {"w": vec(1)["w"] + vec(7)["w"]}  # not away from the trusted row
+    inputs = [inp("creator", vec(1)), inp("rider", along, trusted=False)]
+    result = merge(inputs, check({"creator": -0.01, "rider": 0.0}, earned=True))
+    assert result.accepted == ["creator"] and result.uncredited == ["creator"]
+    assert "no advantage" in result.rejected["rider"]
+    with pytest.raises(MergeError):  # a probationary delta alone is never merged unshown
+        merge([inputs[1]], check({"rider": 0.0}, earned=True))
 
 
 def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:

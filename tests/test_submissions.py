@@ -10,6 +10,7 @@ import pytest
 from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.signing import InvalidRecord, canonical_json, seal, signing_message
 from p2pdiloco.protocol.submissions import (
+    DATA_LAG,
     MAX_SUBMISSION_HEADER_BYTES,
     SUBMISSION_KIND,
     FragmentRef,
@@ -212,3 +213,16 @@ def test_signed_message_is_domain_separated_from_other_kinds() -> None:
     assert signing_message("heartbeat", RUN, unsigned) != signing_message(
         SUBMISSION_KIND, RUN, unsigned
     )
+
+
+def test_a_data_version_lies_near_the_base_and_is_omitted_when_none() -> None:
+    """ADR 0066: the rows a delta trained on are those of a version from DATA_LAG before its
+    base to the one after it (a stretch that read ahead); without one the bytes are as before."""
+    plain = open_submission(seal_submission(ALICE, RUN, header(), ts=NOW), run_id=RUN, now=NOW)
+    assert "data_version" not in plain.envelope.body
+    assert header().rows_version == 7
+    for ok in (7 - DATA_LAG, 7, 8):
+        assert header(data_version=ok).rows_version == ok
+    for bad in (7 - DATA_LAG - 1, 9):
+        with pytest.raises(InvalidRecord, match="data version"):
+            open_submission(raw_sealed(header_body(data_version=bad)), run_id=RUN, now=NOW)

@@ -295,3 +295,30 @@ def test_with_work_scoring_a_young_run_trusts_only_scored_work() -> None:
     assert trusted_peers(m, None) is None  # before any receipt the run must start
     plain = manifest(genesis_committee=PEERS[:1], committee_size=4)
     assert trusted_peers(plain, certificate(worked, version=1)) is None  # as before
+
+
+def test_a_run_that_scores_work_lets_one_newcomer_in_next_to_a_lone_trusted_learner() -> None:
+    """ADR 0066: next to one trusted learner the room at share 0.25 is ⌊1/3⌋ = 0, so a young
+    run of one genesis member closed every round on its creator's delta and a second volunteer
+    never got a delta in, never earned a receipt, never became trusted (stop 49's README walk).
+    A run that scores work holds at least one probationary input: the round lingers for it,
+    the leader proposes it, a follower adopts the set, and its weight stays within the share."""
+    assert [probation_room(t, 0.25, floor=1) for t in range(5)] == [1, 1, 1, 1, 1]
+    lone = dict(trusted=frozenset({"learner0"}), active_learners=2, trusted_learners=1)
+    plain = SyncerRound(params(**lone), "s0")
+    plain.on_submission(sub(0), 1.0)
+    assert plain.phase is not Phase.COLLECTING  # room 0: closed on the trusted one alone
+
+    r = SyncerRound(params(**lone, probation_floor=1), "s0")
+    r.on_submission(sub(0), 1.0)
+    assert r.phase is Phase.COLLECTING  # the newcomer is awaited, by the linger at most
+    actions = r.on_submission(sub(1), 2.0)
+    propose = next(a for a in actions if isinstance(a, Propose))
+    assert propose.digests == ("d00", "d01")
+    agg = next(a for a in actions if isinstance(a, Aggregate))
+    assert agg.weights[1] / sum(agg.weights) <= 0.25 + 1e-12
+    follower = SyncerRound(params(**lone, probation_floor=1), "s1")
+    follower.on_submission(sub(0), 1.0)
+    follower.on_submission(sub(1), 2.0)
+    adopted = follower.on_proposal("s0", propose.digests, 2.5, propose.attempt)
+    assert [type(a) for a in adopted] == [Aggregate]

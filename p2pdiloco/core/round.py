@@ -74,7 +74,7 @@ from p2pdiloco.core.round_types import (
     Submission,
     SubmissionStatus,
 )
-from p2pdiloco.core.trust import cap_probation, probation_room
+from p2pdiloco.core.trust import cap_probation
 from p2pdiloco.core.weights import merge_weights, plausible_claim
 from p2pdiloco.protocol.reasons import Reason
 
@@ -572,7 +572,7 @@ class SyncerRound:
         # many probationary ones as an input set may hold next to them (a probationary one
         # still training is waited for, by the linger at most, only while there is room: free
         # riders announced as learners would otherwise cost every round a linger, issue 44).
-        room_full = self.probationary >= probation_room(n, p.probation_share)
+        room_full = self.probationary >= p.room(n)
         everyone = n >= p.trusted_live and (len(self.accepted) >= p.active_learners or room_full)
         lingered = enough and self.enough_at is not None and now >= self.enough_at + p.linger
         deadline = now >= self.close_deadline
@@ -584,24 +584,24 @@ class SyncerRound:
 
     def _propose(self) -> list[Action]:
         """Leader: announce the input set and aggregate it ourselves. The set holds every
-        trusted submission and the earliest probationary ones that fit ``probation_room``."""
+        trusted submission and the earliest probationary ones that fit ``RoundParams.room``."""
         p = self.params
         trusted = [d for d, s in self.accepted.items() if p.is_trusted(s.peer_id)]
         others = [d for d, s in self.accepted.items() if not p.is_trusted(s.peer_id)]
         if credits := p.progress:  # closest to trust first: trust, and the room, grow fastest
             others.sort(key=lambda d: -credits.get(self.accepted[d].peer_id, 0))
-        digests = tuple(sorted(trusted + others[: probation_room(len(trusted), p.probation_share)]))
+        digests = tuple(sorted(trusted + others[: p.room(len(trusted))]))
         self.input_set = digests
         return [Propose(digests, self.attempt), self._aggregate()]
 
     def _adopted(self, leader: str) -> list[Action]:
         """Every submission of the leader's set is here: aggregate it, unless it holds more
-        probationary submissions than ``probation_room`` allows (a faulty leader: the set is
+        probationary submissions than ``RoundParams.room`` allows (a faulty leader: the set is
         refused, and with no set adopted ``leader_silent`` hands the version on)."""
         assert self.input_set is not None
         p = self.params
         t = sum(p.is_trusted(self.accepted[d].peer_id) for d in self.input_set)
-        over, room = len(self.input_set) - t, probation_room(t, p.probation_share)
+        over, room = len(self.input_set) - t, p.room(t)
         if p.trusted is not None and p.locked is None and over > room:
             self.input_set = None
             text = f"input set holds {over} probationary inputs next to {t} trusted (room {room})"

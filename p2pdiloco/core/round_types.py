@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from p2pdiloco.core.trust import probation_room
 from p2pdiloco.protocol.certificates import MAX_RECEIPTS
 from p2pdiloco.protocol.reasons import Reason
 
@@ -75,6 +76,10 @@ class RoundParams:
     # screening; None (a young run) trusts everyone. The rest share ``probation_share``.
     trusted: frozenset[str] | None = None
     probation_share: float = 0.25
+    # Probationary inputs an input set may always hold (``core.trust.probation_room``): 1 in
+    # a run that scores work, whose probationary deltas are merged only if they show work on
+    # their own data (ADR 0066), so a newcomer can earn trust next to one trusted learner.
+    probation_floor: int = 0
     # Trusted learners alive (``core.trust.trusted_count``); None: ``active_learners``. The
     # learner quorum is a share of these: probationary ones never close a round, so a flood of
     # them counted in would keep every round open to its grace.
@@ -91,6 +96,10 @@ class RoundParams:
 
     def is_trusted(self, peer_id: str) -> bool:
         return self.trusted is None or peer_id in self.trusted
+
+    def room(self, trusted: int) -> int:
+        """Probationary inputs an input set may hold next to ``trusted`` trusted ones."""
+        return probation_room(trusted, self.probation_share, self.probation_floor)
 
     @cached_property  # read at every submission; the params are frozen
     def trusted_live(self) -> int:

@@ -100,12 +100,14 @@ def learners_awaited(
     return count, max(trusted_count(trusted, live), trusted_count(trusted, roster))
 
 
-def probation_room(trusted: int, share: float) -> int:
+def probation_room(trusted: int, share: float, floor: int = 0) -> int:
     """Probationary submissions an input set may hold next to ``trusted`` trusted ones: the
-    most p with p ≤ share × (trusted + p)."""
+    most p with p ≤ share × (trusted + p), and at least ``floor`` (1 in a run that scores work,
+    ADR 0066: there a probationary delta is merged only if it shows work on its own data, and
+    without the floor a run of one or two trusted learners would never let a newcomer in)."""
     if share >= 1.0:
         return 2**31
-    return math.floor(share / (1.0 - share) * trusted + 1e-9)
+    return max(floor, math.floor(share / (1.0 - share) * trusted + 1e-9))
 
 
 def cap_probation(

@@ -54,7 +54,10 @@ from p2pdiloco.protocol.identity import (
 # screen refused it first (ADR 0062): a round's rejection reasons differ from protocol 11's.
 # 13: with work scoring, a trusted delta that shows no advantage on its own data is merged
 # without credit (ADR 0065): a receipt may carry 0 tokens, and such a one is no receipt.
-PROTOCOL_VERSION = 13
+# 14: with work scoring, an input set always has room for one probationary delta, and a round
+# whose only trusted deltas show no work merges them without credit once trust is earned
+# (ADR 0066): the input sets and certificates of young runs differ from protocol 13's.
+PROTOCOL_VERSION = 14
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -29,6 +29,10 @@ from p2pdiloco.protocol.signing import (
 )
 
 SUBMISSION_KIND = "submission"
+# With work scoring, the certified versions before a delta's base whose assigned rows it may
+# say it trained on (``SubmissionHeader.data_version``, ADR 0066): a stretch keeps its rows
+# through the rebases of rounds that close while it trains.
+DATA_LAG = 4
 MAX_SUBMISSION_HEADER_BYTES = 16 * 1024
 MAX_FRAGMENTS = 1024
 
@@ -55,6 +59,9 @@ class SubmissionHeader(_Strict):
     loss: float = Field(ge=0, le=1e4)  # mean inner training loss over the round
     codec: RuleName  # compression codec of the payload ("none", "fp16", "int8", "int4")
     fragments: list[FragmentRef] = Field(min_length=1, max_length=MAX_FRAGMENTS)
+    # With work scoring: the version whose assigned rows the delta trained on (ADR 0066),
+    # from base_version − DATA_LAG to base_version + 1; None (omitted): base_version.
+    data_version: NonNegInt | None = None
 
     @model_validator(mode="after")
     def _fragments_increasing(self) -> Self:
@@ -62,6 +69,20 @@ class SubmissionHeader(_Strict):
         if any(a >= b for a, b in zip(indices, indices[1:], strict=False)):
             raise ValueError("fragment indices must be unique and increasing")
         return self
+
+    @model_validator(mode="after")
+    def _data_version_near_base(self) -> Self:
+        d, b = self.data_version, self.base_version
+        if d is not None and not b - DATA_LAG <= d <= b + 1:
+            raise ValueError(
+                f"data version {d} is not within {DATA_LAG} versions before base {b} (or {b + 1})"
+            )
+        return self
+
+    @property
+    def rows_version(self) -> int:
+        """The version whose assigned rows the delta trained on (``data_version``)."""
+        return self.base_version if self.data_version is None else self.data_version
 
     def fragment(self, index: int) -> FragmentRef | None:
         """The reference of fragment ``index``, or None if this submission does not carry it."""
@@ -85,7 +106,9 @@ def seal_submission(
     """
     if header.peer_id != identity.peer_id:
         raise ValueError("submission header peer_id must be the signing identity's peer id")
-    raw = seal(identity, SUBMISSION_KIND, run_id, header.model_dump(mode="json"), ts=ts)
+    raw = seal(
+        identity, SUBMISSION_KIND, run_id, header.model_dump(mode="json", exclude_none=True), ts=ts
+    )
     if len(raw) > MAX_SUBMISSION_HEADER_BYTES:
         raise ValueError(
             f"signed submission header is {len(raw)} bytes > limit {MAX_SUBMISSION_HEADER_BYTES}"

@@ -431,6 +431,7 @@ class Trainer:
             tokens=tokens,
             loss=min(max(out.loss, 0.0), 1e4),
             codec=self.manifest.compression,
+            data_version=out.data_version if self.manifest.rules.work is not None else None,
             fragments=[
                 FragmentRef(
                     index=round_fragment(out.base_version, self.manifest.outer.fragments),

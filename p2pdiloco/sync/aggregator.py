@@ -11,6 +11,7 @@ Shapes: M inputs, D parameters (the tensors named in ``params``, flattened in so
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from p2pdiloco.sync.clones import fold_clones
 from p2pdiloco.sync.scoring import WorkCheck, copies, references, scoring_order
 from p2pdiloco.train.outer import OuterConfig, outer_update_, params_step_
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class MergeInput:
@@ -42,6 +45,9 @@ class MergeInput:
     delta: Mapping[str, torch.Tensor]  # at least the names being merged; others are ignored
     weight: float
     trusted: bool = True  # its norm anchors screening (core.trust: probationary ones do not)
+    # With work scoring: the version whose assigned rows it trained on (ADR 0066); None: the
+    # round's base.
+    rows_version: int | None = None
 
 
 @dataclass
@@ -224,8 +230,11 @@ def _check_work(
     probationary row, or a copy, is refused unless its advantage on its sender's own data
     exceeds ``margin``; a trusted row that is no copy and shows no such advantage is merged
     without credit (ADR 0065: at a few hundred own rows an honest delta's advantage is lost in
-    the noise now and then, and its work still belongs in the model), unless no row of the
-    round shows work: then every one is refused. Of a group of copies only
+    the noise now and then, and its work still belongs in the model). When no row of the
+    round shows work, those trusted rows are still merged uncredited where trust is earned
+    (``work.trust_earned``, ADR 0066: a lone learner's round must not stall on one unlucky
+    score), and refused while trust is open to everyone (a round of free riders only
+    certifies nothing). Of a group of copies only
     the best such row stays; a probationary row left unscored is refused. Returns the rows kept
     (in row order), row → reason for the refused ones, and the kept rows merged uncredited."""
     r = work.rules
@@ -251,7 +260,15 @@ def _check_work(
             ({n: inputs[rows[rest[i]]].delta[n] for n in names}, _scale_to(norms, rest[i], j))
             for i in references(peers, ref_ok, at, work.seed)
         ]
-        advantage = work.score(peers[at], delta, refs)
+        advantage = work.score(peers[at], delta, refs, inputs[rows[j]].rows_version)
+        log.info(
+            "work score of %s (%s, rows of version %s): %+.4f nats against %d references",
+            inputs[rows[j]].digest[:12],
+            "trusted" if trusted[j] else "probationary",
+            inputs[rows[j]].rows_version,
+            advantage,
+            len(refs),
+        )
         if not advantage > r.margin and trusted[j] and j not in groups:
             unshown.append(j)
         elif not advantage > r.margin:
@@ -266,9 +283,9 @@ def _check_work(
             if g in best:
                 refused[best[g][1]] = f"copies input {inputs[rows[j]].digest[:12]}"
             best[g] = (advantage, j)
-    if not [j for j in kept if j not in refused and j not in unshown]:
-        # Nothing showed work: the round certifies nothing (a round of free riders only, or
-        # one at genesis where everyone counts as trusted).
+    if not work.trust_earned and not [j for j in kept if j not in refused and j not in unshown]:
+        # Nothing showed work while everyone counts as trusted (a young run before its first
+        # receipt): the round certifies nothing, or free riders alone could certify a version.
         refused.update(dict.fromkeys(unshown, "no advantage on its own data"))
         unshown = []
     return [j for j in kept if j not in refused], refused, sorted(unshown)

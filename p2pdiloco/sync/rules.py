@@ -168,6 +168,7 @@ def params_of(
         close_after=close_after,
         trusted=trusted,
         probation_share=r.probation_share,
+        probation_floor=0 if r.work is None else 1,
         trusted_learners=None if trusted_learners is None else max(1, trusted_learners),
         progress=progress,
         max_inputs=max_inputs,

@@ -58,9 +58,9 @@ REFERENCES = 2
 
 # A reference delta and the factor that scales it to the scored delta's norm.
 Reference = tuple[Mapping[str, torch.Tensor], float]
-# (peer id, its delta by tensor name, references) → advantage in nats; the merge's view of a
-# scorer.
-ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Reference]], float]
+# (peer id, its delta by tensor name, references, the version whose rows it trained on or
+# None for the round's base) → advantage in nats; the merge's view of a scorer.
+ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Reference], int | None], float]
 # (peer id, certified version) → (rows assigned to it for that version, every other row).
 RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -69,12 +69,16 @@ RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 class WorkCheck:
     """What the merge needs to check work: the run's rules, a scorer bound to the round's base
     (:meth:`WorkScorer.bind`), the decoded last certified update (None: not held here, that
-    screen is skipped) and the seed of the scoring order."""
+    screen is skipped), the seed of the scoring order, and whether trust in the round is
+    earned (``core.trust.trusted_peers`` is not None: the genesis committee and identities
+    with scored work) rather than open to everyone, as in a young run before its first
+    receipt."""
 
     rules: WorkScoring
     score: ScoreFn
     last_update: Mapping[str, torch.Tensor] | None = None
     seed: int = 0
+    trust_earned: bool = False
 
 
 def copies(
@@ -193,9 +197,12 @@ class WorkScorer:
         sender."""
 
         def score(
-            peer: str, delta: Mapping[str, torch.Tensor], references: Sequence[Reference] = ()
+            peer: str,
+            delta: Mapping[str, torch.Tensor],
+            references: Sequence[Reference] = (),
+            rows_version: int | None = None,
         ) -> float:
-            own, other = self.batches(peer, version)
+            own, other = self.batches(peer, version if rows_version is None else rows_version)
             self._load(base, None)
             before = evaluate(self.model, own)
             self._load(base, delta)

@@ -41,7 +41,7 @@ from p2pdiloco.core.round import (
     SyncerRound,
 )
 from p2pdiloco.core.syncer_node import Held, Seating, SyncerNode
-from p2pdiloco.core.trust import learners_awaited
+from p2pdiloco.core.trust import learners_awaited, trusted_peers
 from p2pdiloco.net.sync_rpc import RpcError, RpcRefused
 from p2pdiloco.net.transport import Transport
 from p2pdiloco.protocol.certificates import CertificateBody, content_digest
@@ -456,8 +456,9 @@ class SyncService:
         if not base.committee_state:  # elected by a later view: fetch it now
             base = self.current = await self._with_committee_state(base)
         inputs = [
-            (d, self.held[d].sub.peer_id, self.held[d].data.payload, w, a)
+            (d, held.sub.peer_id, held.data.payload, w, a, held.data.sub.header.data_version)
             for d, w, a in zip(action.digests, action.weights, action.anchors(), strict=True)
+            for held in (self.held[d],)
         ]
         loop = asyncio.get_running_loop()
         try:
@@ -513,10 +514,12 @@ class SyncService:
         self._execute(self.node.track(rnd.on_aggregated(digest, action.attempt, evaluated)))
 
     def _merge(
-        self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool]]
+        self, base: CertifiedState, inputs: list[tuple[str, str, bytes, float, bool, int | None]]
     ) -> tuple[MergeResult, CertifiedState]:
         decode = self.intake.decode
-        merge_inputs = [MergeInput(d, p, decode(b, base.version), w, a) for d, p, b, w, a in inputs]
+        merge_inputs = [
+            MergeInput(d, p, decode(b, base.version), w, a, rows) for d, p, b, w, a, rows in inputs
+        ]
         return next_state(base, merge_inputs, self.rules, self.outer, self._work(base))
 
     def _work(self, base: CertifiedState) -> WorkCheck | None:
@@ -534,7 +537,8 @@ class SyncService:
             except UpdateError:  # a fragment's update: that screen is skipped
                 last = None
         score = self.scorer.bind(base.params, base.version)
-        return WorkCheck(self.rules.work, score, last, seed=base.version)
+        earned = trusted_peers(self.manifest, base.cert) is not None
+        return WorkCheck(self.rules.work, score, last, seed=base.version, trust_earned=earned)
 
     def _evaluate(self, state: CertifiedState) -> float | None:
         """The merge's eval step: the merged state's loss on the run's held-out batches (ADR

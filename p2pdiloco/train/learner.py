@@ -37,6 +37,7 @@ import torch
 from p2pdiloco.compress import ErrorFeedback, get_codec
 from p2pdiloco.compress.wire import pack_deltas
 from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.protocol.submissions import DATA_LAG
 from p2pdiloco.train.attacks import AttackConfig, Attacker
 from p2pdiloco.train.data import PackedCorpus, assigned_rows, learner_batches
 from p2pdiloco.train.inner import (
@@ -75,6 +76,8 @@ class Outgoing:
     # copies: compress replaces residuals): restored if the delta is not merged.
     residual_before: dict[str, torch.Tensor] = field(default_factory=dict)
     fold: float = 1.0  # the scale a delta folding overtime was sent at (1: not folded)
+    # With work scoring: the version whose assigned rows the delta trained on (ADR 0066).
+    data_version: int | None = None
 
 
 class Learner:
@@ -159,7 +162,10 @@ class Learner:
         """``steps`` inner steps on the next rows of this learner's data (fewer once
         ``should_stop`` says so: the stats count those trained): with work scoring and the
         certified ``version`` trained from, the rows assigned to it for that version
-        (``train.data.assigned_rows``; past H steps they are read again)."""
+        (``train.data.assigned_rows``; past H steps they are read again). A stretch keeps the
+        rows it started on through rebases (ADR 0066: rounds that close while it trains would
+        otherwise leave each delta scored on rows it barely saw), until they are ``DATA_LAG``
+        versions old; the delta names them (``Outgoing.data_version``)."""
         if self.manifest.rules.work is not None and version is not None:
             batches = self._assigned(steps, version)
         else:
@@ -181,8 +187,15 @@ class Learner:
         return st
 
     def _assigned(self, steps: int, version: int) -> torch.Tensor:
-        """The next ``steps`` batches [T, B, S] of the rows assigned for ``version``."""
+        """The next ``steps`` batches [T, B, S] of the stretch's rows: those assigned for
+        ``version`` at a stretch's first step, or once the stretch's are too old to name."""
         h = self.manifest.inner_steps
+        at, start = self.data_at
+        stale = version - at >= DATA_LAG or at > version + 1
+        if at < 0 or (self.steps_since_send == 0 and at != version) or stale:
+            at, start = version, 0
+        self.data_at = (at, start + steps)
+        version = at
         rows_N, _ = assigned_rows(
             self.corpus.num_train_rows,
             seed=self.seed,
@@ -190,9 +203,6 @@ class Learner:
             steps=h,
             batch_size=self.cfg.batch_size,
         )
-        at, done = self.data_at
-        start = done if at == version else 0
-        self.data_at = (version, start + steps)
         rows_HB = rows_N.reshape(h, self.cfg.batch_size)
         picked = torch.arange(start, start + steps) % h
         return self.corpus.train_NS[rows_HB[picked]]
@@ -257,6 +267,7 @@ class Learner:
             sent_params={n: t.clone() for n, t in local.items()},
             residual_before=before,
             fold=fold,
+            data_version=self.data_at[0] if self.data_at[0] >= 0 else None,
         )
         self.steps_since_send, self.stretch_norm = 0, None
         return out
