@@ -14,6 +14,13 @@ prints the share of each kind that would be credited (advantage > 0):
 
 (ADR 0065). The references are drawn at random per delta (seeded), ``--draws`` times.
 
+    did k      (own drop − drop on rows not assigned) − the same of k other deltas (ADR 0066)
+
+It also scores **stale honest work** (ADR 0066): every learner's delta of the round before, on
+the rows it trained then, at this round's θ, as a learner that rebased mid-stretch sends it:
+the paired score refuses most of it, the difference in differences does not (and pays riders).
+``--save`` / ``--load`` keep the recorded losses to try further rules on them.
+
     .venv/bin/python bench/scoring_power.py --seeds 0,1,2 --rounds 6
 """
 
@@ -59,6 +66,7 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
         scorers.append(self)
 
     merge = simulate.merge_fragment
+    prev: list[Any] = []
 
     def observed(theta: Any, momentum: Any, deltas: Any, tokens: Any, names: Any, **kw: Any) -> Any:
         work, last = kw.get("work"), kw.get("last_update")
@@ -97,6 +105,26 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
             for j in range(m):
                 s._load(theta, deltas[j], float(size / norms[j]))
                 rec["at_median"][j] = row_losses(s.model, s.train_NS[torch.cat(own)])
+            # Stale honest work (ADR 0066): each learner's delta of the round before, on the
+            # rows it trained then, scored at this round's θ (a stretch that a round's close
+            # overtook), with this round's deltas as references on the same rows.
+            if prev:
+                pdeltas, pown = prev[-1]
+                st: dict[int, dict[str, Any]] = {}
+                for i in range(min(m, len(pdeltas))):
+                    rows_i = s.train_NS[pown[i]]
+                    s._load(theta, None)
+                    e = {"base": row_losses(s.model, rows_i)}
+                    s._load(theta, pdeltas[i])
+                    e["own"] = row_losses(s.model, rows_i)
+                    e["other"] = row_losses(s.model, s.train_NS[other])
+                    e["refs"] = {}
+                    for j in range(m):
+                        s._load(theta, deltas[j])
+                        e["refs"][j] = row_losses(s.model, rows_i)
+                    st[i] = e
+                rec["stale"] = st
+            prev.append(([{n: d[n].clone() for n in names} for d in deltas], own))
             records.append(rec)
         return merge(theta, momentum, deltas, tokens, names, **kw)
 
@@ -156,6 +184,65 @@ def advantage(
     return min(own, own - other)
 
 
+def did(rec: dict[str, Any], i: int, key: str, refs: list[int]) -> float:
+    """ADR 0066's difference in differences: candidate ``key``'s drop on learner i's own rows
+    minus its drop on rows not assigned, less the same difference of the deltas ``refs``
+    (unscaled): staleness and a delta's size move both row sets alike and cancel, and so does
+    how easy i's rows are to improve."""
+    base_own, base_other = split(rec, "base")
+
+    def gap(k: str) -> float:
+        own_after, other_after = split(rec, k)
+        own = float((base_own[i] - own_after[i]).mean())
+        return own - float((base_other - other_after).mean())
+
+    return gap(key) - sum(gap(f"d{j}") for j in refs) / len(refs)
+
+
+def stale_rates(records: list[dict[str, Any]], k: int) -> dict[str, float]:
+    """Credit rates of stale honest deltas (the round before's, on their rows) per rule."""
+    rng = random.Random(1)
+    out: dict[str, list[bool]] = {}
+    for rec in records:
+        other_base = split(rec, "base")[1]
+        for i, e in rec.get("stale", {}).items():
+            own = float((e["base"] - e["own"]).mean())
+            gap = own - float((other_base - e["other"]).mean())
+            refs = rng.sample([j for j in range(rec["m"]) if j != i], k)
+            ref_own = [float((e["base"] - e["refs"][j]).mean()) for j in refs]
+            paired = min(own, own - sum(ref_own) / k)
+            out.setdefault("ADR 0062 (other rows)", []).append(min(own, gap) > 0)
+            out.setdefault(f"paired, {k} (unscaled)", []).append(paired > 0)
+            # The references' own-minus-other gap on i's rows of the round before is not
+            # recorded on rows not assigned; their own drop there stands for it, less their
+            # drop on the other rows (recorded in this round's "d{j}").
+            ref_gap = [
+                r - float((other_base - split(rec, f"d{j}")[1]).mean())
+                for r, j in zip(ref_own, refs, strict=True)
+            ]
+            out.setdefault(f"did, {k}", []).append(gap - sum(ref_gap) / k > 0)
+    return {rule: sum(v) / len(v) for rule, v in out.items()}
+
+
+def did_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, float]:
+    rng = random.Random(0)
+    passed: dict[str, list[bool]] = {}
+    for _ in range(draws):
+        for rec in records:
+            m = rec["m"]
+            for i in range(m):
+                pool = [j for j in range(m) if j != i]
+                for kind, key in [("honest", f"d{i}")] + [
+                    (kind, kind) for kind in ("replay", "noise") if kind in rec
+                ]:
+                    refs = rng.sample(pool, min(k, len(pool)))
+                    passed.setdefault(kind, []).append(did(rec, i, key, refs) > 0)
+                for j in pool:
+                    refs = rng.sample([r for r in pool if r != j], min(k, len(pool) - 1))
+                    passed.setdefault("copy", []).append(did(rec, i, f"d{j}", refs) > 0)
+    return {kind: sum(v) / len(v) for kind, v in passed.items()}
+
+
 def rates(
     records: list[dict[str, Any]], k: int | None, draws: int, matched: bool = False
 ) -> dict[str, float]:
@@ -188,16 +275,26 @@ def main() -> int:
     ap.add_argument("--refs", default="1,2,3,4,7", help="reference counts of the paired rule")
     ap.add_argument("--draws", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--save", help="write the recorded losses here (torch.save)")
+    ap.add_argument("--load", help="read recorded losses instead of running the cell")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    records = [r for s in args.seeds.split(",") for r in record(int(s), args.rounds)]
+    if args.load:
+        records = torch.load(args.load, weights_only=False)
+    else:
+        records = [r for s in args.seeds.split(",") for r in record(int(s), args.rounds)]
+    if args.save:
+        torch.save(records, args.save)
     honest = sum(r["m"] for r in records)
     rows: dict[str, dict[str, float]] = {"ADR 0062 (other rows)": rates(records, None, 1)}
     for k in (int(x) for x in args.refs.split(",")):
         rows[f"paired, {k} reference(s)"] = rates(records, k, args.draws)
     for k in (int(x) for x in args.refs.split(",")):
         rows[f"norm-matched, {k}"] = rates(records, k, args.draws, matched=True)
+    for k in (int(x) for x in args.refs.split(",")):
+        rows[f"did, {k}"] = did_rates(records, k, args.draws)
+    stale = stale_rates(records, 2)
     if args.json:
         json.dump({"honest_deltas": honest, "rates": rows}, sys.stdout, indent=1)
         return 0
@@ -210,6 +307,9 @@ def main() -> int:
                 f"{r.get(k, float('nan')):7.3f}" for k in ("honest", "copy", "noise", "replay")
             )
         )
+    print("stale honest deltas (the round before's, scored at this round's θ):")
+    for rule, rate in stale.items():
+        print(f"  {rule:26} {rate:7.3f}")
     return 0
 
 
