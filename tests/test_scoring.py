@@ -205,7 +205,7 @@ def test_a_lone_trusted_delta_without_shown_work_is_merged_uncredited_once_trust
 
 
 def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
-    """Off by default (ADR 0065, Limits): a run made without --score-work signs the rules of
+    """Off by default (ADRs 0065, 0066): a run made without --score-work signs the rules of
     before (no "work" in its bytes)."""
     from tests.test_run_plan import create
 

@@ -120,8 +120,8 @@ def create(
         typer.Option(
             help="Count a delta only if it shows work on the learner's own assigned rows "
             "(ADR 0062, 0065: free riders earn nothing; every syncer scores on the corpus). "
-            "Off by default: a young run of one genesis member cannot admit a second learner "
-            "yet (ADR 0065, Limits)."
+            "Off by default: a learner that rebases mid-stretch sends work the score mostly "
+            "refuses (ADR 0066)."
         ),
     ] = False,
     screen_norm_factor: Annotated[
