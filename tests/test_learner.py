@@ -385,3 +385,24 @@ def test_with_work_scoring_a_stretch_keeps_its_rows_through_rebases_and_names_th
     learner.steps_since_send = 1
     assert torch.equal(learner._assigned(1, 6 + DATA_LAG), rows(6 + DATA_LAG)[[0]])  # too old
     assert learner.outgoing(6 + DATA_LAG, base, tokens=1, loss=1.0).data_version == 6 + DATA_LAG
+
+
+def test_a_header_names_rows_within_its_window_whatever_landed_after_the_stretch() -> None:
+    """Two certificates after a stretch's last chunk can put its base more than DATA_LAG past
+    its rows: the header names the window's oldest version instead of being refused unsent."""
+    from p2pdiloco.runtime.trainer import _named_rows
+
+    def out(base: int, data: int | None) -> Outgoing:
+        return Outgoing(
+            base_version=base,
+            payload=b"",
+            steps=1,
+            tokens=1,
+            loss=0.0,
+            sent_params={},
+            data_version=data,
+        )
+
+    assert _named_rows(out(10, 5)) == 10 - DATA_LAG
+    assert _named_rows(out(10, 8)) == 8 and _named_rows(out(10, 12)) == 11
+    assert _named_rows(out(10, None)) is None

@@ -38,6 +38,7 @@ from p2pdiloco.protocol.identity import Identity
 from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import RunManifest
 from p2pdiloco.protocol.submissions import (
+    DATA_LAG,
     FragmentRef,
     SubmissionHeader,
     payload_digest,
@@ -431,7 +432,7 @@ class Trainer:
             tokens=tokens,
             loss=min(max(out.loss, 0.0), 1e4),
             codec=self.manifest.compression,
-            data_version=out.data_version if self.manifest.rules.work is not None else None,
+            data_version=_named_rows(out) if self.manifest.rules.work is not None else None,
             fragments=[
                 FragmentRef(
                     index=round_fragment(out.base_version, self.manifest.outer.fragments),
@@ -526,3 +527,13 @@ def _pace(state: CertifiedState) -> int | None:
     """The run's steps per delta at ``state`` (None at genesis, or when it merged nothing)."""
     cert = state.cert
     return round_pace(a.steps for a in cert.body.accepted) if cert is not None else None
+
+
+def _named_rows(out: Outgoing) -> int | None:
+    """The rows version a delta's header names (ADR 0066): the stretch's, within the window a
+    header may name. Certificates that landed after the stretch's last chunk can push its base
+    past the window; the delta is then named by the window's oldest version (and will likely
+    show no work there) rather than sealed into a header every syncer refuses."""
+    if out.data_version is None:
+        return None
+    return min(max(out.data_version, out.base_version - DATA_LAG), out.base_version + 1)
