@@ -41,6 +41,11 @@ from p2pdiloco.signals import ignore_interrupts, interrupts_held
 
 log = logging.getLogger(__name__)
 
+# How long a DHT process may take to say it is ready (p2pd started, initial peers answered or
+# refused; seconds under load), and how many fresh processes a start tries before it fails.
+START_TIMEOUT = 90.0
+START_ATTEMPTS = 2
+
 # Largest value this node stores for anyone, or accepts when reading: manifests and heartbeats
 # are a few KiB; anything bigger is an attack or a bug.
 MAX_RECORD_BYTES = 16 * 1024
@@ -135,6 +140,25 @@ async def _rejoin(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout:
         except Exception as e:  # an unreachable bootstrap is expected; try again next interval
             log.debug("rejoin via %s failed: %s", maddr, e)
     return answered
+
+
+def _process_state(pid: int | None) -> str:
+    """What a process is doing, from /proc: its state and what each thread waits in (wchan),
+    or how it ended; for a start that never finished."""
+    if pid is None:
+        return "not started"
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        state = next(
+            (ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("State:")),
+            "?",
+        )
+        waits = sorted(
+            {(t / "wchan").read_text().strip() or "-" for t in Path(f"/proc/{pid}/task").iterdir()}
+        )
+    except OSError:
+        return f"process {pid} gone"
+    return f"process {pid} {state}, threads waiting in {', '.join(waits)}"
 
 
 def _start_failure(e: Exception, initial_peers: Sequence[str]) -> str:
@@ -249,22 +273,39 @@ class DHTPlane:
             kwargs["announce_maddrs"] = list(announce)
         if force_public:
             kwargs["force_reachability"] = "public"
-        try:
-            self.dht = _GuardedDHT(
-                initial_peers=list(initial_peers) or None,
-                start=False,
-                record_validators=[EnvelopeValidator()],
-                # A returning peer with the same key would otherwise wait for a dial timeout.
-                check_if_identity_free=False,
-                **kwargs,
-            )
-            self.dht.run_in_background(await_ready=True)
-        except BaseException as e:  # failed, or interrupted (Ctrl-C while starting)
-            self._kill()
-            self._cleanup_tmp()
-            if not isinstance(e, Exception):
-                raise
-            raise NetworkError(_start_failure(e, initial_peers)) from e
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self.dht = _GuardedDHT(
+                    initial_peers=list(initial_peers) or None,
+                    start=False,
+                    record_validators=[EnvelopeValidator()],
+                    # A returning peer with the same key would otherwise wait for a dial timeout.
+                    check_if_identity_free=False,
+                    **kwargs,
+                )
+                self.dht.run_in_background(await_ready=True, timeout=START_TIMEOUT)
+                break
+            except TimeoutError as e:
+                # The DHT process never said it is ready (two CI runs saw a start hang for good
+                # in a long-lived test worker): say what it was doing, end it, start afresh.
+                state = _process_state(self.dht.pid)
+                self._kill()
+                if attempt + 1 < START_ATTEMPTS:
+                    log.warning(
+                        "the DHT process did not start within %.0f s (%s); starting it again",
+                        START_TIMEOUT,
+                        state,
+                    )
+                    continue
+                self._cleanup_tmp()
+                text = f"the DHT process did not start within {START_TIMEOUT:.0f} s ({state})"
+                raise NetworkError(_start_failure(RuntimeError(text), initial_peers)) from e
+            except BaseException as e:  # failed, or interrupted (Ctrl-C while starting)
+                self._kill()
+                self._cleanup_tmp()
+                if not isinstance(e, Exception):
+                    raise
+                raise NetworkError(_start_failure(e, initial_peers)) from e
         if str(self.dht.peer_id) != identity.peer_id:
             self.close()
             raise NetworkError("the DHT daemon did not take this node's identity key")
