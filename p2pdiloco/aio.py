@@ -66,6 +66,36 @@ def quiet_stream_gc() -> None:
     sys.unraisablehook = hook
 
 
+class _CancelledStreamCallback(logging.Filter):
+    """Drops asyncio's "Exception in callback" for a stream server's connection task that was
+    cancelled (see :func:`quiet_cancelled_stream_callbacks`); passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        text = record.getMessage()
+        if (
+            isinstance(exc, asyncio.CancelledError)
+            and text.startswith("Exception in callback")
+            and "connection_made" in text
+        ):
+            log.debug("a cancelled daemon stream handler ended: %s", text[:200])
+            return False
+        return True
+
+
+def quiet_cancelled_stream_callbacks() -> None:
+    """Keep (once per process, and in processes forked after it) one Python 3.11 asyncio quirk
+    out of the logs: a stream server's per-connection task cancelled at shutdown makes the
+    done-callback of ``StreamReaderProtocol`` call ``task.exception()``, which raises
+    CancelledError, and the loop logs it as "Exception in callback ... Traceback" (3.12 checks
+    ``task.cancelled()`` first). hivemind's daemon bindings serve inbound streams that way, so a
+    node or DHT process stopping with a stream open printed a traceback (a fresh-clone CI failed
+    on "Traceback" in a stopped node's log). Nothing else of the loop's errors is dropped."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _CancelledStreamCallback) for f in logger.filters):
+        logger.addFilter(_CancelledStreamCallback())
+
+
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """Run blocking DHT/gossip I/O in a daemon thread and await it. Not the loop's executor:
     a call stuck on a DHT that is shutting down must not hold the process at exit."""

@@ -31,6 +31,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 from multiaddr import Multiaddr
 
+from p2pdiloco.aio import quiet_cancelled_stream_callbacks
 from p2pdiloco.errors import UserError
 from p2pdiloco.net import lifeline
 from p2pdiloco.net.record_rules import RecordRefused, RejectionLog, check_record
@@ -200,6 +201,7 @@ class _GuardedDHT(hivemind.DHT):
 
     def __init__(self, **kwargs: Any) -> None:
         self._lifeline_parent = os.getpid()  # before super() starts the process
+        quiet_cancelled_stream_callbacks()  # here and in the DHT process forked from here
         # hivemind makes its first MPFuture here: that starts its reader thread and, for the
         # future's shared byte, torch's shm manager (hivemind sets the file_system strategy), a
         # child in this process group until it calls setsid. A Ctrl-C that killed the manager

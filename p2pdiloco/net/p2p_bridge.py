@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import hivemind
 from hivemind.p2p import P2P
 
-from p2pdiloco.aio import quiet_stream_gc
+from p2pdiloco.aio import quiet_cancelled_stream_callbacks, quiet_stream_gc
 
 T = TypeVar("T")
 
@@ -26,6 +26,7 @@ class P2PBridge:
 
     def __init__(self, dht: hivemind.DHT, timeout: float = 30.0) -> None:
         quiet_stream_gc()  # hivemind's client leaks a stream per cancelled daemon call
+        quiet_cancelled_stream_callbacks()
         self._loop = asyncio.new_event_loop()
         self.loop = self._loop  # the node runtime's loop: every network-facing state lives on it
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="p2p")
