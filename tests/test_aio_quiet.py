@@ -15,17 +15,21 @@ from p2pdiloco.aio import quiet_cancelled_stream_callbacks
 
 
 def serve_and_cancel(path: Path) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readexactly(1)  # the client never writes: cancelled while it waits
-
     async def main() -> None:
+        started = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            started.set()
+            await reader.readexactly(1)  # the client never writes: cancelled while it waits
+
         server = await asyncio.start_unix_server(handler, path=str(path))
         _, writer = await asyncio.open_unix_connection(str(path))
-        await asyncio.sleep(0.2)
-        for t in asyncio.all_tasks():
-            if t is not asyncio.current_task():
-                t.cancel()
-        await asyncio.sleep(0.2)
+        await started.wait()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # the tasks' done-callbacks run on the next iteration
         writer.close()
         server.close()
 
