@@ -1,5 +1,5 @@
 """A DHT process that never says it is ready is ended and started afresh, then refused in one
-line: a start never hangs for good (two CI runs saw every in-process DHT start of one
+line: a start never hangs for good (a fresh-clone CI saw every in-process DHT start of one
 long-lived test worker hang until the test's timeout)."""
 
 from __future__ import annotations

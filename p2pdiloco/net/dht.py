@@ -288,7 +288,7 @@ class DHTPlane:
                 self.dht.run_in_background(await_ready=True, timeout=START_TIMEOUT)
                 break
             except TimeoutError as e:
-                # The DHT process never said it is ready (two CI runs saw a start hang for good
+                # The DHT process never said it is ready (a fresh-clone CI saw starts hang for good
                 # in a long-lived test worker): say what it was doing, end it, start afresh.
                 state = _process_state(self.dht.pid)
                 self._kill()
