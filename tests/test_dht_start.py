@@ -63,3 +63,36 @@ def test_a_start_that_always_hangs_fails_in_one_line_and_leaves_no_process(
         and "lifeline" not in " ".join(p.cmdline())
     ]
     assert not left, left
+
+
+def test_a_lock_left_held_by_a_killed_process_does_not_hang_the_next_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """hivemind's MPFuture update lock is shared by every process forked after import; one
+    SIGKILLed while holding it made every later DHT process of this process block before it
+    said it was ready (py-spy on a hung child in CI: ``_send_update`` in ``SemLock.__enter__``)."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    monkeypatch.setattr(MPFuture, "_update_lock", mp.Lock())  # this test's, poisoned below
+    held = mp.get_context("fork").Event()
+
+    def hold() -> None:
+        MPFuture._update_lock.acquire()
+        held.set()
+        signal.pause()
+
+    child = mp.get_context("fork").Process(target=hold)
+    child.start()
+    assert held.wait(30)
+    os.kill(child.pid, signal.SIGKILL)  # killed holding it: nobody will release it
+    child.join(10)
+    monkeypatch.setattr(dht_mod, "START_TIMEOUT", 20.0)
+    with caplog.at_level(logging.WARNING, logger="p2pdiloco.net.dht"):
+        plane = DHTPlane(Identity.generate(), host="127.0.0.1")
+    plane.close()
+    assert any("_update_lock was held" in r.message for r in caplog.records)
+    assert not any("did not start within" in r.message for r in caplog.records)

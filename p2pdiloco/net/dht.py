@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import math
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 from multiaddr import Multiaddr
 
@@ -143,6 +145,24 @@ async def _rejoin(_dht: hivemind.DHT, node: DHTNode, maddrs: list[str], timeout:
     return answered
 
 
+def _unpoison_mpfuture_locks(wait: float = 2.0) -> None:
+    """hivemind's MPFuture guards its pipes with two process-shared locks made at import
+    (``mp.Lock`` class attributes), inherited by every process forked after it. A process
+    killed while holding one (a DHT process ended with SIGKILL mid-update) leaves it held for
+    good, and every DHT process forked later blocks on it before it can say it is ready: a
+    start that never ends (a fresh-clone CI saw every DHT start of one test worker hang so,
+    py-spy on the child: ``MPFuture._send_update`` in ``SemLock.__enter__``). Before forking a
+    DHT process, a lock nobody releases within ``wait`` seconds (each is held for one pipe
+    write) is replaced by a fresh one, which the children forked from here on share."""
+    for name in ("_update_lock", "_initialization_lock"):
+        lock = getattr(MPFuture, name)
+        if lock.acquire(timeout=wait):
+            lock.release()
+            continue
+        setattr(MPFuture, name, mp.Lock())
+        log.warning("hivemind's MPFuture.%s was held by a process that is gone: replaced", name)
+
+
 def _process_state(pid: int | None) -> str:
     """What a process is doing, from /proc: its state and what each thread waits in (wchan),
     or how it ended; for a start that never finished."""
@@ -202,6 +222,7 @@ class _GuardedDHT(hivemind.DHT):
     def __init__(self, **kwargs: Any) -> None:
         self._lifeline_parent = os.getpid()  # before super() starts the process
         quiet_cancelled_stream_callbacks()  # here and in the DHT process forked from here
+        _unpoison_mpfuture_locks()  # before the first MPFuture here, and the fork in start()
         # hivemind makes its first MPFuture here: that starts its reader thread and, for the
         # future's shared byte, torch's shm manager (hivemind sets the file_system strategy), a
         # child in this process group until it calls setsid. A Ctrl-C that killed the manager
