@@ -5,7 +5,7 @@ long-lived test worker hang until the test's timeout)."""
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from pathlib import Path
 
 import psutil
@@ -24,7 +24,7 @@ def hang_first(flag: Path, always: bool = False):  # noqa: ANN201  (a replacemen
     def run(self: dht_mod._GuardedDHT) -> None:
         if always or not flag.exists():
             flag.touch()
-            time.sleep(3600)  # a start that never reports ready
+            threading.Event().wait()  # a start that never reports ready (ended by the parent)
         real(self)
 
     return run
