@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
@@ -38,7 +38,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES
+from p2pdiloco.net.gossip_limits import MAX_MESSAGE_BYTES, MEND_INTERVAL
 
 logger = logging.getLogger(__name__)
 
@@ -231,34 +231,68 @@ def _describe(cmd: Any) -> str:
     return type(cmd).__name__
 
 
+def build_pubsub(seed: bytes, listen_host: str, port: int) -> tuple[Any, Pubsub, Any]:
+    """This project's gossipsub stack for the key of ``seed``: (host, pubsub, listen address);
+    run the host with ``host.run([listen])`` and the pubsub and its router as services."""
+    if len(seed) != 32:
+        raise ValueError(f"seed must be 32 bytes, got {len(seed)}")
+    key_pair = create_new_key_pair(seed)
+    listen = multiaddr.Multiaddr(f"/ip4/{listen_host}/tcp/{int(port)}")
+    host = new_host(key_pair=key_pair, listen_addrs=[listen])
+    router = GossipSub(
+        protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
+        degree=DEGREE,
+        degree_low=DEGREE_LOW,
+        degree_high=DEGREE_HIGH,
+        heartbeat_initial_delay=0.1,
+        heartbeat_interval=HEARTBEAT_INTERVAL,
+        # py-libp2p silently drops messages beyond this rate per forwarding peer and
+        # topic (default 10/s); bursts of one announcement per peer are legitimate here.
+        max_messages_per_topic_per_second=100.0,
+    )
+    pubsub = _SafePubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
+    return host, pubsub, listen
+
+
+def mend_links(pubsub: Pubsub) -> tuple[int, int]:
+    """Repair what py-libp2p does once per link and never again; returns (peers told our
+    subscriptions, pubsub streams reopened).
+
+    A peer learns our subscriptions from the hello that opens our pubsub stream to it, and
+    from nothing else. If that hello is lost (a signed peer record older than one it already
+    holds makes it drop the whole RPC; a stream reset races a re-registration that forgets
+    them) it never sends us a message on our topics while the link lives: it queues them as
+    for a peer not yet identified, then drops them. And a stream that failed to open with an
+    error py-libp2p does not retry (``StreamFailure``) leaves a connected peer with no pubsub
+    stream for good. Both were seen as a node deaf to a peer's gossip for the life of the
+    link. So every :data:`MEND_INTERVAL`: our subscriptions are told again to every pubsub peer
+    (a receiver ignores ones it knows), and a connected peer without a stream gets one."""
+    told = 0
+    if pubsub.topic_ids:
+        hello = pubsub.get_hello_packet()
+        for peer in list(pubsub.peers):
+            pubsub.router.send_rpc(peer, hello, priority=True)  # type: ignore[attr-defined]
+            told += 1
+    reopened = 0
+    for peer in pubsub.host.get_network().get_connections_map():
+        if peer not in pubsub.peers and pubsub._peer_is_connected(peer):
+            pubsub._schedule_peer_stream_retry(peer)  # one retry task per peer at most
+            reopened += 1
+    return told, reopened
+
+
 async def _amain(
     conn: Connection, seed: bytes, listen_host: str, port: int, topics: list[str]
 ) -> None:
     try:
-        if len(seed) != 32:
-            raise ValueError(f"seed must be 32 bytes, got {len(seed)}")
-        key_pair = create_new_key_pair(seed)
-        listen = multiaddr.Multiaddr(f"/ip4/{listen_host}/tcp/{int(port)}")
-        host = new_host(key_pair=key_pair, listen_addrs=[listen])
-        router = GossipSub(
-            protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
-            degree=DEGREE,
-            degree_low=DEGREE_LOW,
-            degree_high=DEGREE_HIGH,
-            heartbeat_initial_delay=0.1,
-            heartbeat_interval=HEARTBEAT_INTERVAL,
-            # py-libp2p silently drops messages beyond this rate per forwarding peer and
-            # topic (default 10/s); bursts of one announcement per peer are legitimate here.
-            max_messages_per_topic_per_second=100.0,
-        )
-        pubsub = _SafePubsub(host, router, max_inbound_rpc_size=MAX_INBOUND_RPC_BYTES)
+        host, pubsub, listen = build_pubsub(seed, listen_host, port)
     except Exception as e:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         raise
 
     child = _Child(conn, host, pubsub)
     try:
-        await _serve(child, router, listen, topics)
+        await _serve(child, listen, topics)
     except BaseException as e:
         if _only(e, _ParentGone):
             logger.debug("gossip: parent went away, exiting")
@@ -269,8 +303,9 @@ async def _amain(
         raise
 
 
-async def _serve(child: _Child, router: GossipSub, listen: Any, topics: list[str]) -> None:
+async def _serve(child: _Child, listen: Any, topics: list[str]) -> None:
     host, pubsub = child.host, child.pubsub
+    router = cast(GossipSub, pubsub.router)
     async with host.run(listen_addrs=[listen]), trio.open_nursery() as nursery:
         child.nursery = nursery
         async with background_trio_service(pubsub), background_trio_service(router):
@@ -283,9 +318,18 @@ async def _serve(child: _Child, router: GossipSub, listen: Any, topics: list[str
             child.ready = True
             async with trio.open_nursery() as inner:
                 inner.start_soon(child.writer)
+                inner.start_soon(_mend_forever, pubsub)
                 await child.reader()  # returns on ("close",)
                 inner.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+
+
+async def _mend_forever(pubsub: Pubsub) -> None:
+    while True:
+        await trio.sleep(MEND_INTERVAL)
+        told, reopened = mend_links(pubsub)
+        if reopened:
+            logger.debug("gossip: reopening the pubsub stream to %d connected peers", reopened)
 
 
 def _concrete(addrs: list[Any]) -> list[Any]:
