@@ -101,6 +101,11 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
                     if j != i:
                         s._load(theta, deltas[j], float(norms[i] / norms[j]))
                         rec["matched"][(i, j)] = row_losses(s.model, s.train_NS[own[i]])
+            if last and all(n in last for n in names):  # the update at each delta's norm
+                rec["update_matched"] = {}
+                for i in range(m):
+                    s._load(theta, last, float(norms[i] / norm(last)))
+                    rec["update_matched"][i] = row_losses(s.model, s.train_NS[own[i]])
             rec["at_median"] = {}
             for j in range(m):
                 s._load(theta, deltas[j], float(size / norms[j]))
@@ -109,7 +114,7 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
             # rows it trained then, scored at this round's θ (a stretch that a round's close
             # overtook), with this round's deltas as references on the same rows.
             if prev:
-                pdeltas, pown = prev[-1]
+                pdeltas, pown = prev[-1][:2]
                 st: dict[int, dict[str, Any]] = {}
                 for i in range(min(m, len(pdeltas))):
                     rows_i = s.train_NS[pown[i]]
@@ -122,9 +127,54 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
                     for j in range(m):
                         s._load(theta, deltas[j])
                         e["refs"][j] = row_losses(s.model, rows_i)
+                    # References as stale as it: the round before's other deltas, at its norm
+                    # and at the median norm (a rider's), and the last update replayed at the
+                    # median norm, all here at this round's θ on its rows (ADR 0068).
+                    pn, psize = prev[-1][4], prev[-1][3]
+                    e["stale_refs"], e["stale_refs_median"] = {}, {}
+                    for j in range(len(pdeltas)):
+                        if j != i:
+                            s._load(theta, pdeltas[j], float(pn[i] / pn[j]))
+                            e["stale_refs"][j] = row_losses(s.model, rows_i)
+                            s._load(theta, pdeltas[j], float(psize / pn[j]))
+                            e["stale_refs_median"][j] = row_losses(s.model, rows_i)
+                    if last and all(n in last for n in names):
+                        s._load(theta, last, float(psize / norm(last)))
+                        e["replay"] = row_losses(s.model, rows_i)
+                        s._load(theta, last, float(pn[i] / norm(last)))
+                        e["update_ref"] = row_losses(s.model, rows_i)  # at its norm
                     st[i] = e
                 rec["stale"] = st
-            prev.append(([{n: d[n].clone() for n in names} for d in deltas], own))
+            # A rider's best case if deltas were scored at the θ their stretch began (ADR 0068):
+            # this round's public update, replayed at the round before's θ (where it is exactly
+            # the run's next step), at that round's median norm, on that round's own rows.
+            if prev and last and all(n in last for n in names):
+                ptheta, psize, pown, pnorms = prev[-1][2], prev[-1][3], prev[-1][1], prev[-1][4]
+                upd = {n: last[n].float() for n in names}
+                s._load(ptheta, upd, float(psize / norm(last)))
+                rec["replay_at_start"] = row_losses(s.model, s.train_NS[torch.cat(pown)])
+                # The update as a reference: scaled to each delta's norm, on its rows.
+                rec["update_at_start"] = {}
+                for i, rows_i in enumerate(pown):
+                    s._load(ptheta, upd, float(pnorms[i] / norm(last)))
+                    rec["update_at_start"][i] = row_losses(s.model, s.train_NS[rows_i])
+                # A rider that hides the replay under noise, just below the replay screen
+                # (cosine 0.9 < max_cosine 0.95), at the median norm.
+                c = 0.9
+                unit_u = {n: upd[n] / norm(upd) for n in names}
+                unit_z = {n: noise[n] / norm(noise) for n in names}
+                mix = {n: (c * unit_u[n] + (1 - c * c) ** 0.5 * unit_z[n]) * psize for n in names}
+                s._load(ptheta, mix)
+                rec["mix_at_start"] = row_losses(s.model, s.train_NS[torch.cat(pown)])
+            prev.append(
+                (
+                    [{n: d[n].clone() for n in names} for d in deltas],
+                    own,
+                    {n: theta[n].detach().clone() for n in theta},
+                    size,
+                    norms,
+                )
+            )
             records.append(rec)
         return merge(theta, momentum, deltas, tokens, names, **kw)
 
@@ -224,6 +274,103 @@ def stale_rates(records: list[dict[str, Any]], k: int) -> dict[str, float]:
     return {rule: sum(v) / len(v) for rule, v in out.items()}
 
 
+def at_start_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, float]:
+    """Credit rates if a delta were scored at the θ its stretch began, against references of
+    the same age (ADR 0068): honest work of round v−1 at θ_{v−1} (its delta, stale or not, is
+    scored where it trained: the round's own honest rate, recomputed here on the same pairs)
+    and the public update of round v replayed there, each against k deltas of round v−1 scaled
+    to its norm, on the sender's rows of round v−1."""
+    rng = random.Random(2)
+    passed: dict[str, list[bool]] = {}
+    for before, rec in zip(records, records[1:], strict=False):
+        if "replay_at_start" not in rec or before["m"] != len(before["sizes"]):
+            continue
+        base_own = split(before, "base")[0]
+        m, at = before["m"], 0
+        for i in range(m):
+            size_i = before["sizes"][i]
+            replay = rec["replay_at_start"][at : at + size_i]
+            mix = rec["mix_at_start"][at : at + size_i]
+            upd_i = float((base_own[i] - rec["update_at_start"][i]).mean())
+            for _ in range(draws):
+                refs = rng.sample([j for j in range(m) if j != i], k)
+                ref_drop = (
+                    sum(
+                        float((base_own[i] - before["at_median"][j][at : at + size_i]).mean())
+                        for j in refs
+                    )
+                    / k
+                )
+                honest = advantage(before, i, f"d{i}", refs, matched=True)
+                own = float((base_own[i] - split(before, f"d{i}")[0][i]).mean())
+                rider = float((base_own[i] - replay).mean())
+                hidden = float((base_own[i] - mix).mean())
+                # The riders' update reference is the update at their norm: the replay itself.
+                passed.setdefault("honest", []).append(honest > 0)
+                passed.setdefault("replay", []).append(min(rider, rider - ref_drop) > 0)
+                passed.setdefault("replay + noise, cos 0.9", []).append(
+                    min(hidden, hidden - ref_drop) > 0
+                )
+                passed.setdefault("honest, update a reference", []).append(
+                    min(honest, own - upd_i) > 0
+                )
+                passed.setdefault("replay, update a reference", []).append(
+                    min(rider, rider - ref_drop, rider - rider) > 0
+                )
+                passed.setdefault("replay + noise, update a ref.", []).append(
+                    min(hidden, hidden - ref_drop, hidden - rider) > 0
+                )
+            at += size_i
+    return {kind: sum(v) / len(v) for kind, v in passed.items()}
+
+
+def update_ref_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, float]:
+    """Fresh honest deltas at this round's θ with the last update (scaled to their norm) as one
+    more reference beside k others (ADR 0068); a replay ties with it and is never credited."""
+    rng = random.Random(4)
+    passed: list[bool] = []
+    for rec in records:
+        if "update_matched" not in rec:
+            continue
+        base_own = split(rec, "base")[0]
+        for i in range(rec["m"]):
+            own = float((base_own[i] - split(rec, f"d{i}")[0][i]).mean())
+            u = float((base_own[i] - rec["update_matched"][i]).mean())
+            for _ in range(draws):
+                refs = rng.sample([j for j in range(rec["m"]) if j != i], k)
+                passed.append(min(advantage(rec, i, f"d{i}", refs, matched=True), own - u) > 0)
+    return {"honest, update a ref.": sum(passed) / max(1, len(passed))}
+
+
+def same_age_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, float]:
+    """Credit rates at this round's θ when the references are as stale as the scored delta
+    (ADR 0068): a delta of the round before on its rows against k other deltas of the round
+    before (scaled to its norm), and a rider naming those rows with the last update replayed
+    (at the median norm) against the same references at its norm."""
+    rng = random.Random(3)
+    passed: dict[str, list[bool]] = {}
+    for rec in records:
+        for e in rec.get("stale", {}).values():
+            pool = sorted(e.get("stale_refs", {}))
+            if len(pool) < k:
+                continue
+            for _ in range(draws):
+                refs = rng.sample(pool, k)
+                own = float((e["base"] - e["own"]).mean())
+                ref = sum(float((e["base"] - e["stale_refs"][j]).mean()) for j in refs) / k
+                passed.setdefault("stale honest", []).append(min(own, own - ref) > 0)
+                if "update_ref" in e:
+                    u = float((e["base"] - e["update_ref"]).mean())
+                    passed.setdefault("stale honest, update a ref.", []).append(
+                        min(own, own - ref, own - u) > 0
+                    )
+                if "replay" in e:
+                    r = float((e["base"] - e["replay"]).mean())
+                    rm = sum(float((e["base"] - e["stale_refs_median"][j]).mean()) for j in refs)
+                    passed.setdefault("replay", []).append(min(r, r - rm / k) > 0)
+    return {kind: sum(v) / len(v) for kind, v in passed.items()}
+
+
 def did_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, float]:
     rng = random.Random(0)
     passed: dict[str, list[bool]] = {}
@@ -295,6 +442,9 @@ def main() -> int:
     for k in (int(x) for x in args.refs.split(",")):
         rows[f"did, {k}"] = did_rates(records, k, args.draws)
     stale = stale_rates(records, 2)
+    at_start = at_start_rates(records, 2, args.draws)
+    same_age = same_age_rates(records, 2, args.draws)
+    same_age.update(update_ref_rates(records, 2, args.draws))
     if args.json:
         json.dump({"honest_deltas": honest, "rates": rows}, sys.stdout, indent=1)
         return 0
@@ -310,6 +460,12 @@ def main() -> int:
     print("stale honest deltas (the round before's, scored at this round's θ):")
     for rule, rate in stale.items():
         print(f"  {rule:26} {rate:7.3f}")
+    print("scored at the θ the stretch began, 2 same-age references at matched norm (ADR 0068):")
+    for kind, rate in at_start.items():
+        print(f"  {kind:26} {rate:7.3f}")
+    print("at this round's θ, 2 references as old as the delta, matched norm (ADR 0068):")
+    for kind, rate in same_age.items():
+        print(f"  {kind:26} {rate:7.3f}")
     return 0
 
 
