@@ -48,6 +48,20 @@ async def _expect(sub: Any, data: bytes, case: str, me: ID) -> None:
         raise SystemExit(f"{case}: got {msg.data!r}, expected {data!r}")
 
 
+async def _held_then_mended(
+    pa: Any, pb: Any, sub_a: Any, case: str, mended: tuple[int, int]
+) -> None:
+    """b publishes; a hears nothing until ``mend_links(a)`` (which reports ``mended``: peers
+    told, streams reopened), then hears it."""
+    a_id = pa.host.get_id()
+    data = f"held: {case}".encode()
+    await pb.publish(TOPIC, data)
+    await _expect_nothing(sub_a, case, a_id)
+    assert mend_links(pa) == mended, (case, mended)
+    await _expect(sub_a, data, case, a_id)
+    print("ok", case, flush=True)
+
+
 async def main() -> None:
     ha, pa, la = build_pubsub(os.urandom(32), "127.0.0.1", 0)
     hb, pb, lb = build_pubsub(os.urandom(32), "127.0.0.1", 0)
@@ -88,12 +102,7 @@ async def main() -> None:
         await trio.sleep(NOT_DELIVERED_WITHIN)
         assert failed and b_id not in pa.peers, "the stream fault did not happen"
         armed = False  # the cause has passed; the link stays broken without a mend
-        await pb.publish(TOPIC, b"held by b")
-        await _expect_nothing(sub_a, "stream", a_id)
-        told, reopened = mend_links(pa)
-        assert (told, reopened) == (0, 1), (told, reopened)
-        await _expect(sub_a, b"held by b", "stream", a_id)
-        print("ok stream", flush=True)
+        await _held_then_mended(pa, pb, sub_a, "stream", mended=(0, 1))
 
         # The link is whole: each has the other in its mesh.
         await pa.wait_for_mesh(b_id, TOPIC, timeout=DELIVERED_WITHIN)
@@ -107,12 +116,7 @@ async def main() -> None:
         # its subscriptions again.
         pb._forget_all_subscriptions(a_id)
         pb.router.mesh[TOPIC].discard(a_id)  # type: ignore[attr-defined]
-        await pb.publish(TOPIC, b"held again")
-        await _expect_nothing(sub_a, "hello", a_id)
-        told, reopened = mend_links(pa)
-        assert (told, reopened) == (1, 0), (told, reopened)
-        await _expect(sub_a, b"held again", "hello", a_id)
-        print("ok hello", flush=True)
+        await _held_then_mended(pa, pb, sub_a, "hello", mended=(1, 0))
 
 
 if __name__ == "__main__":
