@@ -255,6 +255,41 @@ def test_export_refuses_what_it_cannot_verify(
     )
 
 
+def test_export_finds_a_run_held_here_by_its_name(
+    node: tuple[Path, str, list[CertifiedState]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a volunteer types after ``run create --name``: the name, not the id (the walk of
+    stop 51 met "no local state of run my-run")."""
+    path, run_id, _ = node
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    runs = tmp_path / "data" / "p2pdiloco" / "runs"
+    shutil.copytree(path, runs / run_id[:16])
+    code, stdout, err = cli(
+        "export", "--run", "export-test", "--out", str(tmp_path / "m"), "--json"
+    )
+    assert code == 0, err
+    assert json.loads(stdout)["run_id"] == run_id and json.loads(stdout)["version"] == 2
+    one_line_error(
+        ["export", "--run", "other-run", "--out", str(tmp_path / "o")],
+        "no local state of run other-run",
+        "give its id or name",
+    )
+    one_line_error(
+        ["export", "--run", "other-run", "--state-dir", str(path), "--out", str(tmp_path / "o")],
+        "holds no run named other-run",
+    )
+    # Two runs of that name held here (a second state of it under another id): named, refused.
+    shutil.copytree(path, runs / ("f" * 16))
+    one_line_error(
+        ["export", "--run", "export-test", "--out", str(tmp_path / "o")],
+        "2 runs named export-test",
+        "pass --run ID",
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_sample_refuses_a_directory_without_a_model(tmp_path: Path) -> None:
     one_line_error(["sample", "--model-dir", str(tmp_path), "--prompt", "x"], "no exported model")
     one_line_error(

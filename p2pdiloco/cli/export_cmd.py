@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -25,7 +26,10 @@ if TYPE_CHECKING:
     from p2pdiloco.export import CertifiedVersion
 
 RunOpt = Annotated[
-    str | None, typer.Option("--run", metavar="ID", help="Run id (a prefix of 8+ hex digits).")
+    str | None,
+    typer.Option(
+        "--run", metavar="ID", help="Run id (a prefix of 8+ hex digits), or the run's name."
+    ),
 ]
 StateDirOpt = Annotated[
     Path | None,
@@ -37,29 +41,65 @@ VersionOpt = Annotated[
 ]
 
 
-def state_dir_of(run: str | None, state_dir: Path | None) -> Path:
-    """``state_dir``, else the one ``join`` keeps for the run whose id starts with ``run``.
-    Raises UserError if neither is given, none is found or the prefix is ambiguous."""
+def state_dir_of(run: str | None, state_dir: Path | None) -> tuple[Path, str | None]:
+    """``state_dir``, else the one ``join`` keeps for the run whose id starts with ``run`` or,
+    when ``run`` is no id prefix, whose manifest is named ``run``; with the run id (or prefix)
+    the state must hold. Raises UserError if neither is given, none is found or the run is
+    ambiguous."""
     if state_dir is not None:
-        return state_dir
+        if run and not _HEX_PREFIX.fullmatch(run):  # a name: that directory's run must bear it
+            named = _named([state_dir], run)
+            if not named:
+                raise UserError(f"{state_dir} holds no run named {run}")
+            return named[0]
+        return state_dir, run
     if not run:
         raise ConfigError("give --run ID (or --state-dir DIR)")
     runs = default_state_dir(run).parent
-    found = sorted(d for d in runs.glob(f"{run[:16]}*") if d.is_dir()) if runs.is_dir() else []
-    if not found:
-        raise UserError(
-            f"no local state of run {run} under {runs} (a node that joined the run keeps one; "
-            "or pass --state-dir)"
-        )
-    if len(found) > 1:
-        raise UserError(f"run {run} is ambiguous here: {', '.join(d.name for d in found)}")
-    return found[0]
+    held = sorted(d for d in runs.iterdir() if d.is_dir()) if runs.is_dir() else []
+    if _HEX_PREFIX.fullmatch(run):
+        found = [d for d in held if d.name.startswith(run[:16])]
+        if len(found) > 1:
+            raise UserError(f"run {run} is ambiguous here: {', '.join(d.name for d in found)}")
+        if found:
+            return found[0], run
+    named = _named(held, run)
+    if len(named) > 1:
+        ids = ", ".join(run_id[:16] for _, run_id in named)
+        raise UserError(f"{len(named)} runs named {run} are held here ({ids}): pass --run ID")
+    if named:
+        return named[0]
+    raise UserError(
+        f"no local state of run {run} under {runs} (a node that joined the run keeps one; "
+        "give its id or name, or pass --state-dir)"
+    )
+
+
+_HEX_PREFIX = re.compile(r"[0-9a-f]{8,64}")
+
+
+def _named(held: list[Path], name: str) -> list[tuple[Path, str]]:
+    """The state directories among ``held`` whose verified manifest is named ``name``, with
+    their run ids (one whose manifest does not verify is skipped: ``export`` says why when
+    given its id)."""
+    from p2pdiloco.export import ExportError, read_manifest
+
+    out = []
+    for d in held:
+        try:
+            run_id, manifest = read_manifest(d)
+        except ExportError:
+            continue
+        if manifest.name == name:
+            out.append((d, run_id))
+    return out
 
 
 def _certified(run: str | None, state_dir: Path | None, version: int | None) -> CertifiedVersion:
     from p2pdiloco.export import load_certified
 
-    return load_certified(state_dir_of(run, state_dir), run, version)
+    directory, run_id = state_dir_of(run, state_dir)
+    return load_certified(directory, run_id, version)
 
 
 def _plain_modes(directory: Path) -> None:
