@@ -63,6 +63,18 @@ def test_stall_after_zero_never_stalls() -> None:
     assert view(tally, now=1e12).stalled is None
 
 
+def test_a_first_committee_none_of_whom_is_up_is_named_as_such() -> None:
+    a, b = "12D3KooWaaaaaaaa1", "12D3KooWbbbbbbbb2"
+    assert stall_text(1, 109.0, (a,), (a,)) == (
+        "stalled: no certificate for version 1 for 109 s (waiting on committee …aaaaaaa1; "
+        "unreachable: …aaaaaaa1; no member of the run's first committee is up: it starts once "
+        "they join)"
+    )
+    # One member up, or a later version: what it waits on, no more.
+    assert "first committee" not in stall_text(1, 109.0, (a, b), (a,))
+    assert "first committee" not in stall_text(2, 109.0, (a,), (a,))
+
+
 def test_stall_text_without_a_known_committee() -> None:
     assert stall_text(3, 12.4, ()) == (
         "stalled: no certificate for version 3 for 12 s (waiting on an unknown committee)"

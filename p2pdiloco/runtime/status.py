@@ -253,12 +253,17 @@ def stall_text(
     version: int, seconds: float, committee: Sequence[str], unreachable: Sequence[str] = ()
 ) -> str:
     """``stalled: no certificate for version 12 for 95 s (waiting on committee …a1b2c3d4, …;
-    unreachable: …)``: what a stalled node waits for, in one line."""
+    unreachable: …)``: what a stalled node waits for, in one line. Before the first
+    certificate, a first committee none of whose members is up is said to be so (the run's
+    creator has not joined it yet)."""
     waits = ", ".join(map(short_peer, committee)) or "an unknown committee"
     text = f"stalled: no certificate for version {version} for {seconds:.0f} s (waiting on "
     text += f"committee {waits}" if committee else waits
     if unreachable:
         text += f"; unreachable: {', '.join(map(short_peer, unreachable))}"
+    if version == 1 and committee and set(committee) <= set(unreachable):
+        # The README walk of stop 51: volunteers joined a run whose creator's node was not up.
+        text += "; no member of the run's first committee is up: it starts once they join"
     return text + ")"
 
 
