@@ -254,8 +254,8 @@ def stall_text(
 ) -> str:
     """``stalled: no certificate for version 12 for 95 s (waiting on committee …a1b2c3d4, …;
     unreachable: …)``: what a stalled node waits for, in one line. Before the first
-    certificate, a first committee none of whose members is up is said to be so (the run's
-    creator has not joined it yet)."""
+    certificate, a first committee none of whose members is up is said to be so (its members,
+    the run's creator's nodes as a rule, have not joined yet)."""
     waits = ", ".join(map(short_peer, committee)) or "an unknown committee"
     text = f"stalled: no certificate for version {version} for {seconds:.0f} s (waiting on "
     text += f"committee {waits}" if committee else waits
