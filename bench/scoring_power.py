@@ -55,8 +55,21 @@ def row_losses(model: torch.nn.Module, rows_NS: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def record(seed: int, rounds: int) -> list[dict[str, Any]]:
-    """One cell's merges: per merge, the losses of every candidate on every row set."""
+def record(
+    seed: int,
+    rounds: int,
+    *,
+    inner_steps: int = 5,
+    batch_size: int = 4,
+    seq_len: int = 32,
+    lr: float = 3e-3,
+    lean: bool = False,
+    learners: int = 8,
+    max_own: int | None = None,
+) -> list[dict[str, Any]]:
+    """One cell's merges: per merge, the losses of every candidate on every row set. ``lean``
+    records only what the row-count tables need (every delta, the replay and noise on every
+    row set, and the stale deltas on their own and the other rows), not the references."""
     records: list[dict[str, Any]] = []
     scorers: list[scoring.WorkScorer] = []
     init = scoring.WorkScorer.__init__
@@ -73,6 +86,9 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
         if scorers and work is not None:
             s, v, m = scorers[-1], work.seed, len(deltas)
             own = [s.rows_of(simulate.learner_id(i), v)[0] for i in range(m)]
+            if max_own is not None:
+                pick = torch.Generator().manual_seed(2000 + v)
+                own = [o[torch.randperm(len(o), generator=pick)[:max_own]] for o in own]
             g = torch.Generator().manual_seed(1000 + v)
             other = torch.randperm(int(s.train_NS.shape[0]), generator=g)[:256]
             rows = s.train_NS[torch.cat([*own, other])]
@@ -92,6 +108,24 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
             for k, d in cands.items():
                 s._load(theta, d)
                 rec[k] = row_losses(s.model, rows)
+            if lean:
+                if prev:
+                    pdeltas, pown = prev[-1][:2]
+                    rec["stale"] = {}
+                    for i in range(min(m, len(pdeltas))):
+                        rows_i = s.train_NS[pown[i]]
+                        s._load(theta, None)
+                        e = {"base": row_losses(s.model, rows_i)}
+                        s._load(theta, pdeltas[i])
+                        e["own"] = row_losses(s.model, rows_i)
+                        e["other"] = row_losses(s.model, s.train_NS[other])
+                        if "replay" in cands:  # a rider that names rows trained and credited
+                            s._load(theta, cands["replay"])
+                            e["replay"] = row_losses(s.model, rows_i)
+                        rec["stale"][i] = e
+                prev.append(([{n: d[n].clone() for n in names} for d in deltas], own))
+                records.append(rec)
+                return merge(theta, momentum, deltas, tokens, names, **kw)
             # References scaled to the scored delta's norm (ADR 0065): learner j's delta at
             # learner i's norm on i's rows, and at the median norm (a rider's) on every own row.
             norms = [norm(d) for d in deltas]
@@ -182,17 +216,17 @@ def record(seed: int, rounds: int) -> list[dict[str, Any]]:
     simulate.merge_fragment = observed  # type: ignore[assignment]
     try:
         a = argparse.Namespace(
-            learners=8,
-            inner_steps=5,
+            learners=learners,
+            inner_steps=inner_steps,
             rounds=rounds,
             data="embedded",
             seed=seed,
             eval_batches=4,
             compression="none",
             work=True,
-            batch_size=4,
-            seq_len=32,
-            lr=3e-3,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lr=lr,
         )
         byzantine.run_cell(a, ("median", {}), None, 0, 0.25)
     finally:
@@ -390,6 +424,69 @@ def did_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, fl
     return {kind: sum(v) / len(v) for kind, v in passed.items()}
 
 
+def gap_z(own: torch.Tensor, other: torch.Tensor) -> float:
+    """Welch's z of a delta's per-row loss drops on its own rows against rows not assigned:
+    how many standard errors its own rows gained more. Zero in expectation for any delta
+    that holds no training on those rows, whatever its size or age."""
+    own, other = own.double(), other.double()
+    se = (own.var() / own.numel() + other.var() / other.numel()).sqrt()
+    return float((own.mean() - other.mean()) / se.clamp_min(1e-12))
+
+
+def row_count_rates(
+    records: list[dict[str, Any]], counts: list[int | None], zs: list[float]
+) -> dict[str, dict[str, float]]:
+    """Credit rates of the within-delta z test per kind, when the committee scores n own rows
+    and n rows not assigned (``None``: every own row and all 256 other rows recorded), at each
+    threshold z, with and without ``own drop > 0``. Rows are drawn seeded per delta."""
+    out: dict[str, dict[str, list[bool]]] = {}
+    g = torch.Generator().manual_seed(7)
+    for rec in records:
+        m = rec["m"]
+        base_other = split(rec, "base")[1]
+
+        def drops(key: str, i: int, rec: dict[str, Any] = rec) -> tuple[torch.Tensor, ...]:
+            own_after, other_after = split(rec, key)
+            return split(rec, "base")[0][i] - own_after[i], split(rec, "base")[1] - other_after
+
+        cands: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for i in range(m):
+            cands.append(("honest", *drops(f"d{i}", i)))
+            cands.append(("copy", *drops(f"d{(i + 1) % m}", i)))
+            for kind in ("replay", "noise"):
+                if kind in rec:
+                    cands.append((kind, *drops(kind, i)))
+        for e in rec.get("stale", {}).values():
+            other = base_other - e["other"]
+            cands.append(("stale honest", e["base"] - e["own"], other))
+            if "replay" in e:  # its own credited rows, replayed inside the update
+                cands.append(
+                    ("replay, own credited rows", e["base"] - e["replay"], split(rec, "replay")[1])
+                )
+        for kind, own, other in cands:
+            for n in counts:
+                pick_o = torch.randperm(own.numel(), generator=g)[: n or own.numel()]
+                pick_x = torch.randperm(other.numel(), generator=g)[: n or other.numel()]
+                o, x = own[pick_o], other[pick_x]
+                z = gap_z(o, x)
+                label = f"{n or 'all'}"
+                for zc in zs:
+                    d = out.setdefault(f"{label} rows, z>{zc:g}", {})
+                    d.setdefault(kind, []).append(z > zc)
+                    d2 = out.setdefault(f"{label} rows, z>{zc:g}, own>0", {})
+                    d2.setdefault(kind, []).append(z > zc and float(o.mean()) > 0)
+                out.setdefault(f"{label} rows, median z", {}).setdefault(kind, []).append(z)
+    res: dict[str, dict[str, float]] = {}
+    for rule, kinds in out.items():
+        if rule.endswith("median z"):
+            res[rule] = {
+                k: float(torch.tensor(v, dtype=torch.float64).median()) for k, v in kinds.items()
+            }
+        else:
+            res[rule] = {k: sum(v) / len(v) for k, v in kinds.items()}
+    return res
+
+
 def rates(
     records: list[dict[str, Any]], k: int | None, draws: int, matched: bool = False
 ) -> dict[str, float]:
@@ -424,16 +521,54 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", help="write the recorded losses here (torch.save)")
     ap.add_argument("--load", help="read recorded losses instead of running the cell")
+    ap.add_argument("--inner-steps", type=int, default=5, help="H of the cell")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--lean",
+        action="store_true",
+        help="record only what the row-count table needs and print only it",
+    )
+    ap.add_argument("--learners", type=int, default=8)
+    ap.add_argument("--max-own", type=int, help="own rows recorded per learner (default all)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--row-counts", default="20,64,128,256,all", help="own rows scored")
+    ap.add_argument("--z", default="2.33,3.09", help="thresholds of the z test")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.load:
         records = torch.load(args.load, weights_only=False)
     else:
-        records = [r for s in args.seeds.split(",") for r in record(int(s), args.rounds)]
+        cell = {
+            "inner_steps": args.inner_steps,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "lr": args.lr,
+            "lean": args.lean,
+            "learners": args.learners,
+            "max_own": args.max_own,
+        }
+        records = [r for s in args.seeds.split(",") for r in record(int(s), args.rounds, **cell)]
     if args.save:
         torch.save(records, args.save)
     honest = sum(r["m"] for r in records)
+    counts = [None if c == "all" else int(c) for c in args.row_counts.split(",")]
+    by_count = row_count_rates(records, counts, [float(z) for z in args.z.split(",")])
+    kinds = ("honest", "stale honest", "copy", "noise", "replay", "replay, own credited rows")
+    print(
+        f"{honest} honest deltas, seeds {args.seeds}, H {args.inner_steps} × batch "
+        f"{args.batch_size} = {args.inner_steps * args.batch_size} own rows "
+        f"({records[0]['sizes'][0]} recorded), {args.learners} learners, seq {args.seq_len}, lr "
+        f"{args.lr:g}, {time.perf_counter() - t0:.0f} s"
+    )
+    print("within-delta z test (own rows' drops against rows not assigned, Welch):")
+    print(f"  {'rule':24} " + " ".join(f"{k[:12]:>12}" for k in kinds))
+    for rule, r in by_count.items():
+        print(f"  {rule:24} " + " ".join(f"{r.get(k, float('nan')):12.3f}" for k in kinds))
+    if args.lean:
+        return 0
     rows: dict[str, dict[str, float]] = {"ADR 0062 (other rows)": rates(records, None, 1)}
     for k in (int(x) for x in args.refs.split(",")):
         rows[f"paired, {k} reference(s)"] = rates(records, k, args.draws)

@@ -47,7 +47,11 @@ def check(
     SEEN.clear()
 
     def score(
-        peer: str, delta: Mapping[str, torch.Tensor], refs: object = (), rows: object = None
+        peer: str,
+        delta: Mapping[str, torch.Tensor],
+        refs: object = (),
+        rows: object = None,
+        digest: object = "",
     ) -> float:
         SEEN.append(peer)
         return scores[peer]
@@ -205,14 +209,14 @@ def test_a_lone_trusted_delta_without_shown_work_is_merged_uncredited_once_trust
 
 
 def test_run_create_scores_work_only_when_asked(tmp_path: Path) -> None:
-    """Off by default (ADRs 0065, 0066): a run made without --score-work signs the rules of
-    before (no "work" in its bytes)."""
+    """Off by default (ADRs 0065, 0066, 0070): a run made without --score-work signs the rules
+    of before (no "work" in its bytes); with it, the z test."""
     from tests.test_run_plan import create
 
     _, plain = create(tmp_path)
     assert plain.rules.work is None and "work" not in plain.model_dump(mode="json")["rules"]
     _, scored = create(tmp_path, "--score-work")
-    assert scored.rules.work == WorkScoring()
+    assert scored.rules.work == WorkScoring.z_test()  # the z test (ADR 0070)
 
 
 def test_references_are_other_trusted_inputs_in_a_seeded_order() -> None:
@@ -266,3 +270,119 @@ def test_own_training_scores_above_its_peers_on_its_rows_and_noise_below(
     scale = norm / math.sqrt(sum(float((t**2).sum()) for t in noise.values()))
     assert score("a", {n: t * scale for n, t in noise.items()}, [(deltas["b"], 1.0)]) <= 0
     assert scorer.scored == 6
+
+
+def test_gap_z_is_calibrated_for_work_not_done_and_grows_with_work_done() -> None:
+    """The z test's statistic (ADR 0070): drops on own rows drawn like those on other rows
+    give about N(0, 1) (a rider's false credit rate is the threshold's tail, whatever the
+    drops' scale); a gap of one spread over 128 rows is far past 3; a side of one row shows
+    nothing."""
+    from p2pdiloco.sync.scoring import gap_z
+
+    g = torch.Generator().manual_seed(0)
+    nulls = torch.tensor(
+        [
+            gap_z(scale * torch.randn(128, generator=g), scale * torch.randn(128, generator=g))
+            for scale in (1e-3, 1.0, 50.0)
+            for _ in range(400)
+        ]
+    )
+    assert abs(float(nulls.mean())) < 0.15 and 0.85 < float(nulls.std()) < 1.15
+    assert float((nulls > 3.0).float().mean()) < 0.01
+    shown = gap_z(torch.randn(128, generator=g) + 1.0, torch.randn(128, generator=g))
+    assert shown > 6
+    assert gap_z(torch.ones(1), torch.randn(128, generator=g)) == -math.inf
+    assert gap_z(torch.zeros(8), torch.zeros(8)) == 0.0  # a zero delta: no gap, no credit
+
+
+def test_the_z_test_passes_at_z_min_and_scores_without_references() -> None:
+    """With ``z_min`` the merge compares a score with it, not with ``margin``, and asks the
+    scorer for no reference deltas (ADR 0070)."""
+    seen_refs: list[int] = []
+
+    def score(peer: str, delta: object, refs: list[object], rows: object, digest: str) -> float:
+        seen_refs.append(len(refs))
+        assert digest == peer  # the submission's digest seeds the rows scored
+        return {"a": 3.5, "b": 2.9, "c": 3.2}[peer]
+
+    work = WorkCheck(WorkScoring(z_min=3.0), score, None, seed=1, trust_earned=True)
+    toward = {"w": vec(1)["w"] + vec(2)["w"]}  # a newcomer along the trusted rows' mean
+    inputs = [inp("a", vec(1)), inp("b", vec(2)), inp("c", toward, trusted=False)]
+    result = merge(inputs, work)
+    assert sorted(result.accepted) == ["a", "b", "c"] and result.uncredited == ["b"]
+    assert seen_refs == [0, 0, 0]
+    refused = merge(inputs, WorkCheck(WorkScoring(z_min=3.3), score, None, 1, True))
+    assert "no advantage" in refused.rejected["c"] and refused.uncredited == ["b"]
+
+
+def test_a_z_test_manifest_names_its_threshold_and_a_paired_one_keeps_its_bytes() -> None:
+    assert "z_min" not in WorkScoring().model_dump(mode="json")
+    rules = WorkScoring(z_min=3.0, rows=16)
+    assert rules.model_dump(mode="json")["z_min"] == 3.0
+    assert WorkScoring.model_validate(rules.model_dump(mode="json")) == rules
+    assert rules.pass_mark == 3.0 and WorkScoring(margin=0.01).pass_mark == 0.01
+
+
+def test_the_z_test_credits_own_training_fresh_or_stale_and_no_copy_or_noise(
+    one_torch_thread: None,
+) -> None:
+    """The real z test on gemma-tiny (ADR 0070): three learners train 8 steps of 8 rows each
+    on their own rows of a random-token corpus. Each one's delta passes z_min = 3 on its own
+    rows, also scored at a base another's delta has moved (a stale delta); its copy sent as
+    another's, and noise of its norm, do not."""
+    from p2pdiloco.sync.scoring import WorkScorer
+    from p2pdiloco.train.inner import InnerConfig, make_inner_optimizer, train_steps
+    from p2pdiloco.train.models import build_model, param_state
+    from p2pdiloco.train.outer import pseudo_gradient
+
+    model = build_model("gemma-tiny", seed=0)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    corpus_NS = torch.randint(0, vocab, (400, 33), generator=g)
+    own = {p: torch.arange(64 * i, 64 * i + 64) for i, p in enumerate("abc")}
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return own[peer], torch.arange(192, 400)
+
+    base = {n: t.detach().clone() for n, t in param_state(model).items()}
+    deltas = {}
+    for p in "abc":
+        local = copy.deepcopy(model)
+        opt, sched = make_inner_optimizer(local, InnerConfig(lr=3e-3, warmup_steps=1))
+        train_steps(local, opt, sched, corpus_NS[own[p]].view(8, 8, 33))
+        deltas[p] = pseudo_gradient(base, param_state(local), list(base))
+    rules = WorkScoring(z_min=3.0, batches=4, rows=16)
+    scorer = WorkScorer(model, corpus_NS, rules, run_seed=0, rows_of=rows_of)
+    score = scorer.bind(base, 0)
+    for p in "abc":
+        assert score(p, deltas[p]) > 3.0, p
+    moved = {n: base[n] - deltas["b"][n] for n in base}  # the run moved on by b's work
+    assert scorer.bind(moved, 1)("a", deltas["a"]) > 3.0  # a's delta, now stale
+    assert score("a", deltas["b"]) < 3.0  # b's work sent as a's
+    norm = math.sqrt(sum(float((t**2).sum()) for t in deltas["a"].values()))
+    noise = {n: torch.randn(t.shape, generator=g) for n, t in deltas["a"].items()}
+    scale = norm / math.sqrt(sum(float((t**2).sum()) for t in noise.values()))
+    assert score("a", {n: t * scale for n, t in noise.items()}) < 3.0
+    assert scorer.scored == 6
+
+
+def test_the_z_tests_rows_follow_the_submission_so_a_sender_cannot_train_just_those() -> None:
+    """Under the z test the rows scored are drawn with the submission's digest in the seed
+    (ADR 0070): the same for every syncer, unknown to the sender until it has committed to a
+    delta; the paired score keeps the rows of before (the same run scores the same)."""
+    from p2pdiloco.sync.scoring import WorkScorer
+
+    corpus_NS = torch.arange(400 * 5).view(400, 5)
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(0, 200), torch.arange(200, 400)
+
+    def own_rows(scorer: WorkScorer, digest: str = "") -> list[int]:
+        own, _ = scorer.batches("p", 3, digest)
+        return torch.cat(own)[:, 0].tolist()
+
+    z = WorkScorer(torch.nn.Linear(1, 1), corpus_NS, WorkScoring.z_test(), 0, rows_of)
+    assert own_rows(z, "d1") == own_rows(z, "d1") and own_rows(z, "d1") != own_rows(z, "d2")
+    assert len(own_rows(z, "d1")) == 128
+    paired = WorkScorer(torch.nn.Linear(1, 1), corpus_NS, WorkScoring(), 0, rows_of)
+    assert own_rows(paired) == own_rows(paired)

@@ -15,7 +15,13 @@ from p2pdiloco.cli.common import user_errors
 from p2pdiloco.cli.simulate_cmd import parse_agg_params, sync_rules
 from p2pdiloco.errors import ConfigError
 from p2pdiloco.protocol.identity import Identity, default_identity_path
-from p2pdiloco.protocol.records import PROTOCOL_VERSION, RunManifest, SyncRules, default_quorum
+from p2pdiloco.protocol.records import (
+    PROTOCOL_VERSION,
+    RunManifest,
+    SyncRules,
+    WorkScoring,
+    default_quorum,
+)
 from p2pdiloco.train.configs import InnerConfig, OuterConfig
 from p2pdiloco.train.schedule import DEFAULT_LEARNERS, plan_run, schedule_of
 
@@ -119,9 +125,9 @@ def create(
         bool,
         typer.Option(
             help="Count a delta only if it shows work on the learner's own assigned rows "
-            "(ADR 0062, 0065: free riders earn nothing; every syncer scores on the corpus). "
-            "Off by default: a learner that rebases mid-stretch sends work the score mostly "
-            "refuses (ADR 0066)."
+            "(ADR 0062, 0070: free riders earn nothing; every syncer scores on the corpus, "
+            "128 own rows a delta against 128 others, and credits a delta whose own rows "
+            "gained 3 standard errors more)."
         ),
     ] = False,
     screen_norm_factor: Annotated[
@@ -202,7 +208,7 @@ def create(
         update_codec=update_compression,
         update_form=update_form,
         update_k=update_k,
-        work={} if score_work else None,
+        work=WorkScoring.z_test().model_dump() if score_work else None,
     )
     inner: dict[str, Any] = {"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len}
     plan = None
@@ -273,6 +279,15 @@ def create(
     print(json.dumps(signed, indent=2, sort_keys=True))
     what = "signed (dry run: not published)" if dry_run else "published"
     print(f"run {manifest.name} ({manifest.model}) {what}\nrun id {run_id}")
+    work = manifest.rules.work
+    if work is not None and work.z_min is not None:
+        rows, scored = manifest.inner_steps * manifest.inner.batch_size, work.batches * work.rows
+        if rows < scored:
+            typer.echo(
+                f"note: a stretch trains {rows} rows, fewer than the {scored} the work test "
+                "scores: honest deltas show their work less often (ADR 0070, docs/benchmarks.md)",
+                err=True,
+            )
 
 
 def personal_path_note(source: str) -> str | None:

@@ -186,6 +186,32 @@ class WorkScoring(_Strict):
     # Deltas scored per round at most: probationary ones first, then trusted ones in a seeded
     # order; a probationary delta left unscored is refused, a trusted one merged as before.
     max_scored: int = Field(default=16, ge=1, le=4096)
+    # The test a delta's work passes (ADR 0070). None: the paired score of ADR 0065 (its loss
+    # drop on its own rows, less two peers' deltas' on the same rows, exceeds ``margin``). A
+    # number: Welch's z of its per-row loss drops on its own rows against as many rows not
+    # assigned reaches it (``margin`` unused): zero in expectation for a delta that did not
+    # train on those rows, whatever its size or age, so a stale honest delta passes too.
+    z_min: float | None = Field(default=None, ge=0, le=100)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Rules made before ADR 0070 serialise, hash and sign as they did: same run id.
+        data: dict[str, Any] = handler(self)
+        if self.z_min is None:
+            data.pop("z_min", None)
+        return data
+
+    @classmethod
+    def z_test(cls) -> WorkScoring:
+        """What ``run create --score-work`` signs (ADR 0070): the z test at 3 standard errors
+        (a delta without work on its rows passes 0.13 % of the time) on 8 batches of 16 rows a
+        side: 128 of the stretch's own rows against 128 not assigned."""
+        return cls(z_min=3.0, batches=8, rows=16)
+
+    @property
+    def pass_mark(self) -> float:
+        """What a score must exceed to show work: ``z_min`` for the z test, else ``margin``."""
+        return self.margin if self.z_min is None else self.z_min
 
 
 class SyncRules(_Strict):

@@ -256,22 +256,26 @@ def _check_work(
                 refused[j] = "not scored this round (probationary, over max_scored)"
             continue
         delta = {n: inputs[rows[j]].delta[n] for n in names}
-        refs = [
+        refs = [  # the paired score's (ADR 0065); the z test needs none (ADR 0070)
             ({n: inputs[rows[rest[i]]].delta[n] for n in names}, _scale_to(norms, rest[i], j))
-            for i in references(peers, ref_ok, at, work.seed)
+            for i in (references(peers, ref_ok, at, work.seed) if r.z_min is None else [])
         ]
-        advantage = work.score(peers[at], delta, refs, inputs[rows[j]].rows_version)
+        advantage = work.score(
+            peers[at], delta, refs, inputs[rows[j]].rows_version, inputs[rows[j]].digest
+        )
         log.info(
-            "work score of %s (%s, rows of version %s): %+.4f nats against %d references",
+            "work score of %s (%s, rows of version %s): %+.4f %s",
             inputs[rows[j]].digest[:12],
             "trusted" if trusted[j] else "probationary",
             inputs[rows[j]].rows_version,
             advantage,
-            len(refs),
+            f"nats against {len(refs)} references"
+            if r.z_min is None
+            else f"standard errors (passes at {r.z_min:g})",
         )
-        if not advantage > r.margin and trusted[j] and j not in groups:
+        if not advantage > r.pass_mark and trusted[j] and j not in groups:
             unshown.append(j)
-        elif not advantage > r.margin:
+        elif not advantage > r.pass_mark:
             # No figure in the text: it enters the certificate body, and a loss is not
             # bit-exact across machines the way the fixed-tree sums of the norm screen are.
             refused[j] = "no advantage on its own data"

@@ -48,7 +48,7 @@ import torch
 from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.protocol.records import RunManifest, WorkScoring
 from p2pdiloco.train.data import PackedCorpus, assigned_rows, sample_rows
-from p2pdiloco.train.inner import evaluate
+from p2pdiloco.train.inner import evaluate, row_losses
 from p2pdiloco.train.learner import data_seed
 from p2pdiloco.train.models import build_for_loading, param_state
 
@@ -59,8 +59,9 @@ REFERENCES = 2
 # A reference delta and the factor that scales it to the scored delta's norm.
 Reference = tuple[Mapping[str, torch.Tensor], float]
 # (peer id, its delta by tensor name, references, the version whose rows it trained on or
-# None for the round's base) → advantage in nats; the merge's view of a scorer.
-ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Reference], int | None], float]
+# None for the round's base, the submission's digest) → its score (nats of advantage, or
+# standard errors for the z test); the merge's view of a scorer.
+ScoreFn = Callable[[str, Mapping[str, torch.Tensor], Sequence[Reference], int | None, str], float]
 # (peer id, certified version) → (rows assigned to it for that version, every other row).
 RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -124,6 +125,20 @@ def _cosine(aa: float, bb: float, dd: float) -> float:
     if aa <= 0 or bb <= 0:
         return 1.0 if aa == bb else 0.0  # two zero deltas are one copy
     return (aa + bb - dd) / (2 * math.sqrt(aa * bb))
+
+
+def gap_z(own_N: torch.Tensor, other_N: torch.Tensor) -> float:
+    """Welch's z of per-row loss drops on a delta's own rows (``own_N``) against rows not
+    assigned to its sender (``other_N``): how many standard errors its own rows gained more
+    (ADR 0070). A delta that holds no training on its own rows (a replay, a copy, noise,
+    however scaled) scores about N(0, 1) whatever its size or age: the threshold ``z_min`` is
+    its false credit rate (3.0: 0.13 %). Fewer than two rows a side shows nothing (−inf)."""
+    own, other = own_N.double(), other_N.double()
+    if own.numel() < 2 or other.numel() < 2:
+        return -math.inf
+    se = math.sqrt(float(own.var()) / own.numel() + float(other.var()) / other.numel())
+    gap = float(own.mean()) - float(other.mean())
+    return gap / se if se > 0 else (0.0 if gap == 0 else math.copysign(math.inf, gap))
 
 
 def references(
@@ -201,8 +216,12 @@ class WorkScorer:
             delta: Mapping[str, torch.Tensor],
             references: Sequence[Reference] = (),
             rows_version: int | None = None,
+            digest: str = "",
         ) -> float:
-            own, other = self.batches(peer, version if rows_version is None else rows_version)
+            at = version if rows_version is None else rows_version
+            if self.rules.z_min is not None:  # rows drawn after the delta is sent (ADR 0070)
+                return self._z(base, delta, *self.batches(peer, at, digest))
+            own, other = self.batches(peer, at)
             self._load(base, None)
             before = evaluate(self.model, own)
             self._load(base, delta)
@@ -222,13 +241,34 @@ class WorkScorer:
 
         return score
 
-    def batches(self, peer: str, version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _z(
+        self,
+        base: Mapping[str, torch.Tensor],
+        delta: Mapping[str, torch.Tensor],
+        own: list[torch.Tensor],
+        other: list[torch.Tensor],
+    ) -> float:
+        """The z test (ADR 0070): Welch's z of the delta's per-row loss drops on its own rows
+        against rows not assigned to its sender, both at the round's base."""
+        self._load(base, None)
+        own_before, other_before = row_losses(self.model, own), row_losses(self.model, other)
+        self._load(base, delta)
+        own_drop = own_before - row_losses(self.model, own)
+        other_drop = other_before - row_losses(self.model, other)
+        self.scored += 1
+        return gap_z(own_drop, other_drop)
+
+    def batches(
+        self, peer: str, version: int, digest: str = ""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The seeded [B, S] batches of ``peer``'s own rows (all of them when fewer than
-        ``batches`` × ``rows``) and of as many rows not assigned to it."""
+        ``batches`` × ``rows``) and of as many rows not assigned to it. With the submission's
+        ``digest`` in the seed (the z test, ADR 0070) a sender cannot know before it sends
+        which of its rows are scored, so training only those does not pass for the stretch."""
         r = self.rules
         own_N, other_N = self.rows_of(peer, version)
         count = r.batches * r.rows
-        parts = (self.run_seed, version, peer)
+        parts: tuple[object, ...] = (self.run_seed, version, peer, *((digest,) if digest else ()))
         own = sample_rows(own_N, count, "own", *parts)
         other = sample_rows(other_N, count, "other", *parts)
         return (

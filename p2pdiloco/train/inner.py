@@ -147,6 +147,28 @@ def train_steps(
 
 
 @torch.no_grad()
+def row_losses(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
+    """Mean next-token loss of every row of ``batches`` ([B, S] each), float64 [N] on the CPU,
+    in eval mode (restored after): what a work score's per-row test reads (ADR 0070)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    for rows_BS in batches:
+        rows_BS = rows_BS.to(device)
+        with autocast_for(device):
+            logits_BLV = model(input_ids=rows_BS[:, :-1], use_cache=False).logits
+        loss_BL = F.cross_entropy(
+            logits_BLV.float().transpose(1, 2), rows_BS[:, 1:], reduction="none"
+        )
+        out.append(loss_BL.mean(1).double().cpu())
+    model.train(was_training)
+    if not out:
+        raise ValueError("row_losses() needs at least one batch")
+    return torch.cat(out)
+
+
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     """Token-weighted mean eval loss over ``batches`` of [B, S] rows; restores train mode."""
     device = next(model.parameters()).device
