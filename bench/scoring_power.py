@@ -487,6 +487,37 @@ def row_count_rates(
     return res
 
 
+def by_round_rates(
+    records: list[dict[str, Any]], rounds: int, n: int, z: float, draws: int = 20
+) -> dict[tuple[int, str], float]:
+    """Share credited by the z test (``n`` own and ``n`` other rows, z > ``z``) per round of
+    the cell (records hold ``rounds`` merges per seed, in order) and kind, over ``draws``
+    seeded draws of rows per delta: how the test's power grows as a run leaves its start."""
+    g = torch.Generator().manual_seed(5)
+    out: dict[tuple[int, str], list[bool]] = {}
+    for k, rec in enumerate(records):
+        r, m = k % rounds + 1, rec["m"]
+        base_own, base_other = split(rec, "base")
+        cands: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for i in range(m):
+            for kind, key in (
+                ("fresh honest", f"d{i}"),
+                ("copy", f"d{(i + 1) % m}"),
+                ("replay", "replay"),
+            ):
+                if key in rec:
+                    own_after, other_after = split(rec, key)
+                    cands.append((kind, base_own[i] - own_after[i], base_other - other_after))
+        for e in rec.get("stale", {}).values():
+            cands.append(("stale honest", e["base"] - e["own"], base_other - e["other"]))
+        for kind, own, other in cands:
+            for _ in range(draws):
+                po = torch.randperm(own.numel(), generator=g)[:n]
+                px = torch.randperm(other.numel(), generator=g)[:n]
+                out.setdefault((r, kind), []).append(gap_z(own[po], other[px]) > z)
+    return {key: sum(v) / len(v) for key, v in sorted(out.items())}
+
+
 def rates(
     records: list[dict[str, Any]], k: int | None, draws: int, matched: bool = False
 ) -> dict[str, float]:
@@ -557,6 +588,8 @@ def main() -> int:
     counts = [None if c == "all" else int(c) for c in args.row_counts.split(",")]
     by_count = row_count_rates(records, counts, [float(z) for z in args.z.split(",")])
     kinds = ("honest", "stale honest", "copy", "noise", "replay", "replay, own credited rows")
+    if args.load:
+        print(f"losses loaded from {args.load} (the cell's flags are those it was recorded with)")
     print(
         f"{honest} honest deltas, seeds {args.seeds}, H {args.inner_steps} × batch "
         f"{args.batch_size} = {args.inner_steps * args.batch_size} own rows "
@@ -567,6 +600,16 @@ def main() -> int:
     print(f"  {'rule':24} " + " ".join(f"{k[:12]:>12}" for k in kinds))
     for rule, r in by_count.items():
         print(f"  {rule:24} " + " ".join(f"{r.get(k, float('nan')):12.3f}" for k in kinds))
+    n_round, z_round = 128, 3.0
+    table = by_round_rates(records, args.rounds, n_round, z_round)
+    print(f"by round, {n_round} rows a side, z > {z_round:g}, 20 draws of rows per delta:")
+    kinds_r = ("fresh honest", "stale honest", "copy", "replay")
+    print(f"  {'round':>5} " + " ".join(f"{k:>13}" for k in kinds_r))
+    for r in range(1, args.rounds + 1):
+        cells = [table.get((r, k)) for k in kinds_r]
+        print(
+            f"  {r:5d} " + " ".join(f"{c:13.3f}" if c is not None else f"{'-':>13}" for c in cells)
+        )
     if args.lean:
         return 0
     rows: dict[str, dict[str, float]] = {"ADR 0062 (other rows)": rates(records, None, 1)}

@@ -386,3 +386,31 @@ def test_the_z_tests_rows_follow_the_submission_so_a_sender_cannot_train_just_th
     assert len(own_rows(z, "d1")) == 128
     paired = WorkScorer(torch.nn.Linear(1, 1), corpus_NS, WorkScoring(), 0, rows_of)
     assert own_rows(paired) == own_rows(paired)
+
+
+def test_under_the_z_test_a_young_runs_founders_are_merged_uncredited_and_no_one_else() -> None:
+    """A run's first stretches cannot show work under the z test (ADR 0070: from random
+    initialisation the generic drop swamps the memorised one). While trust is open and nothing
+    shows work, the founders' deltas are merged without credit, so the run starts, and a
+    newcomer's are refused; under the paired score such a round still certifies nothing."""
+    founders = frozenset({"creator"})
+    scores = {"creator": -1.2, "newcomer": 0.4}
+    inputs = [inp("creator", vec(1)), inp("newcomer", vec(2))]
+
+    def work(**rules: object) -> WorkCheck:
+        score = check(scores, **rules).score
+        return WorkCheck(WorkScoring(**rules), score, None, 0, False, founders)  # type: ignore[arg-type]
+
+    result = merge(inputs, work(z_min=3.0))
+    assert result.accepted == ["creator"] and result.uncredited == ["creator"]
+    assert "no advantage" in result.rejected["newcomer"]
+    with pytest.raises(MergeError):  # without a founder the round certifies nothing
+        merge(inputs[1:], work(z_min=3.0))
+    with pytest.raises(MergeError):  # the paired score keeps ADR 0065's rule
+        merge(inputs, work(margin=0.5))
+    shown = merge(
+        inputs, WorkCheck(WorkScoring(z_min=0.3), check(scores).score, None, 0, False, founders)
+    )
+    # Once one shows work the others are judged as before: trusted (all, in the open phase)
+    # and unshown, merged uncredited.
+    assert shown.accepted == ["creator", "newcomer"] and shown.uncredited == ["creator"]

@@ -234,7 +234,8 @@ def _check_work(
     round shows work, those trusted rows are still merged uncredited where trust is earned
     (``work.trust_earned``, ADR 0066: a lone learner's round must not stall on one unlucky
     score), and refused while trust is open to everyone (a round of free riders only
-    certifies nothing). Of a group of copies only
+    certifies nothing; under the z test the founders' are merged uncredited, ADR 0070). Of a
+    group of copies only
     the best such row stays; a probationary row left unscored is refused. Returns the rows kept
     (in row order), row → reason for the refused ones, and the kept rows merged uncredited."""
     r = work.rules
@@ -290,8 +291,12 @@ def _check_work(
     if not work.trust_earned and not [j for j in kept if j not in refused and j not in unshown]:
         # Nothing showed work while everyone counts as trusted (a young run before its first
         # receipt): the round certifies nothing, or free riders alone could certify a version.
-        refused.update(dict.fromkeys(unshown, "no advantage on its own data"))
-        unshown = []
+        # Under the z test no stretch of a run's first versions can show work (ADR 0070): the
+        # founders' deltas are merged uncredited, so the run starts; no one earns a receipt.
+        founders = work.founders if r.z_min is not None else frozenset()
+        fresh = [j for j in unshown if inputs[rows[j]].peer_id not in founders]
+        refused.update(dict.fromkeys(fresh, "no advantage on its own data"))
+        unshown = [j for j in unshown if j not in fresh]
     return [j for j in kept if j not in refused], refused, sorted(unshown)
 
 

@@ -70,16 +70,20 @@ RowsOf = Callable[[str, int], tuple[torch.Tensor, torch.Tensor]]
 class WorkCheck:
     """What the merge needs to check work: the run's rules, a scorer bound to the round's base
     (:meth:`WorkScorer.bind`), the decoded last certified update (None: not held here, that
-    screen is skipped), the seed of the scoring order, and whether trust in the round is
-    earned (``core.trust.trusted_peers`` is not None: the genesis committee and identities
-    with scored work) rather than open to everyone, as in a young run before its first
-    receipt."""
+    screen is skipped), the seed of the scoring order, whether trust in the round is earned
+    (``core.trust.trusted_peers`` is not None: the genesis committee and identities with
+    scored work) rather than open to everyone, as in a young run before its first receipt,
+    and the run's founders."""
 
     rules: WorkScoring
     score: ScoreFn
     last_update: Mapping[str, torch.Tensor] | None = None
     seed: int = 0
     trust_earned: bool = False
+    # The run's first roster (its genesis committee, or the creator alone): under the z test,
+    # while trust is open and nothing shows work, as in a run's first versions where no
+    # stretch can (ADR 0070), their deltas are merged uncredited and everyone else's refused.
+    founders: frozenset[str] = frozenset()
 
 
 def copies(

@@ -25,7 +25,7 @@ from p2pdiloco import failpoints
 from p2pdiloco.aio import cancel_and_wait
 from p2pdiloco.core.bounded import BoundedLog
 from p2pdiloco.core.delivery import fetch_order
-from p2pdiloco.core.roster import CommitteeInfo, with_roster
+from p2pdiloco.core.roster import CommitteeInfo, genesis_roster, with_roster
 from p2pdiloco.core.round import (
     Action,
     Aggregate,
@@ -538,7 +538,10 @@ class SyncService:
                 last = None
         score = self.scorer.bind(base.params, base.version)
         earned = trusted_peers(self.manifest, base.cert) is not None
-        return WorkCheck(self.rules.work, score, last, seed=base.version, trust_earned=earned)
+        founders = frozenset(e.peer_id for e in genesis_roster(self.manifest))
+        return WorkCheck(
+            self.rules.work, score, last, base.version, trust_earned=earned, founders=founders
+        )
 
     def _evaluate(self, state: CertifiedState) -> float | None:
         """The merge's eval step: the merged state's loss on the run's held-out batches (ADR
