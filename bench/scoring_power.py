@@ -108,20 +108,26 @@ def record(
             for k, d in cands.items():
                 s._load(theta, d)
                 rec[k] = row_losses(s.model, rows)
+
+            def stale_losses(pdelta: Any, pown_i: torch.Tensor) -> dict[str, Any]:
+                """A delta of the round before at this θ, on its rows then and the other rows."""
+                rows_i = s.train_NS[pown_i]
+                s._load(theta, None)
+                e = {"base": row_losses(s.model, rows_i)}
+                s._load(theta, pdelta)
+                e["own"] = row_losses(s.model, rows_i)
+                e["other"] = row_losses(s.model, s.train_NS[other])
+                return e
+
             if lean:
                 if prev:
                     pdeltas, pown = prev[-1][:2]
                     rec["stale"] = {}
                     for i in range(min(m, len(pdeltas))):
-                        rows_i = s.train_NS[pown[i]]
-                        s._load(theta, None)
-                        e = {"base": row_losses(s.model, rows_i)}
-                        s._load(theta, pdeltas[i])
-                        e["own"] = row_losses(s.model, rows_i)
-                        e["other"] = row_losses(s.model, s.train_NS[other])
+                        e = stale_losses(pdeltas[i], pown[i])
                         if "replay" in cands:  # a rider that names rows trained and credited
                             s._load(theta, cands["replay"])
-                            e["replay"] = row_losses(s.model, rows_i)
+                            e["replay"] = row_losses(s.model, s.train_NS[pown[i]])
                         rec["stale"][i] = e
                 prev.append(([{n: d[n].clone() for n in names} for d in deltas], own))
                 records.append(rec)
@@ -152,11 +158,7 @@ def record(
                 st: dict[int, dict[str, Any]] = {}
                 for i in range(min(m, len(pdeltas))):
                     rows_i = s.train_NS[pown[i]]
-                    s._load(theta, None)
-                    e = {"base": row_losses(s.model, rows_i)}
-                    s._load(theta, pdeltas[i])
-                    e["own"] = row_losses(s.model, rows_i)
-                    e["other"] = row_losses(s.model, s.train_NS[other])
+                    e = stale_losses(pdeltas[i], pown[i])
                     e["refs"] = {}
                     for j in range(m):
                         s._load(theta, deltas[j])

@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -228,6 +229,35 @@ def test_references_are_other_trusted_inputs_in_a_seeded_order() -> None:
     assert references(peers, [True, False, False, False, False], 0, seed=3) == []
 
 
+def three_learners(steps: int, batch: int, rows: int) -> tuple[Any, ...]:
+    """gemma-tiny and a random-token corpus of ``rows`` rows; learners a, b, c train ``steps``
+    steps of ``batch`` rows each on their own consecutive rows from the same base. Returns
+    the model (at the base), the corpus, their ``rows_of``, the base, their deltas and a
+    generator for noise."""
+    from p2pdiloco.train.inner import InnerConfig, make_inner_optimizer, train_steps
+    from p2pdiloco.train.models import build_model, param_state
+    from p2pdiloco.train.outer import pseudo_gradient
+
+    model = build_model("gemma-tiny", seed=0)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    corpus_NS = torch.randint(0, vocab, (rows, 33), generator=g)
+    n = steps * batch
+    own = {p: torch.arange(n * i, n * i + n) for i, p in enumerate("abc")}
+
+    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return own[peer], torch.arange(3 * n, rows)
+
+    base = {k: t.detach().clone() for k, t in param_state(model).items()}
+    deltas = {}
+    for p in "abc":
+        local = copy.deepcopy(model)
+        opt, sched = make_inner_optimizer(local, InnerConfig(lr=3e-3, warmup_steps=1))
+        train_steps(local, opt, sched, corpus_NS[own[p]].view(steps, batch, 33))
+        deltas[p] = pseudo_gradient(base, param_state(local), list(base))
+    return model, corpus_NS, rows_of, base, deltas, g
+
+
 def test_own_training_scores_above_its_peers_on_its_rows_and_noise_below(
     one_torch_thread: None,
 ) -> None:
@@ -236,26 +266,8 @@ def test_own_training_scores_above_its_peers_on_its_rows_and_noise_below(
     two others', shows an advantage; a copy of a peer's delta and noise of the same norm show
     none."""
     from p2pdiloco.sync.scoring import WorkScorer
-    from p2pdiloco.train.inner import InnerConfig, make_inner_optimizer, train_steps
-    from p2pdiloco.train.models import build_model, param_state
-    from p2pdiloco.train.outer import pseudo_gradient
 
-    model = build_model("gemma-tiny", seed=0)
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    g = torch.Generator().manual_seed(0)
-    corpus_NS = torch.randint(0, vocab, (200, 33), generator=g)
-    own = {p: torch.arange(20 * i, 20 * i + 20) for i, p in enumerate("abc")}
-
-    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return own[peer], torch.arange(60, 200)
-
-    base = {n: t.detach().clone() for n, t in param_state(model).items()}
-    deltas = {}
-    for p in "abc":
-        local = copy.deepcopy(model)
-        opt, sched = make_inner_optimizer(local, InnerConfig(lr=3e-3, warmup_steps=1))
-        train_steps(local, opt, sched, corpus_NS[own[p]].view(5, 4, 33))
-        deltas[p] = pseudo_gradient(base, param_state(local), list(base))
+    model, corpus_NS, rows_of, base, deltas, g = three_learners(steps=5, batch=4, rows=200)
     scorer = WorkScorer(model, corpus_NS, WorkScoring(), run_seed=0, rows_of=rows_of)
     score = scorer.bind(base, 0)
     for p, (q, r) in {"a": "bc", "b": "ac", "c": "ab"}.items():
@@ -331,26 +343,8 @@ def test_the_z_test_credits_own_training_fresh_or_stale_and_no_copy_or_noise(
     rows, also scored at a base another's delta has moved (a stale delta); its copy sent as
     another's, and noise of its norm, do not."""
     from p2pdiloco.sync.scoring import WorkScorer
-    from p2pdiloco.train.inner import InnerConfig, make_inner_optimizer, train_steps
-    from p2pdiloco.train.models import build_model, param_state
-    from p2pdiloco.train.outer import pseudo_gradient
 
-    model = build_model("gemma-tiny", seed=0)
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    g = torch.Generator().manual_seed(0)
-    corpus_NS = torch.randint(0, vocab, (400, 33), generator=g)
-    own = {p: torch.arange(64 * i, 64 * i + 64) for i, p in enumerate("abc")}
-
-    def rows_of(peer: str, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return own[peer], torch.arange(192, 400)
-
-    base = {n: t.detach().clone() for n, t in param_state(model).items()}
-    deltas = {}
-    for p in "abc":
-        local = copy.deepcopy(model)
-        opt, sched = make_inner_optimizer(local, InnerConfig(lr=3e-3, warmup_steps=1))
-        train_steps(local, opt, sched, corpus_NS[own[p]].view(8, 8, 33))
-        deltas[p] = pseudo_gradient(base, param_state(local), list(base))
+    model, corpus_NS, rows_of, base, deltas, g = three_learners(steps=8, batch=8, rows=400)
     rules = WorkScoring(z_min=3.0, batches=4, rows=16)
     scorer = WorkScorer(model, corpus_NS, rules, run_seed=0, rows_of=rows_of)
     score = scorer.bind(base, 0)
