@@ -189,7 +189,7 @@ class WorkScoring(_Strict):
     # The test a delta's work passes (ADR 0070). None: the paired score of ADR 0065 (its loss
     # drop on its own rows, less two peers' deltas' on the same rows, exceeds ``margin``). A
     # number: Welch's z of its per-row loss drops on its own rows against as many rows not
-    # assigned reaches it (``margin`` unused): zero in expectation for a delta that did not
+    # assigned exceeds it (``margin`` unused): zero in expectation for a delta that did not
     # train on those rows, whatever its size or age, so a stale honest delta passes too.
     z_min: float | None = Field(default=None, ge=0, le=100)
 
