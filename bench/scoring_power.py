@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -43,16 +42,13 @@ import byzantine  # noqa: E402  (the cell's settings)
 
 import p2pdiloco.harness.simulate as simulate  # noqa: E402
 from p2pdiloco.sync import scoring  # noqa: E402
+from p2pdiloco.sync.scoring import gap_z  # noqa: E402  (the statistic the merge applies)
+from p2pdiloco.train.inner import row_losses as inner_row_losses  # noqa: E402
 
 
-@torch.no_grad()
 def row_losses(model: torch.nn.Module, rows_NS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of each row [N]."""
-    out = []
-    for chunk in torch.split(rows_NS, 32):
-        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()
-        out.append(F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none").mean(1))
-    return torch.cat(out)
+    """Mean next-token loss of each row [N], as the z test reads it (``train.inner``)."""
+    return inner_row_losses(model, list(torch.split(rows_NS, 32)))
 
 
 def record(
@@ -424,15 +420,6 @@ def did_rates(records: list[dict[str, Any]], k: int, draws: int) -> dict[str, fl
                     refs = rng.sample([r for r in pool if r != j], min(k, len(pool) - 1))
                     passed.setdefault("copy", []).append(did(rec, i, f"d{j}", refs) > 0)
     return {kind: sum(v) / len(v) for kind, v in passed.items()}
-
-
-def gap_z(own: torch.Tensor, other: torch.Tensor) -> float:
-    """Welch's z of a delta's per-row loss drops on its own rows against rows not assigned:
-    how many standard errors its own rows gained more. Zero in expectation for any delta
-    that holds no training on those rows, whatever its size or age."""
-    own, other = own.double(), other.double()
-    se = (own.var() / own.numel() + other.var() / other.numel()).sqrt()
-    return float((own.mean() - other.mean()) / se.clamp_min(1e-12))
 
 
 def row_count_rates(
