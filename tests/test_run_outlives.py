@@ -40,7 +40,7 @@ def ctrl_c(nodes: list[NodeProc]) -> None:
     for n in nodes:
         os.kill(n.proc.pid, signal.SIGINT)
     for n in nodes:
-        assert n.proc.wait(120) == 0, n.log_tail()
+        assert n.exit_code(120) == 0, n.log_tail()
         assert "stopped cleanly" in n.text(), n.log_tail()
 
 

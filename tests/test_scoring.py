@@ -397,7 +397,8 @@ def test_under_the_z_test_a_young_runs_founders_are_merged_uncredited_and_no_one
 
     result = merge(inputs, work(z_min=3.0))
     assert result.accepted == ["creator"] and result.uncredited == ["creator"]
-    assert "no advantage" in result.rejected["newcomer"]
+    # ... saying why, for the newcomer's dashboard ("rejected" alone read as its fault)
+    assert result.rejected["newcomer"] == "no advantage on its own data (young run: founders only)"
     with pytest.raises(MergeError):  # without a founder the round certifies nothing
         merge(inputs[1:], work(z_min=3.0))
     with pytest.raises(MergeError):  # the paired score keeps ADR 0065's rule

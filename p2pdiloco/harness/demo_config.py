@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,23 @@ class NodeProc:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+
+    def exit_code(self, timeout: float) -> int:
+        """The node's exit code once it ends within ``timeout``. A node still running then is a
+        bug: every thread's stack (``kill -USR1``, registered by ``join``) goes into the error
+        with its log's tail, and the node is killed, so no test leaves it behind."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            before = len(self.text())
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(3.0)
+            text = self.text()
+            self.kill()
+            raise AssertionError(
+                f"{self.name} still running {timeout:.0f} s on; its log:\n"
+                f"{text[max(0, before - 3000) : before]}\nthreads:\n{text[before:][-12000:]}"
+            ) from None
 
     def text(self) -> str:
         try:

@@ -295,7 +295,8 @@ def _check_work(
         # founders' deltas are merged uncredited, so the run starts; no one earns a receipt.
         founders = work.founders if r.z_min is not None else frozenset()
         fresh = [j for j in unshown if inputs[rows[j]].peer_id not in founders]
-        refused.update(dict.fromkeys(fresh, "no advantage on its own data"))
+        why = "no advantage on its own data" + (" (young run: founders only)" if founders else "")
+        refused.update(dict.fromkeys(fresh, why))
         unshown = [j for j in unshown if j not in fresh]
     return [j for j in kept if j not in refused], refused, sorted(unshown)
 
