@@ -16,6 +16,12 @@ import signal
 import threading
 from collections.abc import Iterator
 
+# A clean stop ends within about two minutes (join's trainer, runtime, workers, gossip and
+# DHT each have their bound). One that is still running this long after the first stop
+# signal is stuck: every thread's stack goes to stderr, for a bug report, and the process exits
+# (1), so no command is left behind; its children stop once they see it gone (``net.lifeline``).
+STOP_LIMIT_S = 240.0
+
 
 class Interrupted(BaseException):
     """Raised in the main thread by the first Ctrl-C or SIGTERM while a command starts
@@ -56,7 +62,8 @@ def default_in_fork(owner: int, signum: int) -> bool:
 
 
 def stop_event() -> Stop:
-    """An event set by the first SIGINT or SIGTERM; a second SIGINT exits at once (130).
+    """An event set by the first SIGINT or SIGTERM; a second SIGINT exits at once (130), and a
+    stop still under way :data:`STOP_LIMIT_S` after the first exits with every thread's stack.
 
     Only the installing process reacts this way. hivemind forks its DHT process after this is
     installed, and a forked child inherits Python-level handlers: there the handler restores the
@@ -75,6 +82,9 @@ def stop_event() -> Stop:
             os._exit(130)
         if first and signum == signal.SIGINT:
             os.write(2, b"\nstopping cleanly (Ctrl-C again to exit at once)\n")
+        if first:
+            with contextlib.suppress(ValueError, AttributeError, RuntimeError):
+                faulthandler.dump_traceback_later(STOP_LIMIT_S, exit=True)
         stop.set()
         if first and stop.interrupts:
             raise Interrupted

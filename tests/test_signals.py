@@ -65,6 +65,31 @@ def test_a_second_ctrl_c_exits_130_at_once_during_a_slow_clean_stop() -> None:
     assert "second Ctrl-C: exiting now" in out.stderr
 
 
+STUCK_STOP = r"""
+import os, signal, threading
+from p2pdiloco import signals
+
+signals.STOP_LIMIT_S = 1.0
+stop = signals.stop_event()
+os.kill(os.getpid(), signal.SIGTERM)  # asks for a clean stop
+assert stop.wait(5)
+print("stopping", flush=True)
+threading.Event().wait(60)            # a clean stop that is stuck
+print("not reached", flush=True)
+"""
+
+
+def test_a_clean_stop_that_is_stuck_exits_with_every_threads_stack() -> None:
+    """A node whose stop hangs (a bug) neither runs on nor is left behind: past the limit it
+    prints its threads' stacks, for the bug report, and exits 1."""
+    out = subprocess.run(
+        [sys.executable, "-c", STUCK_STOP], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.splitlines() == ["stopping"]
+    assert "Timeout" in out.stderr and "in <module>" in out.stderr, out.stderr
+
+
 DHT_START = r"""
 import os, signal
 from hivemind.utils.mpfuture import MPFuture
