@@ -18,11 +18,12 @@ from p2pdiloco.core.trust import (
     cap_probation,
     learners_awaited,
     probation_room,
+    round_trusted,
     trusted_count,
     trusted_peers,
 )
 from p2pdiloco.protocol.reasons import Reason
-from p2pdiloco.protocol.records import SyncRules
+from p2pdiloco.protocol.records import SyncRules, WorkScoring
 from p2pdiloco.sync.aggregator import MergeInput, merge_round
 from p2pdiloco.train.outer import OuterConfig
 from tests.test_roster import PEERS, RUN, certificate, entry, manifest
@@ -139,6 +140,31 @@ def test_a_young_run_trusts_everyone() -> None:
     assert any(isinstance(a, Propose) and len(a.digests) == 5 for a in actions)
     agg = next(a for a in actions if isinstance(a, Aggregate))
     assert agg.trusted == () and agg.anchors() == (True,) * 5
+
+
+def test_a_young_run_under_the_z_test_waits_for_its_founders() -> None:
+    """ADR 0071: before anyone earned trust under the z test, only founders' deltas can be
+    merged, so only they close a round. The README walk stalled for 12 minutes when a round
+    closed on a newcomer's delta alone (its merge failed, attempt after attempt) while the
+    creator, told its own delta came late, waited for that round's certificate."""
+    z = {"rules": {"work": WorkScoring.z_test().model_dump(mode="json")}}
+    paired = {"rules": {"work": WorkScoring().model_dump(mode="json")}}
+    creator = manifest(**z).creator
+    assert round_trusted(manifest(**z), None) == {creator}  # the creator alone
+    assert round_trusted(manifest(genesis_committee=PEERS[:3], **z), None) == set(PEERS[:3])
+    assert round_trusted(manifest(**paired), None) is None  # ADR 0065's young run: everyone
+    assert round_trusted(manifest(), None) is None
+    assert learners_awaited(manifest(**z), None, [creator, "newcomer"]) == (2, 1)
+    earned = certificate([entry(p, 0, 3, 1000, 8) for p in PEERS[4:8]], version=8)
+    m = manifest(genesis_committee=PEERS[:4], committee_size=4, **z)
+    assert round_trusted(m, earned) == trusted_peers(m, earned)  # then as everywhere
+    # In the round: a newcomer's delta never closes it, not even at the deadline; a
+    # founder's does.
+    r = SyncerRound(params(trusted=frozenset({"learner0"}), active_learners=2), "s1")
+    r.on_submission(sub(3), 1.0)
+    assert r.on_tick(61.0) == [] and r.phase is Phase.COLLECTING
+    r.on_submission(sub(0), 62.0)
+    assert r.phase is Phase.AGREEING
 
 
 def test_trust_is_earned_on_the_certified_roster() -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping
 
-from p2pdiloco.core.roster import roster_of
+from p2pdiloco.core.roster import genesis_roster, roster_of
 from p2pdiloco.core.weights import ordered_sum
 from p2pdiloco.protocol.certificates import Certificate, RosterEntry
 from p2pdiloco.protocol.records import RunManifest
@@ -48,6 +48,21 @@ def trusted_peers(manifest: RunManifest, cert: Certificate | None) -> frozenset[
     when the run is young and everyone counts as trusted."""
     base = cert.body.version if cert is not None else 0
     return trusted_of_roster(manifest, roster_of(manifest, cert), base)
+
+
+def round_trusted(manifest: RunManifest, cert: Certificate | None) -> frozenset[str] | None:
+    """Whose submissions close the round after ``cert`` and anchor its screening and weights:
+    :func:`trusted_peers`, except in a young run under the z test (ADR 0070) while no one has
+    earned trust, where it is the founders (``core.roster.genesis_roster``): the only learners
+    whose deltas such a round can merge, as no stretch of a run's first versions shows work.
+    A round there waits for a founder's delta instead of closing on newcomers' alone and
+    failing its merge, while the founder, told its delta came late, waited for that round's
+    certificate (ADR 0071)."""
+    trusted = trusted_peers(manifest, cert)
+    work = manifest.rules.work
+    if trusted is None and work is not None and work.z_min is not None:
+        return frozenset(e.peer_id for e in genesis_roster(manifest))
+    return trusted
 
 
 def trusted_of_roster(
@@ -89,7 +104,7 @@ def learners_awaited(
     Of the roster, only identities active in the last ``AWAITED_VERSIONS`` versions count: the
     roster keeps idle ones longer (``rules.roster_window``), and a learner that left must not
     hold the round open (ADR 0045)."""
-    trusted = trusted_peers(manifest, cert)
+    trusted = round_trusted(manifest, cert)
     base = cert.body.version if cert is not None else 0
     roster = [
         e.peer_id

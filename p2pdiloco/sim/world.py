@@ -5,7 +5,7 @@ Certification follows the real rules: the round of version v + 1 is driven by th
 runs the real ``SyncerNode`` (held submissions, carrying them across views, the locked inputs
 it lacks) and its ``SyncerRound``; a ``Done`` certifies, and the certificate body is the one
 real syncers build (``body_of``: receipts, roster by ``next_roster``), so elections, trust
-(``trusted_peers``) and beacons are exactly the network's. Signatures are counted by the round,
+(``round_trusted``) and beacons are exactly the network's. Signatures are counted by the round,
 not made. A member votes to leave its view by ``core.views.leave_view`` (timed out, a silent
 leader, a quorum out of reach); the votes (unsigned) reach every node at once, so one real
 ``ViewState`` pooled over the network moves everyone on once they are a timeout certificate
@@ -25,7 +25,7 @@ from p2pdiloco.core.roster import CommitteeInfo, with_roster
 from p2pdiloco.core.round import Done, Submission
 from p2pdiloco.core.round_types import RoundParams, held_cap
 from p2pdiloco.core.syncer_node import SyncerNode
-from p2pdiloco.core.trust import trust_progress, trusted_count, trusted_peers
+from p2pdiloco.core.trust import round_trusted, trust_progress, trusted_count
 from p2pdiloco.core.views import Seat, ViewState
 from p2pdiloco.core.weights import plausible_claim
 from p2pdiloco.net.manifests import create_manifest
@@ -138,7 +138,7 @@ class World:
         self.views = ViewState(self.run_id, self.manifest, None, "", 0.0)
         self.members: dict[int, dict[int, Member]] = {}  # view → peer index → member
         self.nodes: dict[int, tuple[int, SyncerNode[int, None]]] = {}  # index → (epoch, node)
-        self.trusted: frozenset[str] | None = None
+        self.trusted = round_trusted(self.manifest, None)  # the round's (core.trust)
         self.progress: dict[str, int] | None = None  # roster credits (RoundParams.progress)
         self.committee = self.views.committee()
         self.seat = self.views.seat()
@@ -476,7 +476,7 @@ class World:
         )
         self.cert = with_roster(self.manifest, self.cert, Certificate(body, done.signers, b""))
         self.cert_bytes = len(assemble(body, dict.fromkeys(done.signers, "0" * 128)))
-        self.trusted = trusted_peers(self.manifest, self.cert)
+        self.trusted = round_trusted(self.manifest, self.cert)
         self.progress = None if self.trusted is None else trust_progress(self.manifest, self.cert)
         self.certs.append(
             CertRecord(

@@ -249,6 +249,12 @@ def _check_work(
     ref_ok = [trusted[j] and j not in groups for j in rest]
     norms = dict(zip(rest, deltas.sq_norms(rest), strict=True))  # fixed-tree float64 sums
     best: dict[int, tuple[float, int]] = {}  # group → (best advantage, its row)
+    # Under the z test, before anyone earned trust, only founders' deltas can be merged (ADR
+    # 0070/0071): a newcomer's dashboard says so rather than only "rejected".
+    young = r.z_min is not None and not work.trust_earned and bool(work.founders)
+    unshown_reason = "no advantage on its own data" + (
+        " (young run: founders only)" if young else ""
+    )
     unshown: list[int] = []
     for k, at in enumerate(order):
         j = rest[at]
@@ -279,7 +285,7 @@ def _check_work(
         elif not advantage > r.pass_mark:
             # No figure in the text: it enters the certificate body, and a loss is not
             # bit-exact across machines the way the fixed-tree sums of the norm screen are.
-            refused[j] = "no advantage on its own data"
+            refused[j] = unshown_reason
         elif j in groups:
             g = groups[j]
             if g in best and best[g][0] >= advantage:
@@ -295,8 +301,7 @@ def _check_work(
         # founders' deltas are merged uncredited, so the run starts; no one earns a receipt.
         founders = work.founders if r.z_min is not None else frozenset()
         fresh = [j for j in unshown if inputs[rows[j]].peer_id not in founders]
-        why = "no advantage on its own data" + (" (young run: founders only)" if founders else "")
-        refused.update(dict.fromkeys(fresh, why))
+        refused.update(dict.fromkeys(fresh, unshown_reason))
         unshown = [j for j in unshown if j not in fresh]
     return [j for j in kept if j not in refused], refused, sorted(unshown)
 

@@ -14,7 +14,7 @@ from p2pdiloco.choices import PARAMS_UPDATE_CODECS, SPARSE_CODECS, UPDATE_CODECS
 from p2pdiloco.compress import CODECS
 from p2pdiloco.core.roster import CommitteeInfo
 from p2pdiloco.core.round_types import RoundParams
-from p2pdiloco.core.trust import trust_progress, trusted_peers
+from p2pdiloco.core.trust import round_trusted, trust_progress
 from p2pdiloco.core.views import backoff
 from p2pdiloco.errors import UserError
 from p2pdiloco.protocol.certificates import MAX_RECEIPTS
@@ -114,7 +114,7 @@ def round_params(
     the roster: live heartbeats lag at start-up; at least 1), how many of them are trusted
     (``core.trust.learners_awaited``; None: all) and the inputs this member holds at most
     (local: ``sync.intake.Intake.max_inputs``)."""
-    trusted = trusted_peers(manifest, base.cert)
+    trusted = round_trusted(manifest, base.cert)
     progress = None if trusted is None else trust_progress(manifest, base.cert)
     return params_of(
         run_id,
