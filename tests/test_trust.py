@@ -144,7 +144,7 @@ def test_a_young_run_trusts_everyone() -> None:
 
 def test_a_young_run_under_the_z_test_waits_for_its_founders() -> None:
     """ADR 0071: before anyone earned trust under the z test, only founders' deltas can be
-    merged, so only they close a round. The README walk stalled for 12 minutes when a round
+    merged, so only they close a round. A README run certified nothing for 8 minutes when a round
     closed on a newcomer's delta alone (its merge failed, attempt after attempt) while the
     creator, told its own delta came late, waited for that round's certificate."""
     z = {"rules": {"work": WorkScoring.z_test().model_dump(mode="json")}}
