@@ -80,7 +80,10 @@ class NodeProc:
         except subprocess.TimeoutExpired:
             before = len(self.text())
             os.kill(self.proc.pid, signal.SIGUSR1)
-            time.sleep(3.0)
+            # faulthandler writes it at once ("Thread 0x…" or "Current thread 0x…" first)
+            deadline = time.monotonic() + 5.0
+            while "hread 0x" not in self.text()[before:] and time.monotonic() < deadline:
+                time.sleep(0.1)
             text = self.text()
             self.kill()
             raise AssertionError(
