@@ -17,7 +17,7 @@ claiming an honest delta's steps and tokens (H, H × batch × seq_len). Each ver
 come from it (``core.trust.trusted_of_roster``, ``core.roster.committee_of_roster``). Per
 kind it prints the free riders' receipts, tokens, whether any is trusted, their committee seats,
 the versions certified and the final eval loss, beside the same run without free riders, with
-work scoring on (`run create --score-work`) and off (the default; before ADR 0062).
+work scoring on (the paired score of ADR 0065) and off (before ADR 0062).
 
     .venv/bin/python bench/freeride.py                     # every kind, scoring on and off
     .venv/bin/python bench/freeride.py --kinds replay --scoring on --rounds 4 --json
@@ -37,6 +37,12 @@ machine slows them alike), N times over; it prints each case's versions per minu
 the clean case (0 riders) of the same repeat and start, and the ratio pooled over the repeats.
 
     .venv/bin/python bench/freeride.py --real --cases 0@3,2@3 --until 10 --side-by-side 3
+
+``--real-work z``: the run as ``run create`` signs it by default at the README's settings
+(H = 50 × 8 rows of 128 tokens, every node training all the time, the z test of ADR 0070,
+on by default since ADR 0072) instead of the tests' small setting with the paired score.
+
+    .venv/bin/python bench/freeride.py --real --real-work z --cases 0@1,4@1 --until 10 --side-by-side 1
 """
 
 from __future__ import annotations
@@ -289,10 +295,12 @@ def run(s: Setup, kind: str | None, scoring: bool) -> Outcome:
     return out
 
 
-def real_case(riders: int, start: int, until: int) -> dict[str, object]:
+def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict[str, object]:
     """One real-process run (see the module docstring): ``riders`` replay riders (0: the clean
     run) from certified version ``start`` until every node holds ``until``, timed from their
-    first send (with none, from the moment they would have sent)."""
+    first send (with none, from the moment they would have sent). ``work``: ``paired`` (the
+    tests' small setting, ADR 0065's score) or ``z`` (the README's run as ``run create`` signs
+    it by default: H = 50 × 8 rows of 128 tokens, the z test, ADR 0072)."""
     import tempfile
 
     from p2pdiloco.core.ledger import build_ledger, verified_chain
@@ -301,16 +309,26 @@ def real_case(riders: int, start: int, until: int) -> dict[str, object]:
     from p2pdiloco.harness.demo_config import DemoConfig
     from p2pdiloco.harness.freeride import ride
 
-    cfg = DemoConfig(
-        inner_steps=4, grace=8.0, agree_timeout=3.0, batch_size=2, seq_len=32, compute_share=0.25
-    )
+    if work == "z":  # DemoConfig's rounds are the README's; every node trains all the time
+        cfg = DemoConfig(inner_steps=50)
+        rules = WorkScoring.z_test()
+    else:
+        cfg = DemoConfig(
+            inner_steps=4,
+            grace=8.0,
+            agree_timeout=3.0,
+            batch_size=2,
+            seq_len=32,
+            compute_share=0.25,
+        )
+        rules = WorkScoring()
     with (
         tempfile.TemporaryDirectory(prefix="freeride-real-") as d,
         LocalNetwork(Path(d), cfg) as net,
     ):
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(3)]
-        run_id = net.publish_run(keys, work=WorkScoring().model_dump())
+        run_id = net.publish_run(keys, work=rules.model_dump())
         nodes = [net.start_node(f"node{i}", k, until_version=10**6) for i, k in enumerate(keys)]
         rep = ride(net, run_id, nodes, count=riders, start=start, until=until, timeout=1800)
         net.close()
@@ -324,6 +342,7 @@ def real_case(riders: int, start: int, until: int) -> dict[str, object]:
     trusted = trusted_peers(net.manifest, certs[-1]) if certs else None
     return {
         "riders": riders,
+        "work": work,
         "first_base": rep.first_base,
         "until": rep.until,
         "seconds": round(rep.seconds, 1),
@@ -343,11 +362,11 @@ def real_case(riders: int, start: int, until: int) -> dict[str, object]:
     }
 
 
-def real(cases: list[tuple[int, int]], until: int, out: Path) -> int:
+def real(cases: list[tuple[int, int]], until: int, out: Path, work: str = "paired") -> int:
     rows = []
     for riders, start in cases:
         t0 = time.perf_counter()
-        row = real_case(riders, start, until)
+        row = real_case(riders, start, until, work)
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f}s)", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -355,7 +374,9 @@ def real(cases: list[tuple[int, int]], until: int, out: Path) -> int:
     return 0
 
 
-def side_by_side(cases: list[tuple[int, int]], until: int, repeats: int, out: Path) -> int:
+def side_by_side(
+    cases: list[tuple[int, int]], until: int, repeats: int, out: Path, work: str = "paired"
+) -> int:
     """``cases`` run at once, each in its own ``--real`` process, ``repeats`` times; the
     versions per minute of each ridden case against the clean case of the same start."""
     import subprocess
@@ -376,6 +397,8 @@ def side_by_side(cases: list[tuple[int, int]], until: int, repeats: int, out: Pa
                         str(until),
                         "--out",
                         f"{d}/{r}at{s}",
+                        "--real-work",
+                        work,
                     ],
                     stdout=subprocess.DEVNULL,
                 )
@@ -423,12 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="0@1,4@1,0@3,2@3", help="riders@first version, ...")
     ap.add_argument("--until", type=int, default=10, help="version every node reaches (--real)")
     ap.add_argument("--side-by-side", type=int, default=0, help="--real: cases at once, N times")
+    ap.add_argument("--real-work", choices=["paired", "z"], default="paired", help="--real: score")
     args = ap.parse_args(argv)
     if args.real:
         cases = [(int(a), int(b)) for a, b in (c.split("@") for c in args.cases.split(","))]
         if args.side_by_side:
-            return side_by_side(cases, args.until, args.side_by_side, args.out)
-        return real(cases, args.until, args.out)
+            return side_by_side(cases, args.until, args.side_by_side, args.out, args.real_work)
+        return real(cases, args.until, args.out, args.real_work)
     torch.set_num_threads(1)
     s = Setup(rounds=args.rounds, honest=args.honest, riders=args.riders)
     rows: list[Outcome] = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from p2pdiloco.cli.app import app
 from p2pdiloco.core.learner import LearnerMachine
@@ -49,11 +49,12 @@ OLD_RUN_ID = "6ec0dd12f6593418f7611c063df87a0c5ef8f706b4bf1a2110f6f02355c3bad2"
 KEY = Identity.from_seed(hashlib.sha256(b"run plan").digest())
 
 
-def create(tmp_path: Path, *args: str) -> tuple[str, RunManifest]:
+def create_result(tmp_path: Path, *args: str) -> Result:
+    """``run create --dry-run --json ARGS`` with a fixed key, through the CLI's own code."""
     key = tmp_path / "creator.key"
     if not key.exists():
         KEY.save(key)
-    result = CliRunner().invoke(
+    return CliRunner().invoke(
         app,
         [
             "run",
@@ -69,6 +70,10 @@ def create(tmp_path: Path, *args: str) -> tuple[str, RunManifest]:
             *args,
         ],
     )
+
+
+def create(tmp_path: Path, *args: str) -> tuple[str, RunManifest]:
+    result = create_result(tmp_path, *args)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     return out["run_id"], RunManifest.model_validate(out["manifest"])

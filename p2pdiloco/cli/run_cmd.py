@@ -122,14 +122,17 @@ def create(
         bool, typer.Option(help="Fold copies of one delta into one vote in the merge.")
     ] = True,
     score_work: Annotated[
-        bool,
+        bool | None,
         typer.Option(
+            "--score-work/--no-score-work",
             help="Count a delta only if it shows work on the learner's own assigned rows "
             "(ADR 0062, 0070: free riders earn nothing; every syncer scores on the corpus, "
             "128 own rows a delta against 128 others, and credits a delta whose own rows "
-            "gained 3 standard errors more)."
+            "gained 3 standard errors more) [default: on where the test has power: a stretch "
+            "of at least 256 rows of at least 128 tokens, one fragment (ADR 0072)].",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     screen_norm_factor: Annotated[
         float, typer.Option(help="Screen out deltas above this × the median norm (0: off).")
     ] = _r.screen_norm_factor or 0.0,
@@ -191,6 +194,9 @@ def create(
     range and rules this p2pdiloco cannot follow; prints the whole manifest it signed.
     """
     check_sparse_rule(compression, aggregation)
+    work, work_note = work_rule(
+        score_work, rows=inner_steps * batch_size, seq_len=seq_len, fragments=fragments
+    )
     params = parse_agg_params(agg_param or [])
     if aggregation == "trimmed_mean" and not params:
         params = {"f": 1.0}
@@ -208,7 +214,7 @@ def create(
         update_codec=update_compression,
         update_form=update_form,
         update_k=update_k,
-        work=WorkScoring.z_test().model_dump() if score_work else None,
+        work=work.model_dump() if work is not None else None,
     )
     inner: dict[str, Any] = {"lr": inner_lr, "batch_size": batch_size, "seq_len": seq_len}
     plan = None
@@ -272,6 +278,8 @@ def create(
 
         with dht_client(bootstrap) as dht:
             publish_manifest(dht, run_id, manifest, raw)
+    if work_note is not None:  # stderr, so --json's one object stays alone on stdout
+        typer.echo(f"note: {work_note}", err=True)
     signed = manifest.model_dump(mode="json")
     if json_out:
         print(json.dumps({"run_id": run_id, "published": not dry_run, "manifest": signed}))
@@ -279,15 +287,43 @@ def create(
     print(json.dumps(signed, indent=2, sort_keys=True))
     what = "signed (dry run: not published)" if dry_run else "published"
     print(f"run {manifest.name} ({manifest.model}) {what}\nrun id {run_id}")
-    work = manifest.rules.work
-    if work is not None and work.z_min is not None:
-        rows, scored = manifest.inner_steps * manifest.inner.batch_size, work.batches * work.rows
-        if rows < scored:
-            typer.echo(
-                f"note: a stretch trains {rows} rows, fewer than the {scored} the work test "
-                "scores: honest deltas show their work less often (ADR 0070, docs/benchmarks.md)",
-                err=True,
-            )
+
+
+# Where ADR 0070 measured the z test's power (the README's settings: 400 rows of 128 tokens a
+# stretch, one fragment): `run create` signs it by default there and only there (ADR 0072).
+Z_LEAST_SEQ_LEN = 128
+Z_ROWS_PER_SCORED = 2
+
+
+def work_rule(
+    asked: bool | None, *, rows: int, seq_len: int, fragments: int
+) -> tuple[WorkScoring | None, str | None]:
+    """The work scoring ``run create`` signs, and a line for the creator when it is not what a
+    run at the defaults gets. ``asked``: ``--score-work`` (True), ``--no-score-work`` (False)
+    or neither (None: the z test where it has power, ADR 0072). ``rows``: rows a stretch trains
+    (H × batch)."""
+    if asked is False:
+        return None, None
+    z = WorkScoring.z_test()
+    scored = z.batches * z.rows
+    weak = []
+    if rows < Z_ROWS_PER_SCORED * scored:
+        weak.append(
+            f"a stretch trains {rows} rows, fewer than {Z_ROWS_PER_SCORED} × the {scored} scored"
+        )
+    if seq_len < Z_LEAST_SEQ_LEN:
+        weak.append(f"rows of {seq_len} tokens, fewer than {Z_LEAST_SEQ_LEN}")
+    if fragments > 1:
+        weak.append(f"{fragments} fragments, where it is not measured")
+    if not weak:
+        return z, None
+    why = "; ".join(weak)
+    if asked:
+        return z, f"{why}: honest deltas may show their work less often (ADR 0070, 0072)"
+    return None, (
+        f"this run scores no work ({why}: the test would rarely credit honest work, ADR 0072): "
+        "free riders can earn receipts and trust; --score-work signs it anyway"
+    )
 
 
 def personal_path_note(source: str) -> str | None:
