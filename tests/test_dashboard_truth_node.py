@@ -16,16 +16,18 @@ from typing import Any
 
 import pytest
 
+from p2pdiloco.core.learner import LearnerPhase
 from p2pdiloco.core.ledger import build_ledger
 from p2pdiloco.dashboard.live import DashboardSnapshot
 from p2pdiloco.runtime.node_view import NodeView
 from p2pdiloco.runtime.status import RuntimeView
-from p2pdiloco.runtime.trainer import TrainerView
+from p2pdiloco.runtime.trainer import Trainer, TrainerView
 from p2pdiloco.testing.memnet import MemNode, MemoryNetwork
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 H = 6  # steps per delta: four does not divide it, so one chunk is the whole stretch
+TRAINING = {LearnerPhase.TRAINING.value, LearnerPhase.IN_FLIGHT.value, LearnerPhase.OVERTIME.value}
 
 
 class Running:
@@ -68,8 +70,26 @@ def full_stretches(seen: list[DashboardSnapshot]) -> list[list[int]]:
     return [r for r in runs if r == list(range(1, H + 1))]
 
 
-def test_a_real_nodes_view_moves_step_by_step_through_each_stretch(tmp_path: Path) -> None:
+def test_a_real_nodes_view_moves_step_by_step_through_each_stretch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[DashboardSnapshot] = []
+    first: list[TrainerView] = []  # every trainer's view after each step of its first stretch
+    start = Trainer.start
+
+    def start_watched(trainer: Trainer) -> None:
+        stepped = trainer.learner.on_step
+        assert stepped is not None
+
+        def watched(done: int) -> None:
+            stepped(done)
+            if trainer.machine.sent == 0:
+                first.append(trainer.view)
+
+        trainer.learner.on_step = watched
+        start(trainer)
+
+    monkeypatch.setattr(Trainer, "start", start_watched)
 
     async def main() -> None:
         async with MemoryNetwork(tmp_path, nodes=3, inner_steps=H, chunk=None) as net:
@@ -108,6 +128,15 @@ def test_a_real_nodes_view_moves_step_by_step_through_each_stretch(tmp_path: Pat
             assert final.accepted >= 1
 
     asyncio.run(main())
+    # A node training is shown training, at its speed, from its very first step: the first
+    # chunk (a whole stretch, an hour on a 12B model) read "connecting", 0 tok/s, compute 0 %
+    # until it ended (seen in stop 54's runs at the README's H = 50).
+    assert len(first) >= 3 * H, len(first)  # every trainer's first stretch, from its 1st step
+    assert all(v.phase in TRAINING for v in first), [v.phase for v in first]
+    assert all(v.tokens_per_second > 0 and v.utilization > 0 for v in first), [
+        (v.inner_step, v.tokens_per_second, v.utilization) for v in first
+    ]
+    assert all(s.state != "connecting" for s in seen)
     # Each chunk of H steps shows 1, 2, …, H as it trains: the count moves within the chunk.
     assert len(full_stretches(seen)) >= 2, [s.inner_step for s in seen]
     # Steps trained past a stretch while its certificate is awaited (a busy machine) are shown

@@ -465,9 +465,25 @@ class Trainer:
         dashboard's count moves step by step and not only between chunks (a chunk may be a
         whole stretch)."""
         m, now = self.machine, time.monotonic()
-        per_step = (now - self._chunk_start) / done
+        chunk_s = now - self._chunk_start
+        per_step = chunk_s / done
+        view = self.view
+        if self._c.first_at == self._chunk_start:  # the first chunk: nothing published yet
+            # It is a whole stretch (an hour on a 12B model) that read "connecting", 0 tok/s,
+            # compute 0 % until it ended: the machine's phase, this chunk's own rate (one
+            # process: batch × (seq − 1) tokens a step, as ``train_steps`` counts them) and
+            # all of its time in inner steps.
+            inner = self.manifest.inner
+            rate = done * inner.batch_size * (inner.seq_len - 1) / chunk_s if chunk_s > 0 else 0.0
+            view = replace(
+                view,
+                phase=m.phase.value,
+                tokens_per_second=rate,
+                utilization=1.0,
+                train_seconds=chunk_s,
+            )
         self.view = replace(
-            self.view,
+            view,
             inner_step=m.trained + done,
             overtime=m.overtime + (done if self._chunk_overtime else 0),
             due_s=None
