@@ -304,13 +304,27 @@ def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict
     import tempfile
 
     from p2pdiloco.core.ledger import build_ledger, verified_chain
-    from p2pdiloco.core.trust import trusted_peers
+    from p2pdiloco.core.trust import round_trusted
     from p2pdiloco.harness.demo import LocalNetwork
     from p2pdiloco.harness.demo_config import DemoConfig
     from p2pdiloco.harness.freeride import ride
+    from p2pdiloco.protocol.records import SyncRules
+    from p2pdiloco.train.configs import InnerConfig, OuterConfig
 
-    if work == "z":  # DemoConfig's rounds are the README's; every node trains all the time
-        cfg = DemoConfig(inner_steps=50)
+    signed: dict[str, Any] = {}
+    if work == "z":  # the README's run as `run create` signs it; every node trains all the time
+        outer, inner = OuterConfig(), InnerConfig()
+        sync = SyncRules()
+        cfg = DemoConfig(
+            inner_steps=50,
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
+            grace=sync.grace,
+            agree_timeout=sync.agree_timeout,
+        )
+        # run create's inner schedule (no plan: the manifest's warmup and horizon), not the
+        # demo's, whose cosine ends after 2 × rounds × H steps
+        signed["inner"] = {"lr": inner.lr, "batch_size": inner.batch_size, "seq_len": inner.seq_len}
         rules = WorkScoring.z_test()
     else:
         cfg = DemoConfig(
@@ -322,15 +336,13 @@ def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict
             compute_share=0.25,
         )
         rules = WorkScoring()
-    with (
-        tempfile.TemporaryDirectory(prefix="freeride-real-") as d,
-        LocalNetwork(Path(d), cfg) as net,
-    ):
+    d = tempfile.mkdtemp(prefix="freeride-real-")  # kept: its logs are the evidence
+    with LocalNetwork(Path(d), cfg) as net:
         net.start_bootstrap()
         keys = [Identity.generate() for _ in range(3)]
-        run_id = net.publish_run(keys, work=rules.model_dump())
+        run_id = net.publish_run(keys, work=rules.model_dump(), **signed)
         nodes = [net.start_node(f"node{i}", k, until_version=10**6) for i, k in enumerate(keys)]
-        rep = ride(net, run_id, nodes, count=riders, start=start, until=until, timeout=1800)
+        rep = ride(net, run_id, nodes, count=riders, start=start, until=until, timeout=3600)
         net.close()
         raws = [p.read_bytes() for p in sorted((nodes[0].dir / "state" / "certs").glob("*.json"))]
         certs, _ = verified_chain(run_id, net.manifest, raws)
@@ -339,10 +351,12 @@ def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict
     fresh = set(rep.riders)
     mine = [board[p] for p in honest if p in board]
     theirs = [board[p] for p in fresh if p in board]
-    trusted = trusted_peers(net.manifest, certs[-1]) if certs else None
+    # whose deltas the next round counts as trusted (founders, in a young z-test run)
+    trusted = round_trusted(net.manifest, certs[-1]) if certs else None
     return {
         "riders": riders,
         "work": work,
+        "workdir": d,
         "first_base": rep.first_base,
         "until": rep.until,
         "seconds": round(rep.seconds, 1),
@@ -414,8 +428,8 @@ def side_by_side(
         for g, (_, start) in zip(got, cases, strict=True):
             g["start"], g["repeat"] = start, rep
         clean = {g["start"]: g for g in got if g["riders"] == 0}
-        for g in got:
-            base = clean.get(g["start"])
+        for g in got:  # against the clean run of the same start, else of the earliest one
+            base = clean.get(g["start"]) or (clean[min(clean)] if clean else None)
             if base is not None and g["riders"]:
                 g["pace_vs_clean"] = round(g["versions_per_min"] / base["versions_per_min"], 3)
             rows.append(g)
@@ -424,9 +438,11 @@ def side_by_side(
         if not r:
             continue
         mine = [g for g in rows if g["riders"] == r and g["start"] == s]
-        ratio = sum(g["versions_per_min"] for g in mine) / sum(
-            g["versions_per_min"] for g in rows if g["riders"] == 0 and g["start"] == s
-        )
+        same = [g for g in rows if g["riders"] == 0 and g["start"] == s]
+        base = same or [g for g in rows if g["riders"] == 0]
+        if not base:
+            continue
+        ratio = sum(g["versions_per_min"] for g in mine) / sum(g["versions_per_min"] for g in base)
         print(f"{r} riders from v{s}: pooled pace {ratio:.3f} of the clean run over {repeats}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "freeride-side-by-side.json").write_text(json.dumps(rows, indent=1))
