@@ -379,6 +379,39 @@ def test_the_z_test_credits_own_training_fresh_or_stale_and_no_copy_or_noise(
     assert scorer.scored == 6
 
 
+def test_a_stopping_node_abandons_a_score_at_its_next_batch(one_torch_thread: None) -> None:
+    """A clean stop does not wait out a merge's scores (stop 54's walk: 10-21 s a stop on a
+    CPU README run; minutes on a large model): once ``stop`` is called a score under way
+    raises ScoringStopped before its next batch, the model is left in train mode, and every
+    later score raises too (the z test and the paired score)."""
+    from p2pdiloco.sync.scoring import ScoringStopped, WorkScorer
+
+    model, corpus_NS, rows_of, base, deltas, _ = three_learners(steps=2, batch=8, rows=400)
+    for rules in (WorkScoring(z_min=3.0, batches=4, rows=16), WorkScoring()):
+        scorer = WorkScorer(model, corpus_NS, rules, run_seed=0, rows_of=rows_of)
+        score = scorer.bind(base, 0)
+        forward, batches = model.forward, []
+
+        def counting(
+            *args: Any, _fwd: Any = forward, _seen: list = batches, _s: Any = scorer, **kw: Any
+        ) -> Any:
+            _seen.append(1)
+            if len(_seen) == 2:  # mid-score: the node is told to stop
+                _s.stop()
+            return _fwd(*args, **kw)
+
+        model.forward = counting  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ScoringStopped):
+                score("a", deltas["a"])
+        finally:
+            model.forward = forward  # type: ignore[method-assign]
+        assert len(batches) == 2 and model.training  # no batch after the stop
+        with pytest.raises(ScoringStopped):
+            score("b", deltas["b"])
+        assert scorer.scored == 0
+
+
 def test_the_z_tests_rows_follow_the_submission_so_a_sender_cannot_train_just_those() -> None:
     """Under the z test the rows scored are drawn with the submission's digest in the seed
     (ADR 0070): the same for every syncer, unknown to the sender until it has committed to a

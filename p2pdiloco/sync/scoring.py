@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -172,6 +173,10 @@ def scoring_order(
     return sorted(range(len(peers)), key=key)
 
 
+class ScoringStopped(Exception):
+    """The node is stopping: a score under way is abandoned (``WorkScorer.stop``)."""
+
+
 class WorkScorer:
     """Scores deltas with a model of the run on its corpus' train rows ``train_NS``.
 
@@ -201,6 +206,18 @@ class WorkScorer:
 
         self.rows_of = rows_of or assigned
         self.scored = 0  # deltas scored so far (the cost bench reads it)
+        # Set when the node stops: a score under way raises ScoringStopped at its next batch,
+        # so a clean stop does not wait out a merge's scores (10-21 s a stop on a README run
+        # here; minutes on a large model).
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Abandon any score under way, and every later one (the node is stopping)."""
+        self._stopping.set()
+
+    def _check(self) -> None:
+        if self._stopping.is_set():
+            raise ScoringStopped("the node is stopping")
 
     @property
     def model(self) -> torch.nn.Module:
@@ -227,19 +244,19 @@ class WorkScorer:
                 return self._z(base, delta, *self.batches(peer, at, digest))
             own, other = self.batches(peer, at)
             self._load(base, None)
-            before = evaluate(self.model, own)
+            before = evaluate(self.model, own, self._check)
             self._load(base, delta)
-            own_drop = before - evaluate(self.model, own)
+            own_drop = before - evaluate(self.model, own, self._check)
             if references:
                 drops = []
                 for ref, scale in references:
                     self._load(base, ref, scale)
-                    drops.append(before - evaluate(self.model, own))
+                    drops.append(before - evaluate(self.model, own, self._check))
                 other_drop = math.fsum(drops) / len(drops)
             else:
-                after_other = evaluate(self.model, other)
+                after_other = evaluate(self.model, other, self._check)
                 self._load(base, None)
-                other_drop = evaluate(self.model, other) - after_other
+                other_drop = evaluate(self.model, other, self._check) - after_other
             self.scored += 1
             return min(own_drop, own_drop - other_drop)
 
@@ -255,10 +272,12 @@ class WorkScorer:
         """The z test (ADR 0070): Welch's z of the delta's per-row loss drops on its own rows
         against rows not assigned to its sender, both at the round's base."""
         self._load(base, None)
-        own_before, other_before = row_losses(self.model, own), row_losses(self.model, other)
+        check = self._check
+        own_before = row_losses(self.model, own, check)
+        other_before = row_losses(self.model, other, check)
         self._load(base, delta)
-        own_drop = own_before - row_losses(self.model, own)
-        other_drop = other_before - row_losses(self.model, other)
+        own_drop = own_before - row_losses(self.model, own, check)
+        other_drop = other_before - row_losses(self.model, other, check)
         self.scored += 1
         return gap_z(own_drop, other_drop)
 

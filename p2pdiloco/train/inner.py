@@ -147,42 +147,60 @@ def train_steps(
 
 
 @torch.no_grad()
-def row_losses(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
+def row_losses(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    check: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Mean next-token loss of every row of ``batches`` ([B, S] each), float64 [N] on the CPU,
-    in eval mode (restored after): what a work score's per-row test reads (ADR 0070)."""
+    in eval mode (restored after): what a work score's per-row test reads (ADR 0070).
+    ``check()`` runs before each batch and may raise to stop (a node stopping)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out = []
-    for rows_BS in batches:
-        rows_BS = rows_BS.to(device)
-        with autocast_for(device):
-            logits_BLV = model(input_ids=rows_BS[:, :-1], use_cache=False).logits
-        loss_BL = F.cross_entropy(
-            logits_BLV.float().transpose(1, 2), rows_BS[:, 1:], reduction="none"
-        )
-        out.append(loss_BL.mean(1).double().cpu())
-    model.train(was_training)
+    try:
+        for rows_BS in batches:
+            if check is not None:
+                check()
+            rows_BS = rows_BS.to(device)
+            with autocast_for(device):
+                logits_BLV = model(input_ids=rows_BS[:, :-1], use_cache=False).logits
+            loss_BL = F.cross_entropy(
+                logits_BLV.float().transpose(1, 2), rows_BS[:, 1:], reduction="none"
+            )
+            out.append(loss_BL.mean(1).double().cpu())
+    finally:
+        model.train(was_training)
     if not out:
         raise ValueError("row_losses() needs at least one batch")
     return torch.cat(out)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
-    """Token-weighted mean eval loss over ``batches`` of [B, S] rows; restores train mode."""
+def evaluate(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    check: Callable[[], None] | None = None,
+) -> float:
+    """Token-weighted mean eval loss over ``batches`` of [B, S] rows; restores train mode.
+    ``check()`` runs before each batch and may raise to stop (a node stopping)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for rows_BS in batches:
-        rows_BS = rows_BS.to(device)
-        with autocast_for(device):
-            loss = lm_loss(model, rows_BS)
-        n = rows_BS.shape[0] * (rows_BS.shape[1] - 1)
-        total += loss.item() * n
-        count += n
-    model.train(was_training)
+    try:
+        for rows_BS in batches:
+            if check is not None:
+                check()
+            rows_BS = rows_BS.to(device)
+            with autocast_for(device):
+                loss = lm_loss(model, rows_BS)
+            n = rows_BS.shape[0] * (rows_BS.shape[1] - 1)
+            total += loss.item() * n
+            count += n
+    finally:
+        model.train(was_training)
     if count == 0:
         raise ValueError("evaluate() needs at least one eval batch")
     return total / count
