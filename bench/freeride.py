@@ -38,9 +38,9 @@ the clean case (0 riders) of the same repeat and start, and the ratio pooled ove
 
     .venv/bin/python bench/freeride.py --real --cases 0@3,2@3 --until 10 --side-by-side 3
 
-``--real-work z``: the run as ``run create`` signs it by default at the README's settings
+``--real-work z``: the run as ``run create --score-work`` signs it at the README's settings
 (H = 50 × 8 rows of 128 tokens, every node training all the time, the z test of ADR 0070,
-on by default since ADR 0072) instead of the tests' small setting with the paired score.
+ADR 0072) instead of the tests' small setting with the paired score.
 
     .venv/bin/python bench/freeride.py --real --real-work z --cases 0@1,4@1 --until 10 --side-by-side 1
 """
@@ -299,8 +299,8 @@ def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict
     """One real-process run (see the module docstring): ``riders`` replay riders (0: the clean
     run) from certified version ``start`` until every node holds ``until``, timed from their
     first send (with none, from the moment they would have sent). ``work``: ``paired`` (the
-    tests' small setting, ADR 0065's score) or ``z`` (the README's run as ``run create`` signs
-    it by default: H = 50 × 8 rows of 128 tokens, the z test, ADR 0072)."""
+    tests' small setting, ADR 0065's score) or ``z`` (the README's run as ``run create
+    --score-work`` signs it: H = 50 × 8 rows of 128 tokens, the z test, ADR 0072)."""
     import tempfile
 
     from p2pdiloco.core.ledger import build_ledger, verified_chain
@@ -312,7 +312,7 @@ def real_case(riders: int, start: int, until: int, work: str = "paired") -> dict
     from p2pdiloco.train.configs import InnerConfig, OuterConfig
 
     signed: dict[str, Any] = {}
-    if work == "z":  # the README's run as `run create` signs it; every node trains all the time
+    if work == "z":  # the README's run with --score-work; every node trains all the time
         outer, inner = OuterConfig(), InnerConfig()
         sync = SyncRules()
         cfg = DemoConfig(

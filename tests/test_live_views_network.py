@@ -1,10 +1,9 @@
 """Committees that fit the live network, on real processes (issue 39 item 1, ADR 0055).
 
 Nodes are real ``p2pdiloco join`` processes (``p2pdiloco.harness.demo.LocalNetwork``) on
-loopback, with a run's committee made as ``run create`` makes it (k = 4, q = 3; the tests'
-small stretches sign no work scoring, as ``run create`` signs none there, ADR 0072). Each test
-states the outcome it proves; the bounds come from the protocol's view timeouts (the
-pacemaker's), never from sleeps.
+loopback, with a run made as ``run create`` makes it (k = 4, q = 3). Each test states the
+outcome it proves; the bounds come from the protocol's view timeouts (the pacemaker's), never
+from sleeps.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ def chain_is_one_history(net: LocalNetwork, nodes: list[NodeProc]) -> None:
 def three_volunteers(net: LocalNetwork) -> tuple[list[Identity], list[NodeProc]]:
     net.start_bootstrap()
     keys = [Identity.generate() for _ in range(3)]
-    # the committee as `run create` signs it by default: k = 4, q = 3; three peers make a short
+    # the run as `run create` signs it by default: k = 4, q = 3; three peers make a short
     # committee of 3 with the quorum of 2 that keeps the manifest's one absence (ADR 0055)
     net.publish_run(keys, committee_size=4, quorum=3)
     nodes = [net.start_node(f"node{i}", k, until_version=UNTIL) for i, k in enumerate(keys)]
