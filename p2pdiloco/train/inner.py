@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,24 @@ def train_steps(
     )
 
 
+def _eval_batches(
+    model: torch.nn.Module, batches: list[torch.Tensor], check: Callable[[], None] | None
+) -> Generator[torch.Tensor]:
+    """``batches`` on the model's device, the model in eval mode meanwhile (its mode restored
+    when the generator ends or is closed: callers hold it in ``closing``, so also when their
+    loop raises); ``check()`` before each may raise to stop."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for rows_BS in batches:
+            if check is not None:
+                check()
+            yield rows_BS.to(device)
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def row_losses(
     model: torch.nn.Module,
@@ -155,23 +174,15 @@ def row_losses(
     """Mean next-token loss of every row of ``batches`` ([B, S] each), float64 [N] on the CPU,
     in eval mode (restored after): what a work score's per-row test reads (ADR 0070).
     ``check()`` runs before each batch and may raise to stop (a node stopping)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     out = []
-    try:
-        for rows_BS in batches:
-            if check is not None:
-                check()
-            rows_BS = rows_BS.to(device)
-            with autocast_for(device):
+    with closing(_eval_batches(model, batches, check)) as on_device:
+        for rows_BS in on_device:
+            with autocast_for(rows_BS.device):
                 logits_BLV = model(input_ids=rows_BS[:, :-1], use_cache=False).logits
             loss_BL = F.cross_entropy(
                 logits_BLV.float().transpose(1, 2), rows_BS[:, 1:], reduction="none"
             )
             out.append(loss_BL.mean(1).double().cpu())
-    finally:
-        model.train(was_training)
     if not out:
         raise ValueError("row_losses() needs at least one batch")
     return torch.cat(out)
@@ -185,22 +196,14 @@ def evaluate(
 ) -> float:
     """Token-weighted mean eval loss over ``batches`` of [B, S] rows; restores train mode.
     ``check()`` runs before each batch and may raise to stop (a node stopping)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
-        for rows_BS in batches:
-            if check is not None:
-                check()
-            rows_BS = rows_BS.to(device)
-            with autocast_for(device):
+    with closing(_eval_batches(model, batches, check)) as on_device:
+        for rows_BS in on_device:
+            with autocast_for(rows_BS.device):
                 loss = lm_loss(model, rows_BS)
             n = rows_BS.shape[0] * (rows_BS.shape[1] - 1)
             total += loss.item() * n
             count += n
-    finally:
-        model.train(was_training)
     if count == 0:
         raise ValueError("evaluate() needs at least one eval batch")
     return total / count
