@@ -291,6 +291,33 @@ def test_short_roster_gets_a_quorum_of_its_size() -> None:
         assert 2 * q - n >= f + 1 and n - q >= f and q <= committee.quorum(n)
 
 
+def test_a_committee_of_two_that_holds_a_founder_is_the_founders_alone() -> None:
+    """ADR 0073: a committee of one or two tolerates no fault, so beside a founder a newcomer
+    adds no safety, only a departure that stops the run (both votes certify or end a view)."""
+    founder, newcomer, third = CREATOR.peer_id, IDS[1].peer_id, IDS[2].peer_id
+    m = manifest(committee_size=3)
+    pair = certificate(veterans([founder, newcomer]))
+    alone = committee_for(RUN, m, pair)
+    assert alone.members == (founder,) and alone.quorum == 1
+    # later views rotate over the founders only: never the newcomer alone
+    for view in range(1, 6):
+        assert committee_for(RUN, m, pair, view).members == (founder,)
+    # the genesis committee are the founders: two of them sit together, a newcomer beside one
+    # of them (the other idle off the roster) does not
+    named = manifest(committee_size=3, genesis_committee=[IDS[4].peer_id, IDS[5].peer_id])
+    both = committee_for(RUN, named, certificate(veterans([IDS[4].peer_id, IDS[5].peer_id])))
+    assert sorted(both.members) == sorted([IDS[4].peer_id, IDS[5].peer_id]) and both.quorum == 2
+    one = committee_for(RUN, named, certificate(veterans([IDS[4].peer_id, newcomer])))
+    assert one.members == (IDS[4].peer_id,) and one.quorum == 1
+    # unchanged: three members or more, a creator who chose k = 2, a pair without a founder
+    three = committee_for(RUN, m, certificate(veterans([founder, newcomer, third])))
+    assert len(three.members) == 3 and three.quorum == m.quorum
+    chosen = committee_for(RUN, manifest(committee_size=2), pair)
+    assert sorted(chosen.members) == sorted([founder, newcomer]) and chosen.quorum == 2
+    strangers = committee_for(RUN, m, certificate(veterans([newcomer, third])))
+    assert sorted(strangers.members) == sorted([newcomer, third]) and strangers.quorum == 2
+
+
 def test_empty_certified_roster_falls_back_to_genesis_and_runs_must_match() -> None:
     m = manifest()
     empty = certificate([])

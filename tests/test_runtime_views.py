@@ -227,6 +227,36 @@ def test_a_syncer_that_restarts_mid_round_does_not_freeze_a_two_node_run(tmp_pat
     run(main())
 
 
+def test_a_volunteer_leaving_a_run_of_two_does_not_stop_it(tmp_path: Path) -> None:
+    """k = 3, the creator the one founder, one volunteer: a committee of two would need both
+    votes to certify or to end a view, so the volunteer leaving would stop the run for good
+    (ADR 0072's stall). Such a committee is the founder alone (ADR 0073): the run certifies on
+    without a view change."""
+
+    async def main() -> None:
+        async with MemoryNetwork(
+            tmp_path, nodes=2, committee_size=3, founders=0, rules=RULES
+        ) as net:
+            await net.wait_for(lambda: net.min_version() >= 2, 90, "version 2 on both")
+            founder, volunteer = net.nodes
+            await net.stop(volunteer)
+            start = founder.version
+            await net.wait_for(
+                lambda: founder.version >= start + 2, 2 * VIEW_TIMEOUT + 60, "two more versions"
+            )
+            check_chains(net)
+            for raw in founder.runtime.chain.certs.values():
+                body = parse_certificate(raw, run_id=net.run_id).body
+                assert body.committee == [founder.peer_id] and body.quorum == 1, body.version
+                assert body.view == 0, body.version
+            # the volunteer's deltas were merged while it trained: it is on the roster, and
+            # still not seated
+            roster = roster_of(net.manifest, founder.runtime.chain.cert)
+            assert volunteer.peer_id in {e.peer_id for e in roster}
+
+    run(main())
+
+
 def test_a_proposal_that_reached_one_fellow_is_passed_on_and_no_view_changes(
     tmp_path: Path,
 ) -> None:

@@ -208,6 +208,29 @@ def committee_for(
     )
 
 
+# The smallest committee that tolerates a fault: f = ⌊(n − 1)/3⌋ is 0 below it (ADR 0055).
+FAULT_TOLERANT_SIZE = 3
+
+
+def _founders_alone(manifest: RunManifest, members: Sequence[str]) -> list[str]:
+    """The founders among ``members`` when they alone should sit (ADR 0073), else [].
+
+    A committee of one or two tolerates no faulty member (f = 0), so a member beside the
+    founders (``genesis_roster``: the genesis committee, or the creator) adds no safety, only
+    one more node whose departure stops the run: a committee of two needs both votes to
+    certify or to end a view (never a lone vote). So while the election finds fewer than
+    three members, and fewer than the manifest's k, and a founder among them, the founders
+    among them sit alone, and later views rotate over them only. A young run that scores work
+    merges only its founders' deltas until someone's work shows, so there the committee of
+    two (a founder and the first newcomer credited) lasted several versions, and one volunteer
+    of three leaving stopped the run for good (ADR 0072)."""
+    if len(members) >= min(manifest.committee_size, FAULT_TOLERANT_SIZE):
+        return []
+    founders = {e.peer_id for e in genesis_roster(manifest)}
+    kept = [m for m in members if m in founders]
+    return kept if len(kept) < len(members) else []
+
+
 def _pass_beacon(beacon: bytes, rank_pass: int) -> bytes:
     seed = b"p2pdiloco/view-pass/v1\x00" + beacon + rank_pass.to_bytes(8, "big")
     return hashlib.sha256(seed).digest()
@@ -243,6 +266,10 @@ def committee_of_roster(
         recency=r.committee_recency,
     )
     members = committee.elect(candidates, version=base, beacon_bytes=beacon, rules=rules)
+    founders = _founders_alone(manifest, members)
+    if founders:
+        members = founders
+        candidates = [c for c in candidates if c.peer_id in founders]
     size = len(members)
     # A short committee tolerates the manifest's k − q absences, never more than its size is
     # safe for (ADR 0055): k = 4, q = 3 gives 3 members a quorum of 2, q = 4 keeps 3 of 3.

@@ -57,7 +57,9 @@ from p2pdiloco.protocol.identity import (
 # 14: with work scoring, an input set always has room for one probationary delta, and a round
 # whose only trusted deltas show no work merges them without credit once trust is earned
 # (ADR 0066): the input sets and certificates of young runs differ from protocol 13's.
-PROTOCOL_VERSION = 14
+# 15: a committee of fewer than three that holds a founder is the founders alone (ADR 0073):
+# the committees of young and small runs differ from protocol 14's.
+PROTOCOL_VERSION = 15
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

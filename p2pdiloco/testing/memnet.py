@@ -79,6 +79,9 @@ class MemoryNetwork:
         # whole stretch when four does not divide it)
         chunk: int | None = 1,
         held_out: Mapping[str, Any] | None = None,  # the manifest's held-out split (ADR 0059)
+        # The genesis committee: the first this many nodes (None: the first k); 0 names none,
+        # and the creator (node 0) is the run's one founder, as ``run create`` makes it
+        founders: int | None = None,
     ) -> None:
         self.workdir = workdir
         self.count = nodes
@@ -102,6 +105,7 @@ class MemoryNetwork:
         self.fragments = fragments
         self.chunk = chunk
         self.held_out = held_out
+        self.founders = self.k if founders is None else founders
         self.hub = MemoryHub()
         self.directory = MemoryDirectory()
         self.nodes: list[MemNode] = []
@@ -121,7 +125,7 @@ class MemoryNetwork:
             time_budget=self.time_budget,
             committee_size=self.k,
             compression=self.compression,
-            genesis_committee=[i.peer_id for i in ids[: self.k]],
+            genesis_committee=[i.peer_id for i in ids[: self.founders]],
             inner={"batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 1000},
             outer={"fragments": self.fragments},
             rules=self.rules,
