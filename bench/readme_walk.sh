@@ -57,6 +57,16 @@ wait $J2; echo "$(ts) second exited rc=$?: $(grep 'stopped cleanly' j2.log)"
 kill -INT $BP; wait $BP; echo "$(ts) bootstrap exited rc=$?"
 grep -h "chain verified" boot2.log | tail -1
 for j in j1 j2 j3; do echo "$j: $(grep -o 'deltas [0-9]* accepted[^|]*' $j.log | tail -1)"; done
+# Committee size and quorum of each certified version, from the creator's certificates
+python - "$W/h" <<'PY'
+import json, pathlib, sys
+certs = sorted(pathlib.Path(sys.argv[1]).rglob("certs/*.json"))
+seen = {}
+for path in certs:
+    body = json.loads(path.read_bytes())["body"]
+    seen[body["version"]] = f"{len(body['committee'])}/{body['quorum']}v{body.get('view', 0)}"
+print("committee size/quorum, view, by version:", " ".join(f"{v}:{c}" for v, c in sorted(seen.items())))
+PY
 echo "work scores (creator's node): $(grep -c 'work score' j1.log), above 3: $(grep 'work score' j1.log | sed -E 's/.*: ([-+0-9.]+) standard.*/\1/' | awk '$1 > 3' | wc -l)"
 p2pdiloco export --run my-run --out "$W/model" >export.log 2>&1; echo "$(ts) export rc=$?"
 tail -3 export.log

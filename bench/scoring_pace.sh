@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side by side on real processes (ADRs 0070-0072): two README runs at once, one made with
-# `run create --no-score-work`, the other with `--score-work` (the z test, ADRs 0070, 0072), each a
+# `run create --no-score-work`, the other as the README makes it (the z test, ADR 0072), each a
 # bootstrap, the creator's `join` and one more volunteer on loopback; after MINUTES both are
 # stopped with Ctrl-C and the certified versions each made from its first are printed with
 # their rate and the ratio (scored / plain).
@@ -51,7 +51,7 @@ stop_runs() {
 trap stop_runs EXIT
 
 start_run plain 31999 18080 --no-score-work
-start_run scored 32099 18180 --score-work
+start_run scored 32099 18180
 sleep $((MINUTES * 60))
 stop_runs
 trap - EXIT
@@ -64,5 +64,5 @@ rate() {  # the creator's node's applied versions: "N versions in S s (R/min)"
 read -r pv ps pr < <(rate plain)
 read -r sv ss sr < <(rate scored)
 echo "without scoring: $pv versions in $ps s after the first ($pr/min)"
-echo "with --score-work: $sv versions in $ss s after the first ($sr/min)"
+echo "with work scoring (the default): $sv versions in $ss s after the first ($sr/min)"
 awk -v a="$sr" -v b="$pr" 'BEGIN { if (b > 0) printf "ratio (scored / plain): %.2f\n", a / b }'

@@ -128,8 +128,8 @@ def create(
             help="Count a delta only if it shows work on the learner's own assigned rows "
             "(ADR 0062, 0070: free riders earn nothing; every syncer scores on the corpus, "
             "128 own rows a delta against 128 others, and credits a delta whose own rows "
-            "gained 3 standard errors more) [default: off: a young run that scores work seats "
-            "committees of two, which one departure stalls (ADR 0072)].",
+            "gained 3 standard errors more) [default: on where the test has power: a stretch "
+            "of at least 256 rows of at least 128 tokens, one fragment (ADR 0072, 0073)].",
             show_default=False,
         ),
     ] = None,
@@ -290,8 +290,7 @@ def create(
 
 
 # Where ADR 0070 measured the z test's power (the README's settings: 400 rows of 128 tokens a
-# stretch, one fragment): outside it `--score-work` says so (ADR 0072). Not signed by default:
-# a young run that scores work seats committees of two, which one departure stalls (ADR 0072).
+# stretch, one fragment): `run create` signs it by default there and only there (ADR 0072).
 Z_LEAST_SEQ_LEN = 128
 Z_ROWS_PER_SCORED = 2
 
@@ -299,10 +298,11 @@ Z_ROWS_PER_SCORED = 2
 def work_rule(
     asked: bool | None, *, rows: int, seq_len: int, fragments: int
 ) -> tuple[WorkScoring | None, str | None]:
-    """The work scoring ``run create`` signs, and a line for the creator where the settings
-    weaken it. ``asked``: ``--score-work`` (True), ``--no-score-work`` or neither (none; ADR
-    0072). ``rows``: rows a stretch trains (H × batch)."""
-    if not asked:
+    """The work scoring ``run create`` signs, and a line for the creator when it is not what a
+    run at the defaults gets. ``asked``: ``--score-work`` (True), ``--no-score-work`` (False)
+    or neither (None: the z test where it has power, ADR 0072). ``rows``: rows a stretch trains
+    (H × batch)."""
+    if asked is False:
         return None, None
     z = WorkScoring.z_test()
     scored = z.batches * z.rows
@@ -317,7 +317,13 @@ def work_rule(
         weak.append(f"{fragments} fragments, where it is not measured")
     if not weak:
         return z, None
-    return z, f"{'; '.join(weak)}: honest deltas may show their work less often (ADR 0070, 0072)"
+    why = "; ".join(weak)
+    if asked:
+        return z, f"{why}: honest deltas may show their work less often (ADR 0070, 0072)"
+    return None, (
+        f"this run scores no work ({why}: the test would rarely credit honest work, ADR 0072): "
+        "free riders can earn receipts and trust; --score-work signs it anyway"
+    )
 
 
 def personal_path_note(source: str) -> str | None:
