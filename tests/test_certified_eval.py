@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from p2pdiloco.protocol.reasons import Reason
 from p2pdiloco.protocol.records import HeldOut, RunManifest, run_id_of
 from p2pdiloco.protocol.signing import open_envelope
 from p2pdiloco.sync.held_out import HeldOutEval
+from p2pdiloco.sync.stopping import MergeStopped
 from p2pdiloco.train.data import build_corpus, held_out_batches
 from p2pdiloco.train.models import build_model, get_spec, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
@@ -203,6 +205,47 @@ def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
         losses.append(step.loss(state))
     torch.set_num_threads(1)
     assert losses[0] == losses[1] == losses[2] and 0 < losses[0] < 20
+
+
+def test_a_stopping_node_abandons_the_held_out_eval_at_its_next_batch() -> None:
+    """The merge's eval step ends at its node's stop as its scores do (``sync.stopping``): a
+    clean stop does not wait out the held-out batches, and the model keeps its mode."""
+    _, manifest, _ = create_manifest(
+        KEY,
+        name="eval",
+        model="gemma-tiny",
+        data="embedded",
+        seed=0,
+        inner_steps=4,
+        committee_size=1,
+        inner={"batch_size": 4, "seq_len": 32},
+        held_out={"batches": 4},
+    )
+    corpus = build_corpus(
+        "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**20
+    )
+    state = {n: t.clone() for n, t in param_state(build_model("gemma-tiny", seed=0)).items()}
+    step = HeldOutEval(manifest, corpus)
+    assert step.loss(state) > 0  # builds the model
+    model = step._model
+    assert model is not None
+    forward, batches, mode = model.forward, [], model.training
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        batches.append(1)
+        if len(batches) == 2:  # mid-eval: the node is told to stop
+            step.stop()
+        return forward(*args, **kw)
+
+    model.forward = counting  # type: ignore[method-assign]
+    try:
+        with pytest.raises(MergeStopped):
+            step.loss(state)
+    finally:
+        model.forward = forward  # type: ignore[method-assign]
+    assert len(batches) == 2 and model.training == mode  # its mode restored
+    with pytest.raises(MergeStopped):
+        step.loss(state)
 
 
 # -- two syncers over the in-memory network ------------------------------------------------

@@ -382,9 +382,10 @@ def test_the_z_test_credits_own_training_fresh_or_stale_and_no_copy_or_noise(
 def test_a_stopping_node_abandons_a_score_at_its_next_batch(one_torch_thread: None) -> None:
     """A clean stop does not wait out a merge's scores (stop 54's walk: 10-21 s a stop on a
     CPU README run; minutes on a large model): once ``stop`` is called a score under way
-    raises ScoringStopped before its next batch, the model is left in train mode, and every
+    raises MergeStopped before its next batch, the model is left in train mode, and every
     later score raises too (the z test and the paired score)."""
-    from p2pdiloco.sync.scoring import ScoringStopped, WorkScorer
+    from p2pdiloco.sync.scoring import WorkScorer
+    from p2pdiloco.sync.stopping import MergeStopped
 
     model, corpus_NS, rows_of, base, deltas, _ = three_learners(steps=2, batch=8, rows=400)
     for rules in (WorkScoring(z_min=3.0, batches=4, rows=16), WorkScoring()):
@@ -402,12 +403,12 @@ def test_a_stopping_node_abandons_a_score_at_its_next_batch(one_torch_thread: No
 
         model.forward = counting  # type: ignore[method-assign]
         try:
-            with pytest.raises(ScoringStopped):
+            with pytest.raises(MergeStopped):
                 score("a", deltas["a"])
         finally:
             model.forward = forward  # type: ignore[method-assign]
         assert len(batches) == 2 and model.training  # no batch after the stop
-        with pytest.raises(ScoringStopped):
+        with pytest.raises(MergeStopped):
             score("b", deltas["b"])
         assert scorer.scored == 0
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from p2pdiloco.protocol.records import RunManifest
+from p2pdiloco.sync.stopping import StopFlag
 from p2pdiloco.train.data import PackedCorpus, held_out_batches
 from p2pdiloco.train.inner import evaluate
 from p2pdiloco.train.models import build_for_loading, param_state
@@ -35,6 +36,11 @@ class HeldOutEval:
         self.model_name = manifest.model
         self._model: torch.nn.Module | None = None  # built on first use, then reused
         self._lock = threading.Lock()  # two merges (attempts) may overlap in worker threads
+        self._stopping = StopFlag()  # set by the node's stop: an eval under way ends at a batch
+
+    def stop(self) -> None:
+        """Abandon an eval under way at its next batch, and every later one (MergeStopped)."""
+        self._stopping.stop()
 
     def loss(self, params: Mapping[str, torch.Tensor]) -> float:
         """Token-weighted mean loss of the model with ``params`` (every trainable tensor)."""
@@ -43,4 +49,4 @@ class HeldOutEval:
                 self._model = build_for_loading(self.model_name)
             for n, p in param_state(self._model).items():
                 p.copy_(params[n])
-            return evaluate(self._model, self.batches)
+            return evaluate(self._model, self.batches, self._stopping.check)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ import torch
 
 from p2pdiloco.aggregate.rows import RowSet
 from p2pdiloco.protocol.records import RunManifest, WorkScoring
+from p2pdiloco.sync.stopping import StopFlag
 from p2pdiloco.train.data import PackedCorpus, assigned_rows, sample_rows
 from p2pdiloco.train.inner import evaluate, row_losses
 from p2pdiloco.train.learner import data_seed
@@ -173,10 +173,6 @@ def scoring_order(
     return sorted(range(len(peers)), key=key)
 
 
-class ScoringStopped(Exception):
-    """The node is stopping: a score under way is abandoned (``WorkScorer.stop``)."""
-
-
 class WorkScorer:
     """Scores deltas with a model of the run on its corpus' train rows ``train_NS``.
 
@@ -206,18 +202,12 @@ class WorkScorer:
 
         self.rows_of = rows_of or assigned
         self.scored = 0  # deltas scored so far (the cost bench reads it)
-        # Set when the node stops: a score under way raises ScoringStopped at its next batch,
-        # so a clean stop does not wait out a merge's scores (10-21 s a stop on a README run
-        # here; minutes on a large model).
-        self._stopping = threading.Event()
+        # Set when the node stops: a score under way raises MergeStopped at its next batch.
+        self._stopping = StopFlag()
 
     def stop(self) -> None:
         """Abandon any score under way, and every later one (the node is stopping)."""
-        self._stopping.set()
-
-    def _check(self) -> None:
-        if self._stopping.is_set():
-            raise ScoringStopped("the node is stopping")
+        self._stopping.stop()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -244,19 +234,19 @@ class WorkScorer:
                 return self._z(base, delta, *self.batches(peer, at, digest))
             own, other = self.batches(peer, at)
             self._load(base, None)
-            before = evaluate(self.model, own, self._check)
+            before = evaluate(self.model, own, self._stopping.check)
             self._load(base, delta)
-            own_drop = before - evaluate(self.model, own, self._check)
+            own_drop = before - evaluate(self.model, own, self._stopping.check)
             if references:
                 drops = []
                 for ref, scale in references:
                     self._load(base, ref, scale)
-                    drops.append(before - evaluate(self.model, own, self._check))
+                    drops.append(before - evaluate(self.model, own, self._stopping.check))
                 other_drop = math.fsum(drops) / len(drops)
             else:
-                after_other = evaluate(self.model, other, self._check)
+                after_other = evaluate(self.model, other, self._stopping.check)
                 self._load(base, None)
-                other_drop = evaluate(self.model, other, self._check) - after_other
+                other_drop = evaluate(self.model, other, self._stopping.check) - after_other
             self.scored += 1
             return min(own_drop, own_drop - other_drop)
 
@@ -272,7 +262,7 @@ class WorkScorer:
         """The z test (ADR 0070): Welch's z of the delta's per-row loss drops on its own rows
         against rows not assigned to its sender, both at the round's base."""
         self._load(base, None)
-        check = self._check
+        check = self._stopping.check
         own_before = row_losses(self.model, own, check)
         other_before = row_losses(self.model, other, check)
         self._load(base, delta)

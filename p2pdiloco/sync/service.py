@@ -64,9 +64,10 @@ from p2pdiloco.sync.held_out import HeldOutEval
 from p2pdiloco.sync.intake import Intake, Received, Refusal
 from p2pdiloco.sync.relay import Relayer
 from p2pdiloco.sync.rules import round_params
-from p2pdiloco.sync.scoring import ScoringStopped, WorkCheck, WorkScorer
+from p2pdiloco.sync.scoring import WorkCheck, WorkScorer
 from p2pdiloco.sync.sending import Fellows, still_proposing, still_signing
 from p2pdiloco.sync.signatures import RoundSignatures, refusal_of
+from p2pdiloco.sync.stopping import MergeStopped
 from p2pdiloco.sync.update import UpdateError, decode_update, rules_codec
 from p2pdiloco.sync.view_driver import ViewDriver
 from p2pdiloco.train.outer import OuterConfig
@@ -249,8 +250,10 @@ class SyncService:
             self._execute(self.node.track(self.round.on_tick(now)))
 
     async def close(self) -> None:
-        if self.scorer is not None:  # a merge's scores under way end at their next batch
-            self.scorer.stop()
+        # A merge's scores and held-out eval under way end at their next batch (MergeStopped)
+        for flagged in (self.scorer, self.held_out):
+            if flagged is not None:
+                flagged.stop()
         completing = [self._completing[1]] if self._completing is not None else []
         await cancel_and_wait([*self._tasks, *completing], "sync service")
 
@@ -466,7 +469,7 @@ class SyncService:
         try:
             result, state = await loop.run_in_executor(None, self._merge, base, inputs)
             eval_loss = await loop.run_in_executor(None, self._evaluate, state)
-        except ScoringStopped:  # the node is stopping (``close``): nothing more to do
+        except MergeStopped:  # the node is stopping (``close``): nothing more to do
             return
         except Exception as e:  # screened out entirely, or a local fault: next attempt
             log.error("round %d: merge failed (%s); starting the next attempt", base.version + 1, e)
