@@ -105,7 +105,7 @@ def run_cell(
             aggregation=name,
             aggregation_params=params,
             clone_factor=clone,
-            work=WorkScoring() if a.work else None,
+            work={"paired": WorkScoring(), "z": WorkScoring.z_test(), None: None}[a.work],
         ),
         adversaries=attackers,
         attack=attack or "sign-flip",
@@ -316,7 +316,12 @@ def main() -> int:
         help="each attacker adds noise of this × the honest std (clone evasion)",
     )
     ap.add_argument(
-        "--work", action="store_true", help="score work in every cell (rules.work, ADR 0062)"
+        "--work",
+        nargs="?",
+        const="paired",
+        choices=["paired", "z"],
+        help="score work in every cell (rules.work): the paired score (ADR 0065, bare --work) "
+        "or the z test `run create` signs (ADR 0070); the learners are trusted members",
     )
     ap.add_argument("--data", default="embedded")
     ap.add_argument("--seed", type=int, default=0)

@@ -462,3 +462,38 @@ def test_under_the_z_test_a_young_runs_founders_are_merged_uncredited_and_no_one
     # Once one shows work the others are judged as before: trusted (all, in the open phase)
     # and unshown, merged uncredited.
     assert shown.accepted == ["creator", "newcomer"] and shown.uncredited == ["creator"]
+
+
+def test_a_group_of_copies_none_of_which_shows_work_is_merged_uncredited() -> None:
+    """ADR 0074: refusing a whole group of copies that shows no work let a copier refuse an
+    honest delta wherever the test is weak (the Byzantine matrix's mimic cell under the z test
+    at its small settings: 86 % of honest deltas merged), and in a young z-test run refuse the
+    founder's only delta, so the round certified nothing. Now the group's trusted rows are
+    merged uncredited (clone folding makes them one row); a probationary copy is refused; a
+    group in which one shows work still counts that one alone."""
+    honest = vec(1)
+    inputs = [
+        inp("a-copier", {"w": honest["w"].clone()}),
+        inp("b-honest", honest),
+        inp("x", vec(5)),
+    ]
+    none = {"a-copier": 0.0, "b-honest": 0.0, "x": 0.1}
+    folded = merge(inputs, check(none, earned=True), clone_factor=0.5)
+    group = {"a-copier", "b-honest"}
+    kept = group & set(folded.accepted)
+    assert len(kept) == 1 and set(folded.uncredited) == kept and "x" in folded.accepted
+    (other,) = group - kept
+    assert folded.rejected == {other: f"folded into {kept.pop()}"}  # one row, no receipt
+    unfolded = merge(inputs, check(none, earned=True))
+    assert set(unfolded.accepted) == {*group, "x"} and set(unfolded.uncredited) == group
+    shown = merge(inputs, check({**none, "b-honest": 0.1}, earned=True))
+    assert set(shown.accepted) == {"b-honest", "x"} and not shown.uncredited
+    assert shown.rejected == {"a-copier": "copies input b-honest"}
+
+    # A young z-test run: a newcomer copies the founder's delta; the founder's is still merged.
+    founders = frozenset({"creator"})
+    young = [inp("creator", honest), inp("rider", {"w": honest["w"].clone()}, trusted=False)]
+    score = check({"creator": -0.5, "rider": 0.2}).score
+    result = merge(young, WorkCheck(WorkScoring(z_min=3.0), score, None, 0, False, founders))
+    assert result.accepted == ["creator"] and result.uncredited == ["creator"]
+    assert result.rejected == {"rider": "no advantage on its own data (young run: founders only)"}

@@ -466,6 +466,9 @@ def _run_diloco(
                     scorer.bind(theta, sub_round),
                     last_update if all(n in last_update for n in names) else None,
                     seed=sub_round,
+                    # The learners are a run's established members, all trusted: a delta that
+                    # shows no work is merged uncredited, as once trust is earned (ADR 0066)
+                    trust_earned=True,
                 )
                 if scorer is not None and cfg.rules.work is not None
                 else None

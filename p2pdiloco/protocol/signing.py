@@ -59,7 +59,9 @@ from p2pdiloco.protocol.identity import (
 # (ADR 0066): the input sets and certificates of young runs differ from protocol 13's.
 # 15: a committee of fewer than three that holds a founder is the founders alone (ADR 0073):
 # the committees of young and small runs differ from protocol 14's.
-PROTOCOL_VERSION = 15
+# 16: with work scoring, a group of copies in which none shows work is merged uncredited as
+# its trusted members, not refused whole (ADR 0074): a round's verdicts differ from 15's.
+PROTOCOL_VERSION = 16
 # The envelope format ("v"), versioned apart so an old node still opens a newer run's
 # manifest envelope and can say which protocol it speaks.
 ENVELOPE_VERSION = 1

@@ -227,16 +227,17 @@ def _check_work(
     """Work scoring (``sync.scoring``, ADR 0062): of ``kept``, the rows that replay the last
     certified update are refused; then the copies of one another, the probationary rows and
     the trusted ones are scored in that order, up to ``max_scored`` (copies always). A
-    probationary row, or a copy, is refused unless its advantage on its sender's own data
-    exceeds ``margin``; a trusted row that is no copy and shows no such advantage is merged
-    without credit (ADR 0065: at a few hundred own rows an honest delta's advantage is lost in
-    the noise now and then, and its work still belongs in the model). When no row of the
+    probationary row is refused unless its advantage on its sender's own data exceeds
+    ``margin``; a trusted row that shows no such advantage is merged without credit (ADR 0065:
+    at a few hundred own rows an honest delta's advantage is lost in the noise now and then,
+    and its work still belongs in the model). When no row of the
     round shows work, those trusted rows are still merged uncredited where trust is earned
     (``work.trust_earned``, ADR 0066: a lone learner's round must not stall on one unlucky
     score), and refused while trust is open to everyone (a round of free riders only
     certifies nothing; under the z test the founders' are merged uncredited, ADR 0070). Of a
-    group of copies only
-    the best such row stays; a probationary row left unscored is refused. Returns the rows kept
+    group of copies only the best row that shows work stays, the others refused as its copies;
+    of a group in which none does, the trusted rows are merged uncredited (ADR 0074). A
+    probationary row left unscored is refused. Returns the rows kept
     (in row order), row → reason for the refused ones, and the kept rows merged uncredited."""
     r = work.rules
     refused, groups = copies(deltas, kept, _last_update(names, work), r.max_cosine)
@@ -280,8 +281,8 @@ def _check_work(
             if r.z_min is None
             else f"standard errors (passes at {r.z_min:g})",
         )
-        if not advantage > r.pass_mark and trusted[j] and j not in groups:
-            unshown.append(j)
+        if not advantage > r.pass_mark and trusted[j]:
+            unshown.append(j)  # a copy among them stands only while its group shows no work
         elif not advantage > r.pass_mark:
             # No figure in the text: it enters the certificate body, and a loss is not
             # bit-exact across machines the way the fixed-tree sums of the norm screen are.
@@ -294,6 +295,14 @@ def _check_work(
             if g in best:
                 refused[best[g][1]] = f"copies input {inputs[rows[j]].digest[:12]}"
             best[g] = (advantage, j)
+    # A group of copies in which one showed work counts that one alone; one in which none did is
+    # merged uncredited as its trusted members (clone folding makes them one row, ADR 0036):
+    # refusing them all would let a copier refuse an honest delta wherever the test is weak,
+    # and in a young run refuse the founder's only delta and certify nothing (ADR 0074).
+    for j in unshown:
+        if j in groups and groups[j] in best:
+            refused[j] = f"copies input {inputs[rows[best[groups[j]][1]]].digest[:12]}"
+    unshown = [j for j in unshown if j not in refused]
     if not work.trust_earned and not [j for j in kept if j not in refused and j not in unshown]:
         # Nothing showed work while everyone counts as trusted (a young run before its first
         # receipt): the round certifies nothing, or free riders alone could certify a version.
