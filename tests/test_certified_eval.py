@@ -182,8 +182,8 @@ def test_held_out_batches_are_seeded_fixed_and_never_trained_on() -> None:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
-    """ADR 0059's measurement, kept: on one CPU the loss does not depend on the threads."""
+def eval_step(batches: int) -> tuple[HeldOutEval, dict[str, torch.Tensor]]:
+    """The eval step of a small run with ``batches`` held-out batches, and a state to score."""
     _, manifest, _ = create_manifest(
         KEY,
         name="eval",
@@ -193,13 +193,19 @@ def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
         inner_steps=4,
         committee_size=1,
         inner={"batch_size": 4, "seq_len": 32},
-        held_out={"batches": 2},
+        held_out={"batches": batches},
     )
     corpus = build_corpus(
         "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**20
     )
     state = {n: t.clone() for n, t in param_state(build_model("gemma-tiny", seed=0)).items()}
-    step, losses = HeldOutEval(manifest, corpus), []
+    return HeldOutEval(manifest, corpus), state
+
+
+def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
+    """ADR 0059's measurement, kept: on one CPU the loss does not depend on the threads."""
+    step, state = eval_step(2)
+    losses = []
     for threads in (1, 2, 1):
         torch.set_num_threads(threads)
         losses.append(step.loss(state))
@@ -210,22 +216,7 @@ def test_the_eval_step_is_bit_exact_across_runs_and_thread_counts() -> None:
 def test_a_stopping_node_abandons_the_held_out_eval_at_its_next_batch() -> None:
     """The merge's eval step ends at its node's stop as its scores do (``sync.stopping``): a
     clean stop does not wait out the held-out batches, and the model keeps its mode."""
-    _, manifest, _ = create_manifest(
-        KEY,
-        name="eval",
-        model="gemma-tiny",
-        data="embedded",
-        seed=0,
-        inner_steps=4,
-        committee_size=1,
-        inner={"batch_size": 4, "seq_len": 32},
-        held_out={"batches": 4},
-    )
-    corpus = build_corpus(
-        "embedded", load_tokenizer(get_spec("gemma-tiny").tokenizer), seq_len=32, max_bytes=2**20
-    )
-    state = {n: t.clone() for n, t in param_state(build_model("gemma-tiny", seed=0)).items()}
-    step = HeldOutEval(manifest, corpus)
+    step, state = eval_step(4)
     assert step.loss(state) > 0  # builds the model
     model = step._model
     assert model is not None
