@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -40,6 +39,7 @@ from p2pdiloco.sync.stopping import MergeStopped
 from p2pdiloco.train.data import build_corpus, held_out_batches
 from p2pdiloco.train.models import build_model, get_spec, param_state
 from p2pdiloco.train.tokenizer import load_tokenizer
+from tests.mid_loop import stop_at_batch
 
 COMMITTEE = ("s0", "s1", "s2")
 DATA = Path(__file__).parent / "data"
@@ -220,20 +220,10 @@ def test_a_stopping_node_abandons_the_held_out_eval_at_its_next_batch() -> None:
     assert step.loss(state) > 0  # builds the model
     model = step._model
     assert model is not None
-    forward, batches, mode = model.forward, [], model.training
-
-    def counting(*args: Any, **kw: Any) -> Any:
-        batches.append(1)
-        if len(batches) == 2:  # mid-eval: the node is told to stop
-            step.stop()
-        return forward(*args, **kw)
-
-    model.forward = counting  # type: ignore[method-assign]
-    try:
-        with pytest.raises(MergeStopped):
-            step.loss(state)
-    finally:
-        model.forward = forward  # type: ignore[method-assign]
+    mode = model.training
+    # mid-eval: the node is told to stop
+    with stop_at_batch(model, step.stop) as batches, pytest.raises(MergeStopped):
+        step.loss(state)
     assert len(batches) == 2 and model.training == mode  # its mode restored
     with pytest.raises(MergeStopped):
         step.loss(state)

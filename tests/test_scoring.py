@@ -386,27 +386,15 @@ def test_a_stopping_node_abandons_a_score_at_its_next_batch(one_torch_thread: No
     later score raises too (the z test and the paired score)."""
     from p2pdiloco.sync.scoring import WorkScorer
     from p2pdiloco.sync.stopping import MergeStopped
+    from tests.mid_loop import stop_at_batch
 
     model, corpus_NS, rows_of, base, deltas, _ = three_learners(steps=2, batch=8, rows=400)
     for rules in (WorkScoring(z_min=3.0, batches=4, rows=16), WorkScoring()):
         scorer = WorkScorer(model, corpus_NS, rules, run_seed=0, rows_of=rows_of)
         score = scorer.bind(base, 0)
-        forward, batches = model.forward, []
-
-        def counting(
-            *args: Any, _fwd: Any = forward, _seen: list = batches, _s: Any = scorer, **kw: Any
-        ) -> Any:
-            _seen.append(1)
-            if len(_seen) == 2:  # mid-score: the node is told to stop
-                _s.stop()
-            return _fwd(*args, **kw)
-
-        model.forward = counting  # type: ignore[method-assign]
-        try:
-            with pytest.raises(MergeStopped):
-                score("a", deltas["a"])
-        finally:
-            model.forward = forward  # type: ignore[method-assign]
+        # mid-score: the node is told to stop
+        with stop_at_batch(model, scorer.stop) as batches, pytest.raises(MergeStopped):
+            score("a", deltas["a"])
         assert len(batches) == 2 and model.training  # no batch after the stop
         with pytest.raises(MergeStopped):
             score("b", deltas["b"])
