@@ -5,6 +5,7 @@ loopback ones; a run whose --data lies under the creator's home directory is tol
 
 from __future__ import annotations
 
+import functools
 import getpass
 import socket
 from pathlib import Path
@@ -58,9 +59,14 @@ def test_a_default_heartbeat_names_neither_the_host_nor_the_user(tmp_path: Path)
     assert body["addrs"] == [LAN]  # loopback describes only this machine
     published = strings(body)
     personal = {socket.gethostname(), getpass.getuser(), str(Path.home())}
+    # Peer ids are hashes of random keys: with a short host name ("vm" on CI) one holds it by
+    # chance now and then, so the substring check reads each value without them.
+    ids = (node.me, PEER, node.me[-6:])
     for value in published:
         assert not any(p and p in value.split("/") for p in personal), value
-        assert socket.gethostname() not in value, value
+        assert socket.gethostname() not in functools.reduce(
+            lambda v, i: v.replace(i, ""), ids, value
+        ), value
     assert set(body) == {
         "peer_id", "island", "roles", "hardware", "throughput_tps", "version", "addrs",
         "gossip_addrs", "reachability", "seq", "stalled_s",
